@@ -1,0 +1,1 @@
+//! Runnable demos of `idempotent` (the charges example arrives with its issue).

@@ -1,0 +1,1 @@
+//! Placeholder crate: filled by a later issue. It holds no API yet.

@@ -1,0 +1,304 @@
+//! Request fingerprints: what makes two requests "the same request".
+
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// SHA-256 over a request's method, route, query, body media type and (canonicalised) body.
+///
+/// JSON bodies (`application/json` or any `+json` type) are canonicalised per RFC 8785 (JCS),
+/// so key order and whitespace do not change the fingerprint; form bodies
+/// (`application/x-www-form-urlencoded`) are canonicalised by sorting their decoded pairs;
+/// other bodies, and JSON that does not parse, hash raw. The query string hashes as sent.
+///
+/// ```
+/// use idempotent_core::{Fingerprint, FingerprintInput};
+///
+/// let a = Fingerprint::compute(&FingerprintInput {
+///     method: "POST",
+///     route: "/v1/charges",
+///     query: None,
+///     content_type: Some("application/json; charset=utf-8"),
+///     body: br#"{"amount": 500, "currency": "usd"}"#,
+/// });
+/// let b = Fingerprint::compute(&FingerprintInput {
+///     method: "POST",
+///     route: "/v1/charges",
+///     query: None,
+///     content_type: Some("application/json"),
+///     body: br#"{"currency":"usd","amount":5E2}"#,
+/// });
+/// assert_eq!(a, b);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+/// The parts of a request that go into its [`Fingerprint`].
+#[derive(Debug, Clone, Copy)]
+pub struct FingerprintInput<'a> {
+    /// HTTP method (compared case-insensitively).
+    pub method: &'a str,
+    /// The matched route template (`/v1/charges/{id}`) or, without one, the path.
+    pub route: &'a str,
+    /// The query string without `?`, if any.
+    pub query: Option<&'a str>,
+    /// The `Content-Type` header, if any (parameters such as `charset` are ignored).
+    pub content_type: Option<&'a str>,
+    /// The request body.
+    pub body: &'a [u8],
+}
+
+/// How a body was hashed: part of the fingerprint, so a JSON body never equals a raw body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BodyKind {
+    /// Canonical JSON (RFC 8785).
+    Json,
+    /// Sorted form pairs.
+    Form,
+    /// Raw bytes.
+    Raw,
+}
+
+impl Fingerprint {
+    /// Computes the fingerprint of a request. Never fails: bodies that do not parse as their
+    /// media type are hashed raw.
+    pub fn compute(input: &FingerprintInput<'_>) -> Self {
+        let media = media_type(input.content_type);
+        let (kind, body) = canonical_body(&media, input.body);
+        let mut h = Sha256::new();
+        h.update(b"idempotent-fingerprint-v1");
+        field(&mut h, input.method.to_ascii_uppercase().as_bytes());
+        field(&mut h, input.route.as_bytes());
+        match input.query {
+            Some(q) => field(&mut h, q.as_bytes()),
+            None => h.update([0xff]),
+        }
+        field(&mut h, media.as_bytes());
+        h.update([match kind {
+            BodyKind::Json => b'j',
+            BodyKind::Form => b'f',
+            BodyKind::Raw => b'r',
+        }]);
+        field(&mut h, &body);
+        Fingerprint(h.finalize().into())
+    }
+
+    /// Rebuilds a fingerprint from its 32 bytes (as stored).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Fingerprint(bytes)
+    }
+
+    /// The 32 digest bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hex of the digest.
+    pub fn to_hex(&self) -> String {
+        use fmt::Write;
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            let _ = write!(s, "{b:02x}");
+        }
+        s
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+fn field(h: &mut Sha256, bytes: &[u8]) {
+    h.update((bytes.len() as u64).to_be_bytes());
+    h.update(bytes);
+}
+
+/// The media type's essence, lower-cased, without parameters (`application/json`).
+fn media_type(content_type: Option<&str>) -> String {
+    content_type
+        .and_then(|ct| ct.split(';').next())
+        .map(|m| m.trim().to_ascii_lowercase())
+        .unwrap_or_default()
+}
+
+fn is_json(media: &str) -> bool {
+    media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
+}
+
+fn canonical_body(media: &str, body: &[u8]) -> (BodyKind, Vec<u8>) {
+    if is_json(media) {
+        if let Some(canon) = canonical_json(body) {
+            return (BodyKind::Json, canon);
+        }
+    } else if media == "application/x-www-form-urlencoded" {
+        return (BodyKind::Form, canonical_form(body));
+    }
+    (BodyKind::Raw, body.to_vec())
+}
+
+/// RFC 8785 canonical form of a JSON text, or `None` when it does not parse.
+///
+/// Numbers are IEEE 754 doubles in JCS; integers beyond ±2^53 are converted to the nearest
+/// double first (`serde_json` would otherwise keep them exact, which JCS does not).
+pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    to_doubles(&mut value);
+    serde_jcs::to_vec(&value).ok()
+}
+
+fn to_doubles(value: &mut serde_json::Value) {
+    use serde_json::Value;
+    const EXACT: u64 = 1 << 53;
+    match value {
+        Value::Number(n) => {
+            let big = match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => u > EXACT,
+                (None, Some(i)) => i.unsigned_abs() > EXACT,
+                _ => false,
+            };
+            if big {
+                if let Some(f) = n.as_f64().and_then(serde_json::Number::from_f64) {
+                    *n = f;
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(to_doubles),
+        Value::Object(map) => map.values_mut().for_each(to_doubles),
+        _ => {}
+    }
+}
+
+/// A form body with its pairs decoded, sorted and re-encoded.
+pub fn canonical_form(body: &[u8]) -> Vec<u8> {
+    let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    pairs.sort();
+    form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(pairs)
+        .finish()
+        .into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(s: &str) -> String {
+        String::from_utf8(canonical_json(s.as_bytes()).unwrap()).unwrap()
+    }
+
+    /// RFC 8785 §3.2.2 / Appendix: the published example and number serialisations.
+    #[test]
+    fn rfc8785_examples() {
+        let input = r#"{
+          "numbers": [333333333.33333329, 1E30, 4.50,
+                      2e-3, 0.000000000000000000000000001],
+          "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
+          "literals": [null, true, false]
+        }"#;
+        let expected = "{\"literals\":[null,true,false],\"numbers\":[333333333.3333333,1e+30,4.5,0.002,1e-27],\"string\":\"€$\\u000f\\nA'B\\\"\\\\\\\\\\\"/\"}";
+        assert_eq!(canon(input), expected);
+    }
+
+    /// RFC 8785 Appendix B: IEEE 754 doubles and their JCS text.
+    #[test]
+    fn rfc8785_numbers() {
+        for (input, want) in [
+            ("0", "0"),
+            ("-0", "0"),
+            ("5e-324", "5e-324"),
+            ("-5e-324", "-5e-324"),
+            ("1.7976931348623157e308", "1.7976931348623157e+308"),
+            ("9007199254740992", "9007199254740992"),
+            ("9007199254740993", "9007199254740992"),
+            ("-9007199254740993", "-9007199254740992"),
+            ("295147905179352830000", "295147905179352830000"),
+            ("1e21", "1e+21"),
+            ("999999999999999900000", "999999999999999900000"),
+            ("0.000001", "0.000001"),
+            ("0.0000001", "1e-7"),
+            ("4.5", "4.5"),
+            ("333333333.3333333", "333333333.3333333"),
+        ] {
+            assert_eq!(canon(&format!("[{input}]")), format!("[{want}]"), "{input}");
+        }
+    }
+
+    /// RFC 8785 §3.2.3: properties sorted by UTF-16 code units.
+    #[test]
+    fn rfc8785_sorting() {
+        let input = r#"{"\u20ac":"Euro Sign","\r":"Carriage Return","\ufb33":"Hebrew Letter Dalet With Dagesh","1":"One","\ud83d\ude00":"Emoji: Grinning Face","\u0080":"Control","\u00f6":"Latin Small Letter O With Diaeresis"}"#;
+        let out = canon(input);
+        let order: Vec<&str> = [
+            "Carriage Return",
+            "One",
+            "Control",
+            "Latin Small",
+            "Euro Sign",
+            "Emoji",
+            "Hebrew",
+        ]
+        .to_vec();
+        let mut last = 0;
+        for name in order {
+            let at = out.find(name).unwrap();
+            assert!(at > last, "{name} out of order in {out}");
+            last = at;
+        }
+    }
+
+    fn fp(ct: Option<&str>, body: &[u8]) -> Fingerprint {
+        Fingerprint::compute(&FingerprintInput {
+            method: "POST",
+            route: "/r",
+            query: None,
+            content_type: ct,
+            body,
+        })
+    }
+
+    #[test]
+    fn kinds_and_fields() {
+        let form = Some("application/x-www-form-urlencoded");
+        assert_eq!(fp(form, b"a=1&b=2"), fp(form, b"b=2&a=1"));
+        assert_eq!(fp(form, b"a=%41"), fp(form, b"a=A"));
+        assert_ne!(fp(form, b"a=1&b=2"), fp(form, b"a=2&b=1"));
+        // Raw bodies are byte-exact.
+        assert_ne!(fp(Some("text/plain"), b"a b"), fp(Some("text/plain"), b"a  b"));
+        // JSON that fails to parse hashes raw and differs from the same bytes as text/plain.
+        assert_ne!(fp(Some("application/json"), b"{"), fp(Some("text/plain"), b"{"));
+        // Vendor +json types canonicalise.
+        let pj = Some("application/problem+json");
+        assert_eq!(fp(pj, b"{\"a\":1, \"b\":2}"), fp(pj, b"{\"b\":2,\"a\":1}"));
+        // A JSON body never equals the form body with the same bytes.
+        assert_ne!(fp(Some("application/json"), b"1"), fp(form, b"1"));
+        let base = FingerprintInput {
+            method: "post",
+            route: "/r",
+            query: Some("x=1"),
+            content_type: None,
+            body: b"",
+        };
+        let upper = FingerprintInput { method: "POST", ..base };
+        assert_eq!(Fingerprint::compute(&base), Fingerprint::compute(&upper));
+        let other_route = FingerprintInput { route: "/s", ..base };
+        assert_ne!(Fingerprint::compute(&base), Fingerprint::compute(&other_route));
+        let no_query = FingerprintInput { query: None, ..base };
+        let empty_query = FingerprintInput { query: Some(""), ..base };
+        assert_ne!(Fingerprint::compute(&no_query), Fingerprint::compute(&empty_query));
+        // Length prefixes: moving bytes between fields changes the hash.
+        let a = FingerprintInput { route: "/ab", query: Some("c"), ..base };
+        let b = FingerprintInput { route: "/a", query: Some("bc"), ..base };
+        assert_ne!(Fingerprint::compute(&a), Fingerprint::compute(&b));
+        assert_eq!(Fingerprint::compute(&base).to_hex().len(), 64);
+    }
+}

@@ -1,0 +1,68 @@
+//! The core of `idempotent`: keys, scopes, fingerprints, records, the [`Store`] trait with its
+//! stores, and the [`Engine`] that runs a handler at most once per (scope, key).
+//!
+//! Web applications use an adapter crate (`idempotent-axum`, `idempotent-actix`) that wraps
+//! this crate; use it directly for queue consumers or any other async work.
+//!
+//! ```
+//! use idempotent_core::*;
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let engine = Engine::new(MemoryStore::new());
+//! let request = || ExecuteRequest {
+//!     scope: Scope::new("acct_1").unwrap(),
+//!     key: IdempotencyKey::parse(br#""order-42""#),
+//!     fingerprint: Fingerprint::compute(&FingerprintInput {
+//!         method: "POST", route: "/orders", query: None,
+//!         content_type: Some("application/json"), body: br#"{"sku":"A1"}"#,
+//!     }),
+//! };
+//! let mut runs = 0;
+//! for _ in 0..3 {
+//!     let out = engine.execute(request(), &Policy::default(), || async {
+//!         runs += 1;
+//!         Handled { value: (), record: StoredResponse::new(201, "ord_1").into() }
+//!     }).await;
+//!     assert!(matches!(out, Outcome::Executed { .. } | Outcome::Replayed(_)));
+//! }
+//! assert_eq!(runs, 1);
+//! # }
+//! ```
+//!
+//! # Life of a record
+//! `claim` (atomic) → `in_progress` (lease, heartbeat-extended) → `complete` (fenced by the
+//! lease token) → `done`, replayed until its ttl passes. 5xx, panics and cancellation
+//! `release` the record instead, so a retry runs again. See [`Store`] for what each store
+//! promises.
+//!
+//! # Features
+//! - `sqlite`, `postgres`: the SQL stores (sqlx).
+
+mod clock;
+mod duration;
+mod engine;
+mod fingerprint;
+mod key;
+mod memory;
+mod record;
+mod scope;
+mod store;
+mod sweeper;
+
+pub use clock::{Clock, ManualClock, SkewedClock, SystemClock};
+pub use duration::{DurationError, format_duration, parse_duration};
+pub use engine::{
+    DEFAULT_LEASE, DEFAULT_TTL, Engine, ExecuteRequest, Handled, KeyRequirement, Outcome, Policy,
+    Recorded,
+};
+pub use fingerprint::{BodyKind, Fingerprint, FingerprintInput, canonical_form, canonical_json};
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use memory::{MemoryStore, MemoryStoreBuilder};
+pub use record::{
+    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
+    retry_after_secs,
+};
+pub use scope::{Scope, ScopeError, ScopeValue};
+pub use store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+pub use sweeper::Sweeper;
+pub use uuid;

@@ -1,0 +1,299 @@
+//! The in-memory store: the embedded default for one process.
+
+use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+use crate::{
+    Clock, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, SystemClock,
+};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+/// An in-process store, correct under heavy concurrency.
+///
+/// Records live in sharded maps behind short, synchronous locks that are never held across an
+/// `.await`; every operation is one critical section, so `claim` is atomic. At most
+/// `max_entries` records are held: when full, expired records are purged, and if it is still
+/// full a claim fails with [`StoreError::Capacity`] (live records are never evicted, since that
+/// would let a retry run the handler twice). Records do not survive a restart and are not
+/// shared between processes; use the SQL stores for that.
+///
+/// ```
+/// use idempotent_core::MemoryStore;
+/// let store = MemoryStore::builder().max_entries(10_000).build();
+/// # let _ = store;
+/// ```
+#[derive(Debug, Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    shards: Box<[Mutex<HashMap<RecordKey, Record>>]>,
+    hasher: RandomState,
+    len: AtomicUsize,
+    max_entries: usize,
+    clock: Arc<dyn Clock>,
+}
+
+/// Builds a [`MemoryStore`].
+#[derive(Debug)]
+pub struct MemoryStoreBuilder {
+    max_entries: usize,
+    clock: Arc<dyn Clock>,
+}
+
+impl MemoryStoreBuilder {
+    /// Upper bound on records held (default 1,000,000).
+    #[must_use]
+    pub fn max_entries(mut self, n: usize) -> Self {
+        self.max_entries = n;
+        self
+    }
+
+    /// The clock leases and expiry are measured with (default: the system clock).
+    #[must_use]
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Builds the store.
+    pub fn build(self) -> MemoryStore {
+        let n = (std::thread::available_parallelism().map_or(4, |n| n.get()) * 8)
+            .next_power_of_two()
+            .max(16);
+        MemoryStore {
+            inner: Arc::new(Inner {
+                shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+                hasher: RandomState::new(),
+                len: AtomicUsize::new(0),
+                max_entries: self.max_entries,
+                clock: self.clock,
+            }),
+        }
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// A store with the defaults (1,000,000 records, system clock).
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// Starts a builder.
+    pub fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder {
+            max_entries: 1_000_000,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Records held, expired ones included until purged.
+    pub fn len(&self) -> usize {
+        self.inner.len.load(Ordering::Relaxed)
+    }
+
+    /// Whether no record is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, HashMap<RecordKey, Record>> {
+        let i = self.inner.hasher.hash_one(key) as usize & (self.inner.shards.len() - 1);
+        // A poisoned shard only means a panic elsewhere mid-operation; every operation leaves
+        // the map consistent before it can panic, so keep going.
+        self.inner.shards[i]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now(&self) -> SystemTime {
+        self.inner.clock.now()
+    }
+
+    fn purge(&self, batch: usize) -> u64 {
+        let now = self.now();
+        let mut purged = 0_u64;
+        let mut left = batch;
+        for shard in self.inner.shards.iter() {
+            if left == 0 {
+                break;
+            }
+            let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let before = map.len();
+            map.retain(|_, r| {
+                if left > 0 && r.expires_at <= now {
+                    left -= 1;
+                    false
+                } else {
+                    true
+                }
+            });
+            let removed = before - map.len();
+            self.inner.len.fetch_sub(removed, Ordering::Relaxed);
+            purged += removed as u64;
+        }
+        purged
+    }
+
+    fn try_claim(&self, req: &ClaimRequest<'_>) -> Result<ClaimOutcome, bool> {
+        let now = self.now();
+        let mut map = self.shard(req.key);
+        let fresh = |took_over| {
+            let token = LeaseToken::generate();
+            let locked_until = now + req.lease;
+            let lease = Lease {
+                token,
+                locked_until,
+                took_over,
+            };
+            let record = Record {
+                key: req.key.clone(),
+                fingerprint: *req.fingerprint,
+                state: RecordState::InProgress {
+                    token,
+                    locked_until,
+                },
+                created_at: now,
+                expires_at: now + req.ttl.max(req.lease),
+            };
+            (lease, record)
+        };
+        match map.get_mut(req.key) {
+            None => {
+                if self.inner.len.load(Ordering::Relaxed) >= self.inner.max_entries {
+                    return Err(true);
+                }
+                let (lease, record) = fresh(false);
+                map.insert(req.key.clone(), record);
+                self.inner.len.fetch_add(1, Ordering::Relaxed);
+                Ok(ClaimOutcome::Claimed(lease))
+            }
+            Some(rec) if rec.expires_at <= now => {
+                // Past its ttl: the record counts as absent, whatever its fingerprint.
+                let (lease, record) = fresh(true);
+                *rec = record;
+                Ok(ClaimOutcome::Claimed(lease))
+            }
+            Some(rec) if rec.fingerprint != *req.fingerprint => Ok(ClaimOutcome::Mismatch {
+                in_progress: matches!(rec.state, RecordState::InProgress { .. }),
+            }),
+            Some(rec) => match &rec.state {
+                RecordState::Done { outcome, .. } => Ok(ClaimOutcome::Replay(outcome.clone())),
+                RecordState::InProgress { locked_until, .. } if *locked_until > now => {
+                    Ok(ClaimOutcome::InProgress {
+                        retry_after: locked_until.duration_since(now).unwrap_or_default(),
+                    })
+                }
+                RecordState::InProgress { .. } => {
+                    // Lease ran out, same fingerprint: take over with a new token.
+                    let (lease, mut record) = fresh(true);
+                    record.created_at = rec.created_at;
+                    *rec = record;
+                    Ok(ClaimOutcome::Claimed(lease))
+                }
+            },
+        }
+    }
+
+    /// Runs `f` on the live, in-progress record held by `token`, or fails with `StaleLease`.
+    fn fenced<T>(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        f: impl FnOnce(&mut HashMap<RecordKey, Record>, SystemTime) -> T,
+    ) -> Result<T, StoreError> {
+        let now = self.now();
+        let mut map = self.shard(key);
+        match map.get(key) {
+            Some(Record {
+                state: RecordState::InProgress { token: held, .. },
+                expires_at,
+                ..
+            }) if *held == token && *expires_at > now => Ok(f(&mut map, now)),
+            _ => Err(StoreError::StaleLease),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for MemoryStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        match self.try_claim(&req) {
+            Ok(outcome) => Ok(outcome),
+            Err(_full) => {
+                self.purge(usize::MAX);
+                self.try_claim(&req).map_err(|_| StoreError::Capacity {
+                    max_entries: self.inner.max_entries,
+                })
+            }
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.fenced(key, token, |map, now| {
+            if let Some(rec) = map.get_mut(key) {
+                rec.state = RecordState::Done {
+                    outcome: outcome.clone(),
+                    completed_at: now,
+                };
+                rec.expires_at = now + ttl;
+            }
+        })
+    }
+
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        self.fenced(key, token, |map, _| {
+            if map.remove(key).is_some() {
+                self.inner.len.fetch_sub(1, Ordering::Relaxed);
+            }
+        })
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        self.fenced(key, token, |map, now| {
+            let until = now + lease;
+            if let Some(rec) = map.get_mut(key) {
+                rec.state = RecordState::InProgress {
+                    token,
+                    locked_until: until,
+                };
+                rec.expires_at = rec.expires_at.max(until);
+            }
+            until
+        })
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        Ok(self.purge(batch))
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let now = self.now();
+        Ok(self
+            .shard(key)
+            .get(key)
+            .filter(|r| r.expires_at > now)
+            .cloned())
+    }
+}

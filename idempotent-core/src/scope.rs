@@ -1,0 +1,219 @@
+//! The caller a record belongs to.
+
+use std::fmt;
+
+/// The caller's identity (account, tenant, user), as text.
+///
+/// A record is keyed by (scope, idempotency key): one caller can never replay, see or collide
+/// with another caller's record. Routes without a caller use [`Scope::unscoped`], which no
+/// scope value can produce (scope values are never empty).
+///
+/// ```
+/// use idempotent_core::{Scope, ScopeValue};
+///
+/// let a = 42_u64.to_scope()?;
+/// let b = "42".to_scope()?;
+/// assert_eq!(a, b);
+/// assert_ne!(a, Scope::unscoped());
+/// # Ok::<(), idempotent_core::ScopeError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope(String);
+
+/// Why a value cannot be a scope.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ScopeError {
+    /// The value is empty: an empty caller identity would share the unscoped namespace.
+    #[error("the scope value is empty")]
+    Empty,
+    /// The value is longer than [`Scope::MAX_LEN`] bytes.
+    #[error("the scope value is {len} bytes long; at most {} are allowed", Scope::MAX_LEN)]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The value contains a NUL character, which SQL stores cannot hold.
+    #[error("the scope value contains a NUL character")]
+    Nul,
+}
+
+impl Scope {
+    /// Longest scope accepted, in bytes.
+    pub const MAX_LEN: usize = 1024;
+
+    /// A scope from a caller identity.
+    ///
+    /// # Errors
+    /// [`ScopeError`] when the value is empty, too long or holds NUL.
+    pub fn new(value: impl Into<String>) -> Result<Self, ScopeError> {
+        let value = value.into();
+        if value.is_empty() {
+            return Err(ScopeError::Empty);
+        }
+        if value.len() > Self::MAX_LEN {
+            return Err(ScopeError::TooLong { len: value.len() });
+        }
+        if value.contains('\0') {
+            return Err(ScopeError::Nul);
+        }
+        Ok(Scope(value))
+    }
+
+    /// The namespace of routes that declared `unscoped`: every caller shares it.
+    pub fn unscoped() -> Self {
+        Scope(String::new())
+    }
+
+    /// Whether this is the unscoped namespace.
+    pub fn is_unscoped(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The scope's text (empty for [`Scope::unscoped`]).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Rebuilds a scope read back from a store (no validation: stores only hold valid scopes).
+    #[doc(hidden)]
+    pub fn from_stored(value: String) -> Self {
+        Scope(value)
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_unscoped() {
+            f.write_str("Scope(<unscoped>)")
+        } else {
+            f.debug_tuple("Scope").field(&self.0).finish()
+        }
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_unscoped() {
+            f.write_str("<unscoped>")
+        } else {
+            f.write_str(&self.0)
+        }
+    }
+}
+
+/// A value that identifies the caller, usable as `#[idempotent(scope = "…")]`.
+///
+/// Implemented for strings, integers, [`uuid::Uuid`], [`Scope`] and references to any of
+/// them. Implement it for your own identity type (an `AccountId` newtype, say) by returning
+/// the stable text that identifies the caller.
+///
+/// ```
+/// use idempotent_core::{Scope, ScopeError, ScopeValue};
+///
+/// struct AccountId(u64);
+/// impl ScopeValue for AccountId {
+///     fn to_scope(&self) -> Result<Scope, ScopeError> {
+///         Scope::new(format!("acct_{}", self.0))
+///     }
+/// }
+/// assert_eq!(AccountId(7).to_scope()?.as_str(), "acct_7");
+/// # Ok::<(), ScopeError>(())
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be used as an idempotency scope",
+    label = "this parameter is named in `scope = \"…\"`, so its type must implement `ScopeValue`",
+    note = "implement `idempotent_core::ScopeValue` for `{Self}` (return the caller's stable id as text), or name a field with `scope = \"param.field\"`"
+)]
+pub trait ScopeValue {
+    /// The scope this value stands for.
+    ///
+    /// # Errors
+    /// [`ScopeError`] when the value cannot identify a caller (for example, it is empty).
+    fn to_scope(&self) -> Result<Scope, ScopeError>;
+}
+
+impl ScopeValue for Scope {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        Ok(self.clone())
+    }
+}
+
+impl ScopeValue for str {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        Scope::new(self)
+    }
+}
+
+impl ScopeValue for String {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        Scope::new(self.as_str())
+    }
+}
+
+impl ScopeValue for std::borrow::Cow<'_, str> {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        Scope::new(self.as_ref())
+    }
+}
+
+impl ScopeValue for uuid::Uuid {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        Scope::new(self.hyphenated().to_string())
+    }
+}
+
+impl<T: ScopeValue + ?Sized> ScopeValue for &T {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        (**self).to_scope()
+    }
+}
+
+impl<T: ScopeValue + ?Sized> ScopeValue for Box<T> {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        (**self).to_scope()
+    }
+}
+
+impl<T: ScopeValue + ?Sized> ScopeValue for std::sync::Arc<T> {
+    fn to_scope(&self) -> Result<Scope, ScopeError> {
+        (**self).to_scope()
+    }
+}
+
+macro_rules! int_scope {
+    ($($t:ty),*) => {$(
+        impl ScopeValue for $t {
+            fn to_scope(&self) -> Result<Scope, ScopeError> {
+                Scope::new(self.to_string())
+            }
+        }
+    )*};
+}
+int_scope!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
+int_scope!(
+    std::num::NonZeroU32,
+    std::num::NonZeroU64,
+    std::num::NonZeroI32,
+    std::num::NonZeroI64
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values() {
+        assert_eq!("".to_scope(), Err(ScopeError::Empty));
+        assert_eq!("a\0b".to_scope(), Err(ScopeError::Nul));
+        assert_eq!(String::from("acct").to_scope().unwrap().as_str(), "acct");
+        assert_eq!((-3_i32).to_scope().unwrap().as_str(), "-3");
+        let id = uuid::Uuid::nil();
+        assert_eq!(
+            id.to_scope().unwrap().as_str(),
+            "00000000-0000-0000-0000-000000000000"
+        );
+        assert!(Scope::unscoped().is_unscoped());
+        assert!("x".repeat(Scope::MAX_LEN + 1).to_scope().is_err());
+    }
+}

@@ -1,0 +1,164 @@
+//! The `Store` trait: what every store (memory, SQLite, PostgreSQL) promises.
+
+use crate::{Fingerprint, Lease, LeaseToken, Record, RecordKey, StoredOutcome};
+use std::time::Duration;
+
+/// A request to claim a record.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// (scope, key).
+    pub key: &'a RecordKey,
+    /// The request's fingerprint.
+    pub fingerprint: &'a Fingerprint,
+    /// How long the claimer holds the record before another attempt may take it over.
+    pub lease: Duration,
+    /// How long the record lives (a floor): a claim after that is a new request.
+    pub ttl: Duration,
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller owns the record now and must run the handler, then `complete` or `release`.
+    Claimed(Lease),
+    /// A finished record with the same fingerprint: replay it, never run the handler.
+    Replay(StoredOutcome),
+    /// Another attempt with the same fingerprint holds a live lease.
+    InProgress {
+        /// How long until that lease runs out (store clock).
+        retry_after: Duration,
+    },
+    /// The record belongs to a request with a different fingerprint.
+    Mismatch {
+        /// Whether that other request is still in progress.
+        in_progress: bool,
+    },
+}
+
+/// Errors from stores.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The caller's lease token no longer matches the record: another attempt took it over,
+    /// or the record is gone. Nothing was written.
+    #[error("stale lease: the record is no longer held by this attempt")]
+    StaleLease,
+    /// The store is full (memory store: `max_entries` live records).
+    #[error("the store is at capacity ({max_entries} records)")]
+    Capacity {
+        /// The configured bound.
+        max_entries: usize,
+    },
+    /// The store cannot be reached or failed (connection loss, pool timeout, busy database).
+    #[error("store unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store holds data this version cannot read.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Wraps any error as [`StoreError::Unavailable`].
+    pub fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        StoreError::Unavailable(Box::new(e))
+    }
+}
+
+/// Storage for idempotency records.
+///
+/// # Promises (every implementation keeps them)
+/// - [`claim`](Store::claim) is **one atomic operation**: of any number of concurrent claims
+///   of one absent key, exactly one returns [`ClaimOutcome::Claimed`]; the others see that
+///   record. It takes over a record whose ttl has passed (any fingerprint), and an
+///   `in_progress` record whose lease has run out **with the same fingerprint**, issuing a new
+///   token. It never checks-then-inserts across two operations; a replay writes nothing.
+/// - [`complete`](Store::complete), [`release`](Store::release) and
+///   [`extend`](Store::extend) are **fenced**: they change the record only if it still carries
+///   the caller's token *and* is in progress, atomically; otherwise they return
+///   [`StoreError::StaleLease`] and change nothing.
+/// - Time (leases, expiry) comes from the store's clock (the database's in SQL stores), so
+///   servers with skewed clocks agree.
+/// - An expired record counts as absent on every read, swept or not.
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims `req.key`, or reports the record that holds it (see the trait's promises).
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`], [`StoreError::Capacity`], [`StoreError::Corrupt`].
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
+
+    /// Finishes the attempt holding `token`: the record becomes `done` with `outcome`, and
+    /// expires `ttl` after now.
+    ///
+    /// # Errors
+    /// [`StoreError::StaleLease`] when `token` no longer holds the record.
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+
+    /// Deletes the record held by `token`, so the next request runs the handler again.
+    ///
+    /// # Errors
+    /// [`StoreError::StaleLease`] when `token` no longer holds the record.
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError>;
+
+    /// Moves the lease of `token` to `lease` after now (heartbeat); returns the new end.
+    ///
+    /// # Errors
+    /// [`StoreError::StaleLease`] when `token` no longer holds the record.
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<std::time::SystemTime, StoreError>;
+
+    /// Deletes at most `batch` expired records; returns how many it deleted.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`].
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError>;
+
+    /// Reads a live record, for inspection and tests (not on the request path).
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`], [`StoreError::Corrupt`].
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
+}
+
+#[async_trait::async_trait]
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        (**self).claim(req).await
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        (**self).complete(key, token, outcome, ttl).await
+    }
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        (**self).release(key, token).await
+    }
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<std::time::SystemTime, StoreError> {
+        (**self).extend(key, token, lease).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        (**self).purge_expired(batch).await
+    }
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        (**self).get(key).await
+    }
+}
