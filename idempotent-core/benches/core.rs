@@ -1,1 +1,126 @@
-fn main() {}
+//! Criterion benches of the core: key parsing, fingerprinting, and engine overhead on the
+//! memory store (first execution = claim + complete; replay = one claim).
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use idempotent_core::*;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+fn json_1k() -> Vec<u8> {
+    let mut fields = Vec::new();
+    let mut i = 0;
+    while fields.iter().map(|f: &String| f.len() + 1).sum::<usize>() < 1000 {
+        fields.push(format!(
+            r#""field_{i:03}":{{"amount":{},"label":"item number {i}"}}"#,
+            i * 37
+        ));
+        i += 1;
+    }
+    format!("{{{}}}", fields.join(",")).into_bytes()
+}
+
+fn fp() -> Fingerprint {
+    Fingerprint::compute(&FingerprintInput {
+        method: "POST",
+        route: "/v1/charges",
+        query: None,
+        content_type: Some("application/json"),
+        body: br#"{"amount":500}"#,
+    })
+}
+
+fn request(i: u64) -> ExecuteRequest {
+    ExecuteRequest {
+        scope: Scope::new("acct_bench").expect("scope"),
+        key: IdempotencyKey::parse(format!("key-{i:016}").as_bytes()),
+        fingerprint: fp(),
+    }
+}
+
+fn handled() -> Handled<()> {
+    Handled {
+        value: (),
+        record: StoredResponse::new(201, &br#"{"id":"ch_123","amount":500}"#[..])
+            .with_header("content-type", "application/json")
+            .into(),
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    c.bench_function("key_parse/bare_uuid", |b| {
+        b.iter(|| IdempotencyKey::parse(black_box(b"8e03978e-40d5-43e8-bc93-6894a57f9324")))
+    });
+    c.bench_function("key_parse/sf_string", |b| {
+        b.iter(|| IdempotencyKey::parse(black_box(br#""8e03978e-40d5-43e8-bc93-6894a57f9324""#)))
+    });
+    let body = json_1k();
+    assert!((1000..1200).contains(&body.len()), "{}", body.len());
+    c.bench_function("fingerprint/json_1KiB", |b| {
+        b.iter(|| {
+            Fingerprint::compute(&FingerprintInput {
+                method: "POST",
+                route: "/v1/charges",
+                query: None,
+                content_type: Some("application/json"),
+                body: black_box(&body),
+            })
+        })
+    });
+    c.bench_function("fingerprint/raw_1KiB", |b| {
+        b.iter(|| {
+            Fingerprint::compute(&FingerprintInput {
+                method: "POST",
+                route: "/v1/charges",
+                query: None,
+                content_type: Some("application/octet-stream"),
+                body: black_box(&body),
+            })
+        })
+    });
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    let policy = Policy::default();
+
+    c.bench_function("engine_memory/first_execution", |b| {
+        b.iter_custom(|iters| {
+            let engine = Engine::new(MemoryStore::builder().max_entries(usize::MAX).build());
+            let requests: Vec<_> = (0..iters).map(request).collect();
+            rt.block_on(async {
+                let start = Instant::now();
+                for req in requests {
+                    let out = engine.execute(req, &policy, || async { handled() }).await;
+                    debug_assert!(matches!(out, Outcome::Executed { .. }));
+                    black_box(out);
+                }
+                start.elapsed()
+            })
+        })
+    });
+
+    c.bench_function("engine_memory/replay", |b| {
+        let engine = Engine::new(MemoryStore::new());
+        rt.block_on(engine.execute(request(0), &policy, || async { handled() }));
+        b.iter_custom(|iters| {
+            let requests: Vec<_> = (0..iters).map(|_| request(0)).collect();
+            rt.block_on(async {
+                let start = Instant::now();
+                for req in requests {
+                    let out = engine.execute(req, &policy, || async { handled() }).await;
+                    debug_assert!(matches!(out, Outcome::Replayed(_)));
+                    black_box(out);
+                }
+                start.elapsed()
+            })
+        })
+    });
+}
+
+criterion_group! {
+    name = core;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = benches
+}
+criterion_main!(core);

@@ -7,7 +7,9 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum DurationError {
     /// Not `<digits><unit>` with a unit of `ms`, `s`, `m`, `h` or `d`.
-    #[error("`{input}` is not a duration; write a whole number and a unit: `500ms`, `30s`, `15m`, `24h` or `7d`")]
+    #[error(
+        "`{input}` is not a duration; write a whole number and a unit: `500ms`, `30s`, `15m`, `24h` or `7d`"
+    )]
     Malformed {
         /// The refused text.
         input: String,
@@ -85,8 +87,13 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
 /// ```
 pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
-    for (unit, per) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
-        if ms >= per && ms % per == 0 {
+    for (unit, per) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms >= per && ms.is_multiple_of(per) {
             return format!("{}{unit}", ms / per);
         }
     }
@@ -99,16 +106,24 @@ mod tests {
 
     #[test]
     fn grammar() {
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
         assert_eq!(parse_duration("15m").unwrap(), Duration::from_secs(900));
         assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
-        for bad in ["", "s", "10", "10 s", " 10s", "10S", "-1s", "1.5s", "10sec", "1h30m"] {
+        for bad in [
+            "", "s", "10", "10 s", " 10s", "10S", "-1s", "1.5s", "10sec", "1h30m",
+        ] {
             assert!(
                 matches!(parse_duration(bad), Err(DurationError::Malformed { .. })),
                 "{bad:?}"
             );
         }
-        assert!(matches!(parse_duration("0ms"), Err(DurationError::Zero { .. })));
+        assert!(matches!(
+            parse_duration("0ms"),
+            Err(DurationError::Zero { .. })
+        ));
         assert!(matches!(
             parse_duration("99999999999999999999d"),
             Err(DurationError::Overflow { .. })
@@ -118,7 +133,10 @@ mod tests {
             Err(DurationError::Overflow { .. })
         ));
         for s in ["1d", "2h", "3m", "4s", "5ms", "90s"] {
-            assert_eq!(parse_duration(&format_duration(parse_duration(s).unwrap())).unwrap(), parse_duration(s).unwrap());
+            assert_eq!(
+                parse_duration(&format_duration(parse_duration(s).unwrap())).unwrap(),
+                parse_duration(s).unwrap()
+            );
         }
     }
 }

@@ -203,7 +203,12 @@ impl Engine {
     /// storable outcome (see [`Policy::stores`]) completes the record; anything else releases
     /// it. If the handler panics, the key is released and the panic resumes; if this future is
     /// dropped mid-handler (cancellation), the key is released in the background.
-    pub async fn execute<T, F, Fut>(&self, req: ExecuteRequest, policy: &Policy, handler: F) -> Outcome<T>
+    pub async fn execute<T, F, Fut>(
+        &self,
+        req: ExecuteRequest,
+        policy: &Policy,
+        handler: F,
+    ) -> Outcome<T>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Handled<T>>,
@@ -250,7 +255,9 @@ impl Engine {
         let key = guard.key.take();
         let Some(key) = key else {
             // Unreachable: the key is only taken here.
-            return Outcome::StoreUnavailable(StoreError::Corrupt("release guard lost its key".into()));
+            return Outcome::StoreUnavailable(StoreError::Corrupt(
+                "release guard lost its key".into(),
+            ));
         };
         let handled = match result {
             Ok(handled) => handled,

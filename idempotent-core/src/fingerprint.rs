@@ -164,10 +164,8 @@ fn to_doubles(value: &mut serde_json::Value) {
                 (None, Some(i)) => i.unsigned_abs() > EXACT,
                 _ => false,
             };
-            if big {
-                if let Some(f) = n.as_f64().and_then(serde_json::Number::from_f64) {
-                    *n = f;
-                }
+            if big && let Some(f) = n.as_f64().and_then(serde_json::Number::from_f64) {
+                *n = f;
             }
         }
         Value::Array(items) => items.iter_mut().for_each(to_doubles),
@@ -273,9 +271,15 @@ mod tests {
         assert_eq!(fp(form, b"a=%41"), fp(form, b"a=A"));
         assert_ne!(fp(form, b"a=1&b=2"), fp(form, b"a=2&b=1"));
         // Raw bodies are byte-exact.
-        assert_ne!(fp(Some("text/plain"), b"a b"), fp(Some("text/plain"), b"a  b"));
+        assert_ne!(
+            fp(Some("text/plain"), b"a b"),
+            fp(Some("text/plain"), b"a  b")
+        );
         // JSON that fails to parse hashes raw and differs from the same bytes as text/plain.
-        assert_ne!(fp(Some("application/json"), b"{"), fp(Some("text/plain"), b"{"));
+        assert_ne!(
+            fp(Some("application/json"), b"{"),
+            fp(Some("text/plain"), b"{")
+        );
         // Vendor +json types canonicalise.
         let pj = Some("application/problem+json");
         assert_eq!(fp(pj, b"{\"a\":1, \"b\":2}"), fp(pj, b"{\"b\":2,\"a\":1}"));
@@ -288,16 +292,42 @@ mod tests {
             content_type: None,
             body: b"",
         };
-        let upper = FingerprintInput { method: "POST", ..base };
+        let upper = FingerprintInput {
+            method: "POST",
+            ..base
+        };
         assert_eq!(Fingerprint::compute(&base), Fingerprint::compute(&upper));
-        let other_route = FingerprintInput { route: "/s", ..base };
-        assert_ne!(Fingerprint::compute(&base), Fingerprint::compute(&other_route));
-        let no_query = FingerprintInput { query: None, ..base };
-        let empty_query = FingerprintInput { query: Some(""), ..base };
-        assert_ne!(Fingerprint::compute(&no_query), Fingerprint::compute(&empty_query));
+        let other_route = FingerprintInput {
+            route: "/s",
+            ..base
+        };
+        assert_ne!(
+            Fingerprint::compute(&base),
+            Fingerprint::compute(&other_route)
+        );
+        let no_query = FingerprintInput {
+            query: None,
+            ..base
+        };
+        let empty_query = FingerprintInput {
+            query: Some(""),
+            ..base
+        };
+        assert_ne!(
+            Fingerprint::compute(&no_query),
+            Fingerprint::compute(&empty_query)
+        );
         // Length prefixes: moving bytes between fields changes the hash.
-        let a = FingerprintInput { route: "/ab", query: Some("c"), ..base };
-        let b = FingerprintInput { route: "/a", query: Some("bc"), ..base };
+        let a = FingerprintInput {
+            route: "/ab",
+            query: Some("c"),
+            ..base
+        };
+        let b = FingerprintInput {
+            route: "/a",
+            query: Some("bc"),
+            ..base
+        };
         assert_ne!(Fingerprint::compute(&a), Fingerprint::compute(&b));
         assert_eq!(Fingerprint::compute(&base).to_hex().len(), 64);
     }

@@ -45,7 +45,9 @@ pub enum KeyError {
         len: usize,
     },
     /// The key holds a byte that is not visible ASCII (`0x21..=0x7E`).
-    #[error("the idempotency key has a character that is not visible ASCII (byte 0x{byte:02x} at position {position})")]
+    #[error(
+        "the idempotency key has a character that is not visible ASCII (byte 0x{byte:02x} at position {position})"
+    )]
     InvalidChar {
         /// The offending byte.
         byte: u8,
@@ -228,25 +230,46 @@ mod tests {
     #[test]
     fn forms() {
         assert_eq!(IdempotencyKey::parse(b" abc\t").unwrap().as_str(), "abc");
-        assert_eq!(IdempotencyKey::parse(br#""a\\b\"c""#).unwrap().as_str(), r#"a\b"c"#);
+        assert_eq!(
+            IdempotencyKey::parse(br#""a\\b\"c""#).unwrap().as_str(),
+            r#"a\b"c"#
+        );
         assert_eq!(IdempotencyKey::parse(b""), Err(KeyError::Empty));
         assert_eq!(IdempotencyKey::parse(b"\"\""), Err(KeyError::Empty));
         assert_eq!(IdempotencyKey::parse(b"   "), Err(KeyError::Empty));
-        assert!(matches!(IdempotencyKey::parse(b"\"abc"), Err(KeyError::BadQuoting { .. })));
-        assert!(matches!(IdempotencyKey::parse(b"\"a\\nb\""), Err(KeyError::BadQuoting { .. })));
-        assert!(matches!(IdempotencyKey::parse(b"\"ab\"c"), Err(KeyError::BadQuoting { .. })));
+        assert!(matches!(
+            IdempotencyKey::parse(b"\"abc"),
+            Err(KeyError::BadQuoting { .. })
+        ));
+        assert!(matches!(
+            IdempotencyKey::parse(b"\"a\\nb\""),
+            Err(KeyError::BadQuoting { .. })
+        ));
+        assert!(matches!(
+            IdempotencyKey::parse(b"\"ab\"c"),
+            Err(KeyError::BadQuoting { .. })
+        ));
         assert_eq!(
             IdempotencyKey::parse(b"a b"),
-            Err(KeyError::InvalidChar { byte: b' ', position: 1 })
+            Err(KeyError::InvalidChar {
+                byte: b' ',
+                position: 1
+            })
         );
         assert_eq!(
             IdempotencyKey::parse("é".as_bytes()),
-            Err(KeyError::InvalidChar { byte: 0xc3, position: 0 })
+            Err(KeyError::InvalidChar {
+                byte: 0xc3,
+                position: 0
+            })
         );
         let max = vec![b'k'; MAX_KEY_LEN];
         assert!(IdempotencyKey::parse(&max).is_ok());
         let long = vec![b'k'; MAX_KEY_LEN + 1];
-        assert_eq!(IdempotencyKey::parse(&long), Err(KeyError::TooLong { len: 256 }));
+        assert_eq!(
+            IdempotencyKey::parse(&long),
+            Err(KeyError::TooLong { len: 256 })
+        );
     }
 
     #[test]

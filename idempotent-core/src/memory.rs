@@ -1,9 +1,7 @@
 //! The in-memory store: the embedded default for one process.
 
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
-use crate::{
-    Clock, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, SystemClock,
-};
+use crate::{Clock, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, SystemClock};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -28,7 +28,10 @@ pub enum ScopeError {
     #[error("the scope value is empty")]
     Empty,
     /// The value is longer than [`Scope::MAX_LEN`] bytes.
-    #[error("the scope value is {len} bytes long; at most {} are allowed", Scope::MAX_LEN)]
+    #[error(
+        "the scope value is {len} bytes long; at most {} are allowed",
+        Scope::MAX_LEN
+    )]
     TooLong {
         /// Its length in bytes.
         len: usize,
@@ -190,7 +193,9 @@ macro_rules! int_scope {
         }
     )*};
 }
-int_scope!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
+int_scope!(
+    u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize
+);
 int_scope!(
     std::num::NonZeroU32,
     std::num::NonZeroU64,

@@ -1,1 +1,52 @@
-//! placeholder
+//! Cross-crate suites of `idempotent`.
+//!
+//! [`conformance`] is the one store conformance suite every [`Store`] must pass; the
+//! [`conformance_suite!`] macro stamps it out as one `#[tokio::test]` per case for a fixture.
+
+use idempotent_core::Store;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub mod conformance;
+
+/// A store under test, as the conformance suite drives it.
+#[async_trait::async_trait]
+pub trait Fixture: Send + Sync + 'static {
+    /// A fresh, empty store that no other test sees (new table, new database or new map).
+    async fn fresh(&self) -> Arc<dyn Store>;
+    /// Lets the store's clock move forward by at least `by` (a manual clock, or a real sleep
+    /// for stores that use the database clock).
+    async fn advance(&self, by: Duration);
+    /// The lease the suite uses: short where `advance` really sleeps.
+    fn lease(&self) -> Duration {
+        Duration::from_millis(400)
+    }
+}
+
+/// Stamps out the conformance suite as tests: `conformance_suite!(memory, fixture_expr);`
+/// optionally followed by attributes for every test (such as `#[ignore = "…"]`).
+#[macro_export]
+macro_rules! conformance_suite {
+    ($name:ident, $fixture:expr $(, #[$attr:meta])* ) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@cases $fixture, [$(#[$attr])*],
+                new_claim, replay_returns_stored_outcome, in_progress_reports_retry_after,
+                mismatch_done, mismatch_in_progress, lease_takeover, lease_takeover_needs_same_fingerprint,
+                fencing_after_takeover, ttl_expiry_reclaims, scope_isolation, purge_in_batches,
+                release_frees_key, extend_keeps_lease, stale_token_on_absent_record,
+                oversized_marker_round_trips, concurrent_claims_one_winner, headers_and_binary_body_round_trip);
+        }
+    };
+    (@cases $fixture:expr, [$($attrs:tt)*], ) => {};
+    (@cases $fixture:expr, [$($attrs:tt)*], $case:ident $(, $rest:ident)*) => {
+        $($attrs)*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $case() {
+            let fixture = $fixture;
+            $crate::conformance::$case(&fixture).await;
+        }
+        $crate::conformance_suite!(@cases $fixture, [$($attrs)*], $($rest),*);
+    };
+}
