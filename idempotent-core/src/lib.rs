@@ -46,6 +46,8 @@ mod key;
 mod memory;
 mod record;
 mod scope;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod sql;
 mod store;
 mod sweeper;
 
@@ -63,6 +65,14 @@ pub use record::{
     retry_after_secs,
 };
 pub use scope::{Scope, ScopeError, ScopeValue};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use sql::SetupError;
+#[cfg(feature = "postgres")]
+pub use sql::postgres::{PostgresStore, PostgresStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use sqlx;
 pub use store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 pub use sweeper::Sweeper;
 pub use uuid;

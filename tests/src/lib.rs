@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub mod conformance;
+pub mod fixtures;
 
 /// A store under test, as the conformance suite drives it.
 #[async_trait::async_trait]
@@ -21,6 +22,8 @@ pub trait Fixture: Send + Sync + 'static {
     fn lease(&self) -> Duration {
         Duration::from_millis(400)
     }
+    /// Drops what [`Fixture::fresh`] created (tables), after a case passed.
+    async fn cleanup(&self) {}
 }
 
 /// Stamps out the conformance suite as tests: `conformance_suite!(memory, fixture_expr);`
@@ -46,6 +49,7 @@ macro_rules! conformance_suite {
         async fn $case() {
             let fixture = $fixture;
             $crate::conformance::$case(&fixture).await;
+            $crate::Fixture::cleanup(&fixture).await;
         }
         $crate::conformance_suite!(@cases $fixture, [$($attrs)*], $($rest),*);
     };

@@ -1,0 +1,243 @@
+//! What the SQL stores share: identifier checks, row decoding and the claim decision.
+
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
+
+use crate::store::{ClaimOutcome, StoreError};
+use crate::{
+    Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How often a claim retries when a concurrent claimer or releaser changed the row between
+/// its statements (each retry means someone else made progress).
+pub(crate) const MAX_CLAIM_ATTEMPTS: usize = 16;
+
+/// Why a SQL store could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// A table or schema name is not a plain SQL identifier.
+    #[error(
+        "`{0}` is not a valid identifier: use 1-48 lower-case ASCII letters, digits or `_`, not starting with a digit"
+    )]
+    InvalidIdentifier(String),
+    /// Connecting or migrating failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Running the store's migrations failed.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Checks a table or schema name (they are spliced into SQL, so only plain identifiers pass).
+pub(crate) fn identifier(name: &str) -> Result<String, SetupError> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !name.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(name.to_owned())
+    } else {
+        Err(SetupError::InvalidIdentifier(name.to_owned()))
+    }
+}
+
+/// Every retry of a claim found the row changed under it.
+#[derive(Debug, thiserror::Error)]
+#[error("claim gave up after {MAX_CLAIM_ATTEMPTS} attempts under contention")]
+pub(crate) struct Contention;
+
+/// Statements a store has sent, for tests and diagnostics.
+#[derive(Debug, Default)]
+pub(crate) struct Counter(AtomicU64);
+
+impl Counter {
+    pub(crate) fn bump(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Maps a driver error to the store error the engine understands.
+pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::ColumnNotFound(_) => StoreError::Corrupt(e.to_string()),
+        // Connection loss, pool timeouts, busy/locked databases, I/O: all "unavailable".
+        other => StoreError::unavailable(other),
+    }
+}
+
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn from_millis(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// An existing row as the claim statement reports it, with its times already compared
+/// against the database clock.
+#[derive(Debug)]
+pub(crate) struct ExistingRow {
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) done: bool,
+    pub(crate) token: uuid::Uuid,
+    pub(crate) expired: bool,
+    pub(crate) lease_over: bool,
+    pub(crate) retry_ms: i64,
+    pub(crate) status: Option<i32>,
+    pub(crate) headers: Option<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
+    pub(crate) oversized: Option<i64>,
+}
+
+/// What to do about an existing row.
+#[derive(Debug)]
+pub(crate) enum Decision {
+    /// Report this to the caller.
+    Report(ClaimOutcome),
+    /// Take the row over (ttl passed, or lease ran out with the same fingerprint), fenced on
+    /// the old token.
+    TakeOver(LeaseToken),
+}
+
+pub(crate) fn decide(row: ExistingRow, fingerprint: &Fingerprint) -> Result<Decision, StoreError> {
+    if row.expired {
+        return Ok(Decision::TakeOver(LeaseToken::from_uuid(row.token)));
+    }
+    if row.fingerprint.as_slice() != fingerprint.as_bytes() {
+        return Ok(Decision::Report(ClaimOutcome::Mismatch {
+            in_progress: !row.done,
+        }));
+    }
+    if row.done {
+        return Ok(Decision::Report(ClaimOutcome::Replay(stored_outcome(
+            row.status,
+            row.headers,
+            row.body,
+            row.oversized,
+        )?)));
+    }
+    if row.lease_over {
+        return Ok(Decision::TakeOver(LeaseToken::from_uuid(row.token)));
+    }
+    Ok(Decision::Report(ClaimOutcome::InProgress {
+        retry_after: Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0)),
+    }))
+}
+
+pub(crate) fn claimed(token: LeaseToken, locked_until_ms: i64, took_over: bool) -> ClaimOutcome {
+    ClaimOutcome::Claimed(Lease {
+        token,
+        locked_until: from_millis(locked_until_ms),
+        took_over,
+    })
+}
+
+fn stored_outcome(
+    status: Option<i32>,
+    headers: Option<Vec<u8>>,
+    body: Option<Vec<u8>>,
+    oversized: Option<i64>,
+) -> Result<StoredOutcome, StoreError> {
+    let status = status
+        .and_then(|s| u16::try_from(s).ok())
+        .ok_or_else(|| StoreError::Corrupt("done record without a valid status".into()))?;
+    if let Some(size) = oversized {
+        return Ok(StoredOutcome::Oversized {
+            status,
+            size: u64::try_from(size).unwrap_or(0),
+        });
+    }
+    let headers = StoredResponse::decode_headers(headers.as_deref().unwrap_or_default())
+        .ok_or_else(|| StoreError::Corrupt("undecodable stored headers".into()))?;
+    Ok(StoredOutcome::Response(StoredResponse {
+        status,
+        headers,
+        body: body.unwrap_or_default(),
+    }))
+}
+
+/// A whole row, as `Store::get` reads it (times in epoch milliseconds).
+pub(crate) struct RecordColumns {
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) done: bool,
+    pub(crate) token: uuid::Uuid,
+    pub(crate) locked_until: Option<i64>,
+    pub(crate) status: Option<i32>,
+    pub(crate) headers: Option<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
+    pub(crate) oversized: Option<i64>,
+    pub(crate) created_at: i64,
+    pub(crate) completed_at: Option<i64>,
+    pub(crate) expires_at: i64,
+}
+
+pub(crate) fn build_record(key: &RecordKey, c: RecordColumns) -> Result<Record, StoreError> {
+    let fingerprint: [u8; 32] = c
+        .fingerprint
+        .try_into()
+        .map_err(|_| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
+    let state = if c.done {
+        RecordState::Done {
+            outcome: stored_outcome(c.status, c.headers, c.body, c.oversized)?,
+            completed_at: from_millis(c.completed_at.unwrap_or_default()),
+        }
+    } else {
+        RecordState::InProgress {
+            token: LeaseToken::from_uuid(c.token),
+            locked_until: from_millis(c.locked_until.unwrap_or_default()),
+        }
+    };
+    Ok(Record {
+        key: key.clone(),
+        fingerprint: Fingerprint::from_bytes(fingerprint),
+        state,
+        created_at: from_millis(c.created_at),
+        expires_at: from_millis(c.expires_at),
+    })
+}
+
+/// Column values for a completed record: (status, headers, body, oversized size).
+pub(crate) fn outcome_columns(
+    outcome: &StoredOutcome,
+) -> (i32, Option<Vec<u8>>, Option<Vec<u8>>, Option<i64>) {
+    match outcome {
+        StoredOutcome::Response(r) => (
+            i32::from(r.status),
+            Some(r.encode_headers()),
+            Some(r.body.clone()),
+            None,
+        ),
+        StoredOutcome::Oversized { status, size } => (
+            i32::from(*status),
+            None,
+            None,
+            Some(i64::try_from(*size).unwrap_or(i64::MAX)),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers() {
+        assert!(identifier("idempotency_records").is_ok());
+        assert!(identifier("t1").is_ok());
+        for bad in ["", "1t", "T1", "a-b", "a;drop", "\"x\"", &"x".repeat(49)] {
+            assert!(identifier(bad).is_err(), "{bad}");
+        }
+    }
+}

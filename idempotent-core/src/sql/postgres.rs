@@ -1,0 +1,427 @@
+//! The PostgreSQL store.
+
+use super::{
+    Contention, Counter, Decision, ExistingRow, MAX_CLAIM_ATTEMPTS, RecordColumns, SetupError,
+    build_record, claimed, db_error, decide, from_millis, identifier, millis, outcome_columns,
+};
+use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+use crate::{LeaseToken, Record, RecordKey, StoredOutcome};
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// A store in a PostgreSQL table, on a pool you already have.
+///
+/// All times (leases, expiry) come from the database's `now()`, so application servers with
+/// skewed clocks agree. A replay costs one statement that writes nothing; a first execution
+/// costs two (claim, complete). sqlx pools ping every connection they hand out unless
+/// `test_before_acquire(false)` is set, which doubles the round trips of every statement:
+/// turn it off for this pool where your network allows.
+///
+/// ```no_run
+/// use idempotent_core::PostgresStore;
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::postgres::PgPoolOptions::new()
+///     .test_before_acquire(false)
+///     .connect("postgres://postgres@127.0.0.1/app")
+///     .await?;
+/// let store = PostgresStore::builder(pool).schema("public").table("idempotency_records").build()?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Arc<Statements>,
+    sent: Arc<Counter>,
+}
+
+/// Builds a [`PostgresStore`].
+#[derive(Debug)]
+pub struct PostgresStoreBuilder {
+    pool: PgPool,
+    schema: String,
+    table: String,
+}
+
+impl PostgresStoreBuilder {
+    /// The schema holding the table (default `public`); created by [`PostgresStore::migrate`].
+    #[must_use]
+    pub fn schema(mut self, schema: &str) -> Self {
+        schema.clone_into(&mut self.schema);
+        self
+    }
+
+    /// The table's name (default `idempotency_records`).
+    #[must_use]
+    pub fn table(mut self, table: &str) -> Self {
+        table.clone_into(&mut self.table);
+        self
+    }
+
+    /// Checks the names and prepares the statements.
+    ///
+    /// # Errors
+    /// [`SetupError::InvalidIdentifier`] for a schema or table that is not `[a-z_][a-z0-9_]*`.
+    pub fn build(self) -> Result<PostgresStore, SetupError> {
+        let schema = identifier(&self.schema)?;
+        let name = identifier(&self.table)?;
+        Ok(PostgresStore {
+            pool: self.pool,
+            sql: Arc::new(Statements::new(&schema, &name)),
+            sent: Arc::default(),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Statements {
+    schema: String,
+    name: String,
+    table: String,
+    claim: Arc<str>,
+    take_over: Arc<str>,
+    complete: Arc<str>,
+    release: Arc<str>,
+    extend: Arc<str>,
+    purge: Arc<str>,
+    get: Arc<str>,
+}
+
+impl Statements {
+    fn new(schema: &str, name: &str) -> Self {
+        let t = format!("{schema}.{name}");
+        let s = |sql: &str| -> Arc<str> { sql.replace("{t}", &t).into() };
+        Statements {
+            schema: schema.to_owned(),
+            name: name.to_owned(),
+            // Closes the check-then-insert race: the INSERT … ON CONFLICT DO NOTHING is the
+            // claim itself, so of N concurrent claimers exactly one inserts. A replay takes
+            // the second branch and writes nothing (no row lock, no transaction id, no WAL),
+            // unlike `ON CONFLICT DO UPDATE … WHERE false`. Under READ COMMITTED the second
+            // branch can miss a row committed by a concurrent claimer mid-statement (it reads
+            // the statement's snapshot): then no row comes back and the caller loops.
+            claim: s("WITH ins AS (
+                    INSERT INTO {t} (scope, key, fingerprint, done, token, locked_until, created_at, expires_at)
+                    VALUES ($1, $2, $3, false, $4,
+                            now() + $5::float8 * interval '1 millisecond', now(),
+                            now() + $6::float8 * interval '1 millisecond')
+                    ON CONFLICT (scope, key) DO NOTHING
+                    RETURNING locked_until)
+                SELECT true AS inserted, NULL::bytea AS fingerprint, false AS done, NULL::uuid AS token,
+                       false AS expired, false AS lease_over, 0::int8 AS retry_ms,
+                       (extract(epoch FROM locked_until) * 1000)::int8 AS locked_until_ms,
+                       NULL::int4 AS status, NULL::bytea AS headers, NULL::bytea AS body, NULL::int8 AS oversized
+                FROM ins
+                UNION ALL
+                SELECT false, fingerprint, done, token,
+                       expires_at <= now(),
+                       (NOT done AND locked_until <= now()),
+                       COALESCE(GREATEST(0, extract(epoch FROM (locked_until - now())) * 1000), 0)::int8,
+                       0::int8, status, headers, body, oversized
+                FROM {t}
+                WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)"),
+            // The rare path: take over an expired record, or a lease that ran out (same
+            // fingerprint). Compare-and-swap on the old token closes the race between two
+            // retries taking over at once: only one UPDATE matches the old token.
+            take_over: s("UPDATE {t} SET fingerprint = $3, done = false, token = $4,
+                    locked_until = now() + $5::float8 * interval '1 millisecond',
+                    created_at = now(), completed_at = NULL,
+                    status = NULL, headers = NULL, body = NULL, oversized = NULL,
+                    expires_at = now() + $6::float8 * interval '1 millisecond'
+                WHERE scope = $1 AND key = $2 AND token = $7
+                  AND (expires_at <= now() OR (NOT done AND locked_until <= now() AND fingerprint = $3))
+                RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
+            // Fenced: a stale owner (its lease taken over) matches no row and cannot overwrite.
+            complete: s("UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
+                    oversized = $7, completed_at = now(), locked_until = NULL,
+                    expires_at = now() + $8::float8 * interval '1 millisecond'
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > now()"),
+            // Fenced like complete: a stale owner cannot delete the new owner's record.
+            release: s("DELETE FROM {t}
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > now()"),
+            // Fenced heartbeat; keeps the record alive at least as long as its lease.
+            extend: s("UPDATE {t} SET locked_until = now() + $4::float8 * interval '1 millisecond',
+                    expires_at = GREATEST(expires_at, now() + $4::float8 * interval '1 millisecond')
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > now()
+                RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
+            // Bounded batch; SKIP LOCKED so concurrent sweepers (one per instance) and claims
+            // never wait on each other; the outer re-check skips rows taken over meanwhile.
+            purge: s("DELETE FROM {t} WHERE (scope, key) IN (
+                    SELECT scope, key FROM {t} WHERE expires_at <= now()
+                    LIMIT $1 FOR UPDATE SKIP LOCKED)
+                AND expires_at <= now()"),
+            get: s("SELECT fingerprint, done, token,
+                    (extract(epoch FROM locked_until) * 1000)::int8 AS locked_until,
+                    status, headers, body, oversized,
+                    (extract(epoch FROM created_at) * 1000)::int8 AS created_at,
+                    (extract(epoch FROM completed_at) * 1000)::int8 AS completed_at,
+                    (extract(epoch FROM expires_at) * 1000)::int8 AS expires_at
+                FROM {t} WHERE scope = $1 AND key = $2 AND expires_at > now()"),
+            table: t,
+        }
+    }
+}
+
+fn q(sql: &Arc<str>) -> sqlx::SqlStr {
+    AssertSqlSafe(Arc::clone(sql)).into_sql_str()
+}
+
+fn existing(row: &PgRow) -> Result<ExistingRow, sqlx::Error> {
+    Ok(ExistingRow {
+        fingerprint: row.try_get("fingerprint")?,
+        done: row.try_get("done")?,
+        token: row.try_get("token")?,
+        expired: row.try_get("expired")?,
+        lease_over: row.try_get("lease_over")?,
+        retry_ms: row.try_get("retry_ms")?,
+        status: row.try_get("status")?,
+        headers: row.try_get("headers")?,
+        body: row.try_get("body")?,
+        oversized: row.try_get("oversized")?,
+    })
+}
+
+impl PostgresStore {
+    /// A store on `pool` with the default schema (`public`) and table (`idempotency_records`).
+    ///
+    /// # Errors
+    /// Never for the defaults; see [`PostgresStoreBuilder::build`].
+    pub fn new(pool: PgPool) -> Result<Self, SetupError> {
+        Self::builder(pool).build()
+    }
+
+    /// Starts a builder to choose the schema and table.
+    pub fn builder(pool: PgPool) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            pool,
+            schema: "public".into(),
+            table: "idempotency_records".into(),
+        }
+    }
+
+    /// Creates the schema if needed and runs the store's migrations (safe to call from every
+    /// instance at start-up: sqlx serialises concurrent runs with an advisory lock). Applied
+    /// versions are tracked in `<schema>.<table>_migrations`, apart from your own migrations.
+    ///
+    /// # Errors
+    /// [`SetupError::Database`] or [`SetupError::Migrate`].
+    pub async fn migrate(&self) -> Result<(), SetupError> {
+        let sql = include_str!("../../migrations/postgres/0001_create_records.sql")
+            .replace("{table}", &self.sql.table)
+            .replace("{name}", &self.sql.name);
+        let mut migrator = Migrator::with_migrations(vec![Migration::new(
+            1,
+            "create records".into(),
+            MigrationType::Simple,
+            AssertSqlSafe(sql).into_sql_str(),
+            false,
+        )]);
+        migrator
+            .dangerous_set_table_name(format!("{}.{}_migrations", self.sql.schema, self.sql.name));
+        migrator.create_schema(self.sql.schema.clone());
+        migrator.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema-qualified table name.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// Statements this store (and its clones) has sent so far.
+    pub fn statements_sent(&self) -> u64 {
+        self.sent.get()
+    }
+
+    /// [`Store::claim`] on a connection or transaction you provide.
+    ///
+    /// # Errors
+    /// As [`Store::claim`].
+    pub async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
+        let fp = req.fingerprint.as_bytes().as_slice();
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            let token = LeaseToken::generate();
+            self.sent.bump();
+            let row = sqlx::query(q(&self.sql.claim))
+                .bind(scope)
+                .bind(key)
+                .bind(fp)
+                .bind(token.as_uuid())
+                .bind(millis(req.lease))
+                .bind(millis(req.ttl))
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(db_error)?;
+            let Some(row) = row else { continue };
+            if row.try_get::<bool, _>("inserted").map_err(db_error)? {
+                let until: i64 = row.try_get("locked_until_ms").map_err(db_error)?;
+                return Ok(claimed(token, until, false));
+            }
+            match decide(existing(&row).map_err(db_error)?, req.fingerprint)? {
+                Decision::Report(outcome) => return Ok(outcome),
+                Decision::TakeOver(old) => {
+                    self.sent.bump();
+                    let until: Option<i64> = sqlx::query_scalar(q(&self.sql.take_over))
+                        .bind(scope)
+                        .bind(key)
+                        .bind(fp)
+                        .bind(token.as_uuid())
+                        .bind(millis(req.lease))
+                        .bind(millis(req.ttl))
+                        .bind(old.as_uuid())
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .map_err(db_error)?;
+                    if let Some(until) = until {
+                        return Ok(claimed(token, until, true));
+                    }
+                }
+            }
+        }
+        Err(StoreError::unavailable(Contention))
+    }
+
+    /// [`Store::complete`] on a connection or transaction you provide (for example the
+    /// handler's own transaction, so the record commits with its business writes).
+    ///
+    /// # Errors
+    /// As [`Store::complete`].
+    pub async fn complete_on(
+        &self,
+        conn: &mut PgConnection,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let (status, headers, body, oversized) = outcome_columns(outcome);
+        self.sent.bump();
+        let done = sqlx::query(q(&self.sql.complete))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .bind(status)
+            .bind(headers)
+            .bind(body)
+            .bind(oversized)
+            .bind(millis(ttl))
+            .execute(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::StaleLease)
+        }
+    }
+
+    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        self.pool.acquire().await.map_err(db_error)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let mut conn = self.conn().await?;
+        self.claim_on(&mut conn, req).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn().await?;
+        self.complete_on(&mut conn, key, token, outcome, ttl).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        self.sent.bump();
+        let done = sqlx::query(q(&self.sql.release))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::StaleLease)
+        }
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        self.sent.bump();
+        let until: Option<i64> = sqlx::query_scalar(q(&self.sql.extend))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .bind(millis(lease))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        until.map(from_millis).ok_or(StoreError::StaleLease)
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        self.sent.bump();
+        let done = sqlx::query(q(&self.sql.purge))
+            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.sent.bump();
+        let row = sqlx::query(q(&self.sql.get))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        row.map(|row| record(key, &row)).transpose()
+    }
+}
+
+fn record(key: &RecordKey, row: &PgRow) -> Result<Record, StoreError> {
+    let columns = || -> Result<RecordColumns, sqlx::Error> {
+        Ok(RecordColumns {
+            fingerprint: row.try_get("fingerprint")?,
+            done: row.try_get("done")?,
+            token: row.try_get("token")?,
+            locked_until: row.try_get("locked_until")?,
+            status: row.try_get("status")?,
+            headers: row.try_get("headers")?,
+            body: row.try_get("body")?,
+            oversized: row.try_get("oversized")?,
+            created_at: row.try_get("created_at")?,
+            completed_at: row.try_get("completed_at")?,
+            expires_at: row.try_get("expires_at")?,
+        })
+    };
+    build_record(key, columns().map_err(db_error)?)
+}

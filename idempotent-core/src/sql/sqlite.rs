@@ -1,0 +1,424 @@
+//! The SQLite store.
+
+use super::{
+    Contention, Counter, Decision, ExistingRow, MAX_CLAIM_ATTEMPTS, RecordColumns, SetupError,
+    build_record, claimed, db_error, decide, from_millis, identifier, millis, outcome_columns,
+};
+use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+use crate::{LeaseToken, Record, RecordKey, StoredOutcome};
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow,
+};
+use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// SQLite's clock, in integer milliseconds since the Unix epoch.
+const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+/// How long a statement waits for another connection's (or process's) write lock.
+pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A store in a SQLite database: the embedded default, shared safely by several processes
+/// on one database file.
+///
+/// [`SqliteStore::connect`] opens the file in WAL mode with a busy timeout, so concurrent
+/// writers wait rather than fail. Times come from SQLite's clock (`unixepoch('subsec')`).
+///
+/// ```
+/// use idempotent_core::SqliteStore;
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = SqliteStore::connect("sqlite::memory:").await?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Round trips
+/// A replay is one `SELECT` (no write lock taken). A first execution is that `SELECT`, an
+/// `INSERT … ON CONFLICT DO NOTHING RETURNING` (the atomic claim) and the `UPDATE` that
+/// completes it. The read never decides to insert: the `INSERT` alone settles races, so a
+/// concurrent claimer that inserted first is seen, never overwritten.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    sql: Arc<Statements>,
+    sent: Arc<Counter>,
+}
+
+/// Builds a [`SqliteStore`] on a pool.
+#[derive(Debug)]
+pub struct SqliteStoreBuilder {
+    pool: SqlitePool,
+    table: String,
+}
+
+impl SqliteStoreBuilder {
+    /// The table's name (default `idempotency_records`).
+    #[must_use]
+    pub fn table(mut self, table: &str) -> Self {
+        table.clone_into(&mut self.table);
+        self
+    }
+
+    /// Checks the name and prepares the statements.
+    ///
+    /// # Errors
+    /// [`SetupError::InvalidIdentifier`] for a table name that is not `[a-z_][a-z0-9_]*`.
+    pub fn build(self) -> Result<SqliteStore, SetupError> {
+        let table = identifier(&self.table)?;
+        Ok(SqliteStore {
+            pool: self.pool,
+            sql: Arc::new(Statements::new(&table)),
+            sent: Arc::default(),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Statements {
+    table: String,
+    read: Arc<str>,
+    insert: Arc<str>,
+    take_over: Arc<str>,
+    complete: Arc<str>,
+    release: Arc<str>,
+    extend: Arc<str>,
+    purge: Arc<str>,
+    get: Arc<str>,
+}
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        let s = |sql: &str| -> Arc<str> { sql.replace("{t}", table).replace("{now}", NOW).into() };
+        Statements {
+            table: table.to_owned(),
+            // Read-only fast path: settles replays, in-progress and mismatch without taking
+            // the write lock. It never decides to insert; a miss goes to `insert`.
+            read: s("SELECT fingerprint, done, token,
+                    expires_at <= {now} AS expired,
+                    (done = 0 AND locked_until <= {now}) AS lease_over,
+                    max(0, coalesce(locked_until - {now}, 0)) AS retry_ms,
+                    status, headers, body, oversized
+                FROM {t} WHERE scope = ?1 AND key = ?2"),
+            // The claim itself: one atomic statement, so of N concurrent claimers (threads or
+            // processes) exactly one inserts; the others get no row and read the winner's.
+            insert: s("INSERT INTO {t} (scope, key, fingerprint, done, token, locked_until, created_at, expires_at)
+                VALUES (?1, ?2, ?3, 0, ?4, {now} + ?5, {now}, {now} + ?6)
+                ON CONFLICT (scope, key) DO NOTHING
+                RETURNING locked_until"),
+            // Rare path: take over an expired record or a run-out lease (same fingerprint);
+            // compare-and-swap on the old token so only one of two racing retries wins.
+            take_over: s("UPDATE {t} SET fingerprint = ?3, done = 0, token = ?4,
+                    locked_until = {now} + ?5, created_at = {now}, completed_at = NULL,
+                    status = NULL, headers = NULL, body = NULL, oversized = NULL,
+                    expires_at = {now} + ?6
+                WHERE scope = ?1 AND key = ?2 AND token = ?7
+                  AND (expires_at <= {now} OR (done = 0 AND locked_until <= {now} AND fingerprint = ?3))
+                RETURNING locked_until"),
+            // Fenced: a stale owner (lease taken over) matches no row and cannot overwrite.
+            complete: s("UPDATE {t} SET done = 1, status = ?4, headers = ?5, body = ?6, oversized = ?7,
+                    completed_at = {now}, locked_until = NULL, expires_at = {now} + ?8
+                WHERE scope = ?1 AND key = ?2 AND token = ?3 AND done = 0 AND expires_at > {now}"),
+            // Fenced like complete.
+            release: s("DELETE FROM {t}
+                WHERE scope = ?1 AND key = ?2 AND token = ?3 AND done = 0 AND expires_at > {now}"),
+            // Fenced heartbeat; keeps the record alive at least as long as its lease.
+            extend: s("UPDATE {t} SET locked_until = {now} + ?4, expires_at = max(expires_at, {now} + ?4)
+                WHERE scope = ?1 AND key = ?2 AND token = ?3 AND done = 0 AND expires_at > {now}
+                RETURNING locked_until"),
+            // Bounded batch through the expiry index; each batch is its own short write.
+            purge: s("DELETE FROM {t} WHERE rowid IN (
+                    SELECT rowid FROM {t} WHERE expires_at <= {now} LIMIT ?1)"),
+            get: s("SELECT fingerprint, done, token, locked_until, status, headers, body, oversized,
+                    created_at, completed_at, expires_at
+                FROM {t} WHERE scope = ?1 AND key = ?2 AND expires_at > {now}"),
+        }
+    }
+}
+
+fn q(sql: &Arc<str>) -> sqlx::SqlStr {
+    AssertSqlSafe(Arc::clone(sql)).into_sql_str()
+}
+
+fn existing(row: &SqliteRow) -> Result<ExistingRow, sqlx::Error> {
+    Ok(ExistingRow {
+        fingerprint: row.try_get("fingerprint")?,
+        done: row.try_get("done")?,
+        token: row.try_get("token")?,
+        expired: row.try_get("expired")?,
+        lease_over: row.try_get("lease_over")?,
+        retry_ms: row.try_get("retry_ms")?,
+        status: row.try_get("status")?,
+        headers: row.try_get("headers")?,
+        body: row.try_get("body")?,
+        oversized: row.try_get("oversized")?,
+    })
+}
+
+impl SqliteStore {
+    /// Opens (creating if missing) the database at `url` (`sqlite://charges.db`,
+    /// `sqlite::memory:`) in WAL mode with a busy timeout of [`DEFAULT_BUSY_TIMEOUT`], on a
+    /// pool that does not ping connections before use. Call [`SqliteStore::migrate`] next.
+    ///
+    /// An in-memory database lives in one connection, so its pool holds exactly one.
+    ///
+    /// # Errors
+    /// [`SetupError::Database`] when the URL is malformed or the file cannot be opened.
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        let memory = url.contains(":memory:") || url.contains("mode=memory");
+        let mut options = SqliteConnectOptions::from_str(url)?
+            .create_if_missing(true)
+            .busy_timeout(DEFAULT_BUSY_TIMEOUT);
+        if !memory {
+            options = options.journal_mode(SqliteJournalMode::Wal);
+        }
+        let mut pool = SqlitePoolOptions::new().test_before_acquire(false);
+        if memory {
+            pool = pool
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None);
+        }
+        let pool = pool.connect_with(options).await?;
+        Self::builder(pool).build()
+    }
+
+    /// A store on a pool you built. Set WAL mode and a busy timeout on its connect options
+    /// (as [`SqliteStore::connect`] does), or concurrent writers fail with "database is locked".
+    pub fn builder(pool: SqlitePool) -> SqliteStoreBuilder {
+        SqliteStoreBuilder {
+            pool,
+            table: "idempotency_records".into(),
+        }
+    }
+
+    /// Runs the store's migrations (safe from several processes: the migration takes the
+    /// database's write lock). Applied versions are tracked in `<table>_migrations`.
+    ///
+    /// # Errors
+    /// [`SetupError::Migrate`].
+    pub async fn migrate(&self) -> Result<(), SetupError> {
+        let sql = include_str!("../../migrations/sqlite/0001_create_records.sql")
+            .replace("{table}", &self.sql.table);
+        let mut migrator = Migrator::with_migrations(vec![Migration::new(
+            1,
+            "create records".into(),
+            MigrationType::Simple,
+            AssertSqlSafe(sql).into_sql_str(),
+            false,
+        )]);
+        migrator.dangerous_set_table_name(format!("{}_migrations", self.sql.table));
+        migrator.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// Statements this store (and its clones) has sent so far.
+    pub fn statements_sent(&self) -> u64 {
+        self.sent.get()
+    }
+
+    /// [`Store::claim`] on a connection or transaction you provide.
+    ///
+    /// # Errors
+    /// As [`Store::claim`].
+    pub async fn claim_on(
+        &self,
+        conn: &mut SqliteConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
+        let fp = req.fingerprint.as_bytes().as_slice();
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            self.sent.bump();
+            let row = sqlx::query(q(&self.sql.read))
+                .bind(scope)
+                .bind(key)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(db_error)?;
+            let token = LeaseToken::generate();
+            let Some(row) = row else {
+                self.sent.bump();
+                let until: Option<i64> = sqlx::query_scalar(q(&self.sql.insert))
+                    .bind(scope)
+                    .bind(key)
+                    .bind(fp)
+                    .bind(token.as_uuid())
+                    .bind(millis(req.lease))
+                    .bind(millis(req.ttl))
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(db_error)?;
+                match until {
+                    Some(until) => return Ok(claimed(token, until, false)),
+                    None => continue, // a concurrent claimer inserted first: read its row
+                }
+            };
+            match decide(existing(&row).map_err(db_error)?, req.fingerprint)? {
+                Decision::Report(outcome) => return Ok(outcome),
+                Decision::TakeOver(old) => {
+                    self.sent.bump();
+                    let until: Option<i64> = sqlx::query_scalar(q(&self.sql.take_over))
+                        .bind(scope)
+                        .bind(key)
+                        .bind(fp)
+                        .bind(token.as_uuid())
+                        .bind(millis(req.lease))
+                        .bind(millis(req.ttl))
+                        .bind(old.as_uuid())
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .map_err(db_error)?;
+                    if let Some(until) = until {
+                        return Ok(claimed(token, until, true));
+                    }
+                }
+            }
+        }
+        Err(StoreError::unavailable(Contention))
+    }
+
+    /// [`Store::complete`] on a connection or transaction you provide.
+    ///
+    /// # Errors
+    /// As [`Store::complete`].
+    pub async fn complete_on(
+        &self,
+        conn: &mut SqliteConnection,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let (status, headers, body, oversized) = outcome_columns(outcome);
+        self.sent.bump();
+        let done = sqlx::query(q(&self.sql.complete))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .bind(status)
+            .bind(headers)
+            .bind(body)
+            .bind(oversized)
+            .bind(millis(ttl))
+            .execute(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::StaleLease)
+        }
+    }
+
+    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
+        self.pool.acquire().await.map_err(db_error)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for SqliteStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let mut conn = self.conn().await?;
+        self.claim_on(&mut conn, req).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn().await?;
+        self.complete_on(&mut conn, key, token, outcome, ttl).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        self.sent.bump();
+        let done = sqlx::query(q(&self.sql.release))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::StaleLease)
+        }
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        self.sent.bump();
+        let until: Option<i64> = sqlx::query_scalar(q(&self.sql.extend))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .bind(millis(lease))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        until.map(from_millis).ok_or(StoreError::StaleLease)
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        self.sent.bump();
+        let done = sqlx::query(q(&self.sql.purge))
+            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.sent.bump();
+        let row = sqlx::query(q(&self.sql.get))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        row.map(|row| record(key, &row)).transpose()
+    }
+}
+
+fn record(key: &RecordKey, row: &SqliteRow) -> Result<Record, StoreError> {
+    let columns = || -> Result<RecordColumns, sqlx::Error> {
+        Ok(RecordColumns {
+            fingerprint: row.try_get("fingerprint")?,
+            done: row.try_get("done")?,
+            token: row.try_get("token")?,
+            locked_until: row.try_get("locked_until")?,
+            status: row.try_get("status")?,
+            headers: row.try_get("headers")?,
+            body: row.try_get("body")?,
+            oversized: row.try_get("oversized")?,
+            created_at: row.try_get("created_at")?,
+            completed_at: row.try_get("completed_at")?,
+            expires_at: row.try_get("expires_at")?,
+        })
+    };
+    build_record(key, columns().map_err(db_error)?)
+}

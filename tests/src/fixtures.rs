@@ -1,0 +1,144 @@
+//! Fixtures for the SQL stores: real databases, fresh tables per test.
+
+use crate::Fixture;
+use idempotent_core::Store;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The PostgreSQL URL the tests use, from `DATABASE_URL`.
+///
+/// # Panics
+/// When `DATABASE_URL` is unset: the PostgreSQL tests are compiled `#[ignore]`d in that case,
+/// so reaching this without it is a setup error worth failing loudly on.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").expect("DATABASE_URL must point at PostgreSQL for these tests")
+}
+
+/// A unique, valid table name.
+pub fn unique_table(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}",
+        idempotent_core::uuid::Uuid::new_v4().simple()
+    )
+}
+
+/// SQLite: a fresh in-memory database per store, or a fresh file in a temp dir.
+#[cfg(feature = "sqlite")]
+pub struct Sqlite {
+    /// Use a file (WAL) instead of memory.
+    pub file: bool,
+    dir: Mutex<Option<tempfile::TempDir>>,
+}
+
+#[cfg(feature = "sqlite")]
+impl Sqlite {
+    /// In-memory databases.
+    pub fn memory() -> Self {
+        Sqlite {
+            file: false,
+            dir: Mutex::new(None),
+        }
+    }
+    /// Database files in a temporary directory (removed on drop).
+    pub fn file() -> Self {
+        Sqlite {
+            file: true,
+            dir: Mutex::new(None),
+        }
+    }
+}
+
+#[cfg(feature = "sqlite")]
+#[async_trait::async_trait]
+impl Fixture for Sqlite {
+    async fn fresh(&self) -> Arc<dyn Store> {
+        let url = if self.file {
+            let mut dir = self.dir.lock().expect("lock");
+            let dir = dir.get_or_insert_with(|| tempfile::tempdir().expect("tempdir"));
+            format!(
+                "sqlite://{}",
+                dir.path()
+                    .join(format!("{}.db", unique_table("db")))
+                    .display()
+            )
+        } else {
+            "sqlite::memory:".to_owned()
+        };
+        let store = idempotent_core::SqliteStore::connect(&url)
+            .await
+            .expect("open sqlite");
+        store.migrate().await.expect("migrate sqlite");
+        Arc::new(store)
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+}
+
+/// PostgreSQL from `DATABASE_URL`: a fresh table per store in schema `idempotent_test`.
+#[cfg(feature = "postgres")]
+#[derive(Default)]
+pub struct Postgres {
+    tables: Mutex<Vec<(sqlx::PgPool, String)>>,
+}
+
+#[cfg(feature = "postgres")]
+impl Postgres {
+    /// The fixture (connects lazily).
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// A pool on `DATABASE_URL` that does not ping before each use.
+#[cfg(feature = "postgres")]
+pub async fn pg_pool(max: u32) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&database_url())
+        .await
+        .expect("PostgreSQL from DATABASE_URL is unreachable")
+}
+
+/// A migrated store on a fresh table of schema `idempotent_test`.
+#[cfg(feature = "postgres")]
+pub async fn pg_store(pool: sqlx::PgPool, table: &str) -> idempotent_core::PostgresStore {
+    let store = idempotent_core::PostgresStore::builder(pool)
+        .schema("idempotent_test")
+        .table(table)
+        .build()
+        .expect("valid names");
+    store.migrate().await.expect("migrate postgres");
+    store
+}
+
+/// Drops a table made by [`pg_store`] and its migrations table.
+#[cfg(feature = "postgres")]
+pub async fn pg_drop(pool: &sqlx::PgPool, table: &str) {
+    let sql =
+        format!("DROP TABLE IF EXISTS idempotent_test.{table}, idempotent_test.{table}_migrations");
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await;
+}
+
+#[cfg(feature = "postgres")]
+#[async_trait::async_trait]
+impl Fixture for Postgres {
+    async fn fresh(&self) -> Arc<dyn Store> {
+        let pool = pg_pool(16).await;
+        let table = unique_table("t");
+        let store = pg_store(pool.clone(), &table).await;
+        self.tables.lock().expect("lock").push((pool, table));
+        Arc::new(store)
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+    async fn cleanup(&self) {
+        let tables = std::mem::take(&mut *self.tables.lock().expect("lock"));
+        for (pool, table) in tables {
+            pg_drop(&pool, &table).await;
+        }
+    }
+}
