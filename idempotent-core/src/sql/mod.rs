@@ -208,23 +208,28 @@ pub(crate) fn build_record(key: &RecordKey, c: RecordColumns) -> Result<Record, 
     })
 }
 
-/// Column values for a completed record: (status, headers, body, oversized size).
-pub(crate) fn outcome_columns(
-    outcome: &StoredOutcome,
-) -> (i32, Option<Vec<u8>>, Option<Vec<u8>>, Option<i64>) {
+/// Column values for a completed record.
+pub(crate) struct OutcomeColumns {
+    pub(crate) status: i32,
+    pub(crate) headers: Option<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
+    pub(crate) oversized: Option<i64>,
+}
+
+pub(crate) fn outcome_columns(outcome: &StoredOutcome) -> OutcomeColumns {
     match outcome {
-        StoredOutcome::Response(r) => (
-            i32::from(r.status),
-            Some(r.encode_headers()),
-            Some(r.body.clone()),
-            None,
-        ),
-        StoredOutcome::Oversized { status, size } => (
-            i32::from(*status),
-            None,
-            None,
-            Some(i64::try_from(*size).unwrap_or(i64::MAX)),
-        ),
+        StoredOutcome::Response(r) => OutcomeColumns {
+            status: i32::from(r.status),
+            headers: Some(r.encode_headers()),
+            body: Some(r.body.clone()),
+            oversized: None,
+        },
+        StoredOutcome::Oversized { status, size } => OutcomeColumns {
+            status: i32::from(*status),
+            headers: None,
+            body: None,
+            oversized: Some(i64::try_from(*size).unwrap_or(i64::MAX)),
+        },
     }
 }
 

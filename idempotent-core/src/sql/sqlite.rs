@@ -304,16 +304,16 @@ impl SqliteStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let (status, headers, body, oversized) = outcome_columns(outcome);
+        let c = outcome_columns(outcome);
         self.sent.bump();
         let done = sqlx::query(q(&self.sql.complete))
             .bind(key.scope.as_str())
             .bind(key.key.as_str())
             .bind(token.as_uuid())
-            .bind(status)
-            .bind(headers)
-            .bind(body)
-            .bind(oversized)
+            .bind(c.status)
+            .bind(c.headers)
+            .bind(c.body)
+            .bind(c.oversized)
             .bind(millis(ttl))
             .execute(&mut *conn)
             .await
