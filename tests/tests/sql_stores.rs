@@ -1,0 +1,468 @@
+//! SQL-store behaviour beyond the conformance suite: round trips, no writes on replay,
+//! races across instances and processes, the database clock, and killed connections.
+#![allow(clippy::unwrap_used)] // tests unwrap freely
+
+use idempotent_core::*;
+use idempotent_tests::conformance::{fp, unique_key};
+use idempotent_tests::fixtures::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+const PG_ONLY: &str = "set DATABASE_URL=postgres://… to run the PostgreSQL tests";
+
+fn request(key: &RecordKey) -> ExecuteRequest {
+    ExecuteRequest {
+        scope: key.scope.clone(),
+        key: Ok(key.key.clone()),
+        fingerprint: fp("rt"),
+    }
+}
+
+fn handled() -> Handled<()> {
+    Handled {
+        value: (),
+        record: StoredResponse::new(201, "ok").into(),
+    }
+}
+
+/// First execution: claim + complete; replay: one statement. Counted at the store.
+async fn round_trips(engine: &Engine, sent: impl Fn() -> u64, first_cost: u64) {
+    let key = unique_key("rt");
+    let before = sent();
+    let out = engine
+        .execute(request(&key), &Policy::default(), || async { handled() })
+        .await;
+    assert!(
+        matches!(
+            out,
+            Outcome::Executed {
+                recorded: Recorded::Stored,
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    assert_eq!(
+        sent() - before,
+        first_cost,
+        "statements for a first execution"
+    );
+    for _ in 0..3 {
+        let before = sent();
+        let out = engine
+            .execute(request(&key), &Policy::default(), || async { handled() })
+            .await;
+        assert!(matches!(out, Outcome::Replayed(_)), "{out:?}");
+        assert_eq!(sent() - before, 1, "statements for a replay");
+    }
+}
+
+#[tokio::test]
+async fn sqlite_round_trips() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    store.migrate().await.unwrap();
+    let engine = Engine::new(store.clone());
+    // SQLite: read (miss) + INSERT … RETURNING + complete; replays are the read alone.
+    round_trips(&engine, || store.statements_sent(), 3).await;
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_round_trips_and_no_write_on_replay() {
+    let _ = PG_ONLY;
+    let pool = pg_pool(4).await;
+    let table = unique_table("rt");
+    let store = pg_store(pool.clone(), &table).await;
+    let engine = Engine::new(store.clone());
+    round_trips(&engine, || store.statements_sent(), 2).await;
+
+    // A replay must not lock or rewrite the row: `ON CONFLICT DO UPDATE … WHERE false` would
+    // stamp the row's xmax with the replaying transaction; our statement leaves it at 0.
+    let key = unique_key("xmax");
+    engine
+        .execute(request(&key), &Policy::default(), || async { handled() })
+        .await;
+    let xmin_before: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT xmin::text FROM idempotent_test.{table} WHERE scope = $1 AND key = $2"
+    )))
+    .bind(key.scope.as_str())
+    .bind(key.key.as_str())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    for _ in 0..5 {
+        let out = engine
+            .execute(request(&key), &Policy::default(), || async { handled() })
+            .await;
+        assert!(matches!(out, Outcome::Replayed(_)));
+    }
+    let (xmin, xmax): (String, String) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT xmin::text, xmax::text FROM idempotent_test.{table} WHERE scope = $1 AND key = $2"
+    )))
+    .bind(key.scope.as_str())
+    .bind(key.key.as_str())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (xmin, xmax.as_str()),
+        (xmin_before, "0"),
+        "replays wrote to the row"
+    );
+    pg_drop(&pool, &table).await;
+}
+
+/// Runs `keys` × `dups` claims spread over `stores` (one per instance), all concurrently per
+/// key; returns key → outcomes.
+async fn race(
+    stores: Vec<Arc<dyn Store>>,
+    keys: usize,
+    dups: usize,
+) -> HashMap<usize, Vec<String>> {
+    let scope = Scope::new(format!("race-{}", uuid::Uuid::new_v4())).unwrap();
+    let mut seen: HashMap<usize, Vec<String>> = HashMap::new();
+    for chunk in (0..keys).collect::<Vec<_>>().chunks(50) {
+        let mut tasks = Vec::new();
+        for &k in chunk {
+            for d in 0..dups {
+                let store = Arc::clone(&stores[d % stores.len()]);
+                let scope = scope.clone();
+                let instance = d % stores.len();
+                tasks.push(tokio::spawn(async move {
+                    let key = RecordKey::new(
+                        scope,
+                        IdempotencyKey::parse(format!("k{k}").as_bytes()).unwrap(),
+                    );
+                    let req = ClaimRequest {
+                        key: &key,
+                        fingerprint: &fp("race"),
+                        lease: Duration::from_secs(60),
+                        ttl: Duration::from_secs(3600),
+                    };
+                    let seen = match store.claim(req).await.unwrap() {
+                        ClaimOutcome::Claimed(lease) => {
+                            let body = format!("instance{instance}:{k}");
+                            store
+                                .complete(
+                                    &key,
+                                    lease.token,
+                                    &StoredResponse::new(201, body.clone()).into(),
+                                    req.ttl,
+                                )
+                                .await
+                                .unwrap();
+                            format!("claimed {body}")
+                        }
+                        ClaimOutcome::Replay(StoredOutcome::Response(r)) => {
+                            format!("replay {}", String::from_utf8(r.body).unwrap())
+                        }
+                        ClaimOutcome::InProgress { .. } => "busy".to_owned(),
+                        other => panic!("unexpected {other:?}"),
+                    };
+                    (k, seen)
+                }));
+            }
+        }
+        for t in tasks {
+            let (k, s) = t.await.unwrap();
+            seen.entry(k).or_default().push(s);
+        }
+    }
+    seen
+}
+
+/// Exactly one claim per key; every loser saw the winner's record (in progress, or its body).
+fn assert_one_winner_each(seen: &HashMap<usize, Vec<String>>, keys: usize, dups: usize) {
+    assert_eq!(seen.len(), keys);
+    let mut claims = 0;
+    for (k, outcomes) in seen {
+        assert_eq!(outcomes.len(), dups, "key {k}");
+        let winners: Vec<&String> = outcomes
+            .iter()
+            .filter(|o| o.starts_with("claimed "))
+            .collect();
+        assert_eq!(winners.len(), 1, "key {k}: {outcomes:?}");
+        claims += 1;
+        let body = winners[0].trim_start_matches("claimed ");
+        for o in outcomes {
+            assert!(
+                o == "busy" || o == winners[0] || o.trim_start_matches("replay ") == body,
+                "key {k}: a loser saw something else: {outcomes:?}"
+            );
+        }
+    }
+    assert_eq!(claims, keys);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_two_pools_race_one_winner_per_key() {
+    let table = unique_table("race");
+    let a = pg_store(pg_pool(8).await, &table).await;
+    let b = idempotent_core::PostgresStore::builder(pg_pool(8).await)
+        .schema("idempotent_test")
+        .table(&table)
+        .build()
+        .unwrap();
+    b.migrate().await.unwrap(); // a second instance migrating the same table is a no-op
+    let seen = race(vec![Arc::new(a.clone()), Arc::new(b)], 1000, 8).await;
+    assert_one_winner_each(&seen, 1000, 8);
+    let done: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM idempotent_test.{table} WHERE done"
+    )))
+    .fetch_one(a.pool())
+    .await
+    .unwrap();
+    assert_eq!(done, 1000);
+    pg_drop(a.pool(), &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_two_pools_race_one_winner_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("race.db").display());
+    let a = SqliteStore::connect(&url).await.unwrap();
+    a.migrate().await.unwrap();
+    let b = SqliteStore::connect(&url).await.unwrap();
+    b.migrate().await.unwrap();
+    let seen = race(vec![Arc::new(a), Arc::new(b)], 1000, 8).await;
+    assert_one_winner_each(&seen, 1000, 8);
+}
+
+#[test]
+fn sqlite_two_processes_race_one_winner_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("procs.db").display());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let store = SqliteStore::connect(&url).await.unwrap();
+        store.migrate().await.unwrap();
+    });
+    let start = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        + 700;
+    let racers: Vec<_> = ["p1", "p2"]
+        .iter()
+        .map(|label| {
+            std::process::Command::new(env!("CARGO_BIN_EXE_sqlite_racer"))
+                .args([&url, "1000", "4", label, &start.to_string()])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut seen: HashMap<usize, Vec<String>> = HashMap::new();
+    for racer in racers {
+        let out = racer.wait_with_output().unwrap();
+        assert!(out.status.success());
+        for line in String::from_utf8(out.stdout).unwrap().lines() {
+            let mut parts = line.splitn(3, '\t');
+            let (k, kind, detail) = (
+                parts.next().unwrap(),
+                parts.next().unwrap(),
+                parts.next().unwrap(),
+            );
+            let entry = match kind {
+                "claimed" => format!("claimed {detail}"),
+                "replay" => format!("replay {detail}"),
+                "busy" => "busy".to_owned(),
+                _ => panic!("racer reported: {line}"),
+            };
+            seen.entry(k.parse().unwrap()).or_default().push(entry);
+        }
+    }
+    assert_one_winner_each(&seen, 1000, 8);
+    // Both processes won some keys: they really raced.
+    let p1 = seen
+        .values()
+        .flatten()
+        .filter(|o| o.starts_with("claimed p1:"))
+        .count();
+    assert!(p1 > 0 && p1 < 1000, "p1 won {p1} of 1000");
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_leases_follow_the_database_clock() {
+    // Two instances (pools). Leases are stamped and compared with the database's now(); the
+    // engine reads no local clock on this path, so a skewed server clock cannot matter.
+    let table = unique_table("clock");
+    let a = pg_store(pg_pool(2).await, &table).await;
+    let b = pg_store(pg_pool(2).await, &table).await;
+    let key = unique_key("clock");
+    let lease = Duration::from_millis(1500);
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("c"),
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    let db_now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::int8")
+        .fetch_one(a.pool())
+        .await
+        .unwrap();
+    let ClaimOutcome::Claimed(l) = a.claim(req).await.unwrap() else {
+        panic!("not claimed")
+    };
+    let until = l
+        .locked_until
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    assert!(
+        (until - (db_now + 1500)).abs() < 500,
+        "lease end {until} vs db now {db_now}"
+    );
+    match b.claim(req).await.unwrap() {
+        ClaimOutcome::InProgress { retry_after } => assert!(retry_after <= lease),
+        other => panic!("{other:?}"),
+    }
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
+    assert!(matches!(
+        b.claim(req).await.unwrap(),
+        ClaimOutcome::Claimed(Lease {
+            took_over: true,
+            ..
+        })
+    ));
+    pg_drop(a.pool(), &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_killed_connection_mid_claim_is_unavailable_not_a_duplicate() {
+    let table = unique_table("kill");
+    let pool = pg_pool(1).await; // one connection, so we know its backend pid
+    let store = pg_store(pool.clone(), &table).await;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    // Another session inserts the same key and holds its transaction open, so our claim's
+    // INSERT … ON CONFLICT waits on the unique index: the claim is in flight.
+    let key = unique_key("kill");
+    let other = pg_pool(2).await;
+    let mut blocker = other.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO idempotent_test.{table} (scope, key, fingerprint, token, locked_until, expires_at)
+         VALUES ($1, $2, $3, gen_random_uuid(), now() + interval '1 minute', now() + interval '1 hour')"
+    )))
+    .bind(key.scope.as_str())
+    .bind(key.key.as_str())
+    .bind(fp("k").as_bytes().as_slice())
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    let claim = {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move {
+            store
+                .claim(ClaimRequest {
+                    key: &key,
+                    fingerprint: &fp("k"),
+                    lease: Duration::from_secs(30),
+                    ttl: Duration::from_secs(60),
+                })
+                .await
+        })
+    };
+    // Wait until the claim is waiting on the lock, then kill its backend.
+    for _ in 0..100 {
+        let waiting: Option<String> =
+            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                .bind(pid)
+                .fetch_optional(&other)
+                .await
+                .unwrap()
+                .flatten();
+        if waiting.as_deref() == Some("Lock") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&other)
+        .await
+        .unwrap();
+    assert!(killed);
+    let result = claim.await.unwrap();
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "{result:?}"
+    );
+    blocker.rollback().await.unwrap();
+
+    // The pool reconnects; exactly one claim now wins and nothing was left behind.
+    let again = store
+        .claim(ClaimRequest {
+            key: &key,
+            fingerprint: &fp("k"),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            again,
+            ClaimOutcome::Claimed(Lease {
+                took_over: false,
+                ..
+            })
+        ),
+        "{again:?}"
+    );
+    let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM idempotent_test.{table}"
+    )))
+    .fetch_one(&other)
+    .await
+    .unwrap();
+    assert_eq!(rows, 1);
+    pg_drop(&other, &table).await;
+}
+
+#[tokio::test]
+async fn unreachable_database_is_unavailable() {
+    // A PostgreSQL port nothing listens on; the pool times out fast.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/none")
+        .unwrap();
+    let store = PostgresStore::new(pool).unwrap();
+    let engine = Engine::new(store);
+    let key = unique_key("down");
+    let out = engine
+        .execute(request(&key), &Policy::default(), || async { handled() })
+        .await;
+    assert!(
+        matches!(out, Outcome::StoreUnavailable(StoreError::Unavailable(_))),
+        "{out:?}"
+    );
+}
+
+#[tokio::test]
+async fn invalid_table_names_are_refused() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    let bad = SqliteStore::builder(store.pool().clone())
+        .table("x; DROP TABLE y")
+        .build();
+    assert!(matches!(bad, Err(SetupError::InvalidIdentifier(_))));
+}
