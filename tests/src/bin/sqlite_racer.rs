@@ -50,7 +50,7 @@ async fn main() {
                         lease: Duration::from_secs(60),
                         ttl: Duration::from_secs(3600),
                     };
-                    let line = match store.claim(req).await {
+                    match store.claim(req).await {
                         Ok(ClaimOutcome::Claimed(lease)) => {
                             let body = format!("{label}:{k}");
                             let outcome = StoredResponse::new(201, body.clone()).into();
@@ -65,8 +65,7 @@ async fn main() {
                         Ok(ClaimOutcome::InProgress { .. }) => format!("{k}\tbusy\t-"),
                         Ok(other) => format!("{k}\tmismatch\t{other:?}"),
                         Err(e) => format!("{k}\terror\t{e}"),
-                    };
-                    line
+                    }
                 }));
             }
         }
