@@ -44,6 +44,7 @@ mod engine;
 mod fingerprint;
 mod key;
 mod memory;
+mod problem;
 mod record;
 mod scope;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -60,6 +61,7 @@ pub use engine::{
 pub use fingerprint::{BodyKind, Fingerprint, FingerprintInput, canonical_form, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+pub use problem::{PROBLEM_BASE, Problem};
 pub use record::{
     Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
     retry_after_secs,

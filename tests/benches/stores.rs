@@ -49,15 +49,25 @@ fn engine_benches(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, e
     let policy = Policy::default();
     c.bench_function(&format!("{name}/first_execution"), |b| {
         b.to_async(rt).iter(|| async {
-            let out = engine.execute(request(&next_key()), &policy, || async { handled() }).await;
-            assert!(matches!(out, Outcome::Executed { recorded: Recorded::Stored, .. }));
+            let out = engine
+                .execute(request(&next_key()), &policy, || async { handled() })
+                .await;
+            assert!(matches!(
+                out,
+                Outcome::Executed {
+                    recorded: Recorded::Stored,
+                    ..
+                }
+            ));
         })
     });
     let key = next_key();
     rt.block_on(engine.execute(request(&key), &policy, || async { handled() }));
     c.bench_function(&format!("{name}/replay"), |b| {
         b.to_async(rt).iter(|| async {
-            let out = engine.execute(request(&key), &policy, || async { handled() }).await;
+            let out = engine
+                .execute(request(&key), &policy, || async { handled() })
+                .await;
             assert!(matches!(out, Outcome::Replayed(_)));
         })
     });
@@ -87,8 +97,13 @@ fn sqlite(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
         })
     });
     let k = next_key();
-    rt.block_on(sqlx::query("INSERT INTO floor (k, v) VALUES (?1, ?2)").bind(&k).bind(BODY).execute(&pool))
-        .expect("seed");
+    rt.block_on(
+        sqlx::query("INSERT INTO floor (k, v) VALUES (?1, ?2)")
+            .bind(&k)
+            .bind(BODY)
+            .execute(&pool),
+    )
+    .expect("seed");
     c.bench_function("sqlite_file/floor_select", |b| {
         b.to_async(rt).iter(|| async {
             let v: Vec<u8> = sqlx::query_scalar("SELECT v FROM floor WHERE k = ?1")

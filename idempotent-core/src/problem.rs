@@ -1,0 +1,157 @@
+//! RFC 9457 problem details for the failures the adapters answer with.
+
+use crate::{KeyError, StoreError};
+use problem_details::ProblemDetails;
+use std::time::Duration;
+
+/// The base of our problem type URIs.
+pub const PROBLEM_BASE: &str = "https://idempotent.dev/problems/";
+
+/// A failure to answer with `application/problem+json` (plus `Retry-After` when set).
+#[derive(Debug, Clone)]
+pub struct Problem {
+    /// The RFC 9457 body (type, title, status, detail).
+    pub details: ProblemDetails,
+    /// HTTP status.
+    pub status: u16,
+    /// Seconds for `Retry-After`, if the client should retry.
+    pub retry_after: Option<u64>,
+    /// The last segment of the type URI (`idempotency-key-missing`).
+    pub slug: &'static str,
+}
+
+impl Problem {
+    fn new(slug: &'static str, status: u16, title: &str, detail: String) -> Self {
+        let code =
+            http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+        let uri: http::Uri = format!("{PROBLEM_BASE}{slug}")
+            .parse()
+            .unwrap_or_else(|_| http::Uri::from_static("about:blank"));
+        Problem {
+            details: ProblemDetails::new()
+                .with_type(uri)
+                .with_status(code)
+                .with_title(title)
+                .with_detail(detail),
+            status,
+            retry_after: None,
+            slug,
+        }
+    }
+
+    /// 400: the key is missing or malformed.
+    pub fn key(error: &KeyError) -> Self {
+        match error {
+            KeyError::Missing => Self::new(
+                "idempotency-key-missing",
+                400,
+                "Idempotency-Key header missing",
+                "this endpoint requires an `Idempotency-Key` header; send a unique value (such as a UUID) per operation and reuse it on retries".into(),
+            ),
+            other => Self::new(
+                "idempotency-key-invalid",
+                400,
+                "Idempotency-Key header invalid",
+                format!("{other}; a key is 1-255 visible ASCII characters, bare or as a quoted string"),
+            ),
+        }
+    }
+
+    /// 400: the caller's scope value cannot identify a caller.
+    pub fn scope(error: &crate::ScopeError) -> Self {
+        Self::new(
+            "idempotency-scope-invalid",
+            400,
+            "Caller identity unusable for idempotency",
+            format!("{error}"),
+        )
+    }
+
+    /// 409: the first attempt is still running.
+    pub fn in_progress(retry_after: Duration) -> Self {
+        let secs = crate::retry_after_secs(retry_after);
+        let mut p = Self::new(
+            "idempotency-key-in-progress",
+            409,
+            "A request with this Idempotency-Key is in progress",
+            format!(
+                "the first request with this key has not finished; retry in {secs} s to get its response"
+            ),
+        );
+        p.retry_after = Some(secs);
+        p
+    }
+
+    /// 422: the key was used for a different request.
+    pub fn mismatch(in_progress: bool) -> Self {
+        Self::new(
+            "idempotency-key-mismatch",
+            422,
+            "Idempotency-Key reused for a different request",
+            format!(
+                "this key was already used with a different method, path or body (that request is {}); use a new key for a new operation",
+                if in_progress {
+                    "still in progress"
+                } else {
+                    "finished"
+                }
+            ),
+        )
+    }
+
+    /// 503: the store failed; the handler did not run.
+    pub fn store_unavailable(error: &StoreError) -> Self {
+        let mut p = Self::new(
+            "idempotency-store-unavailable",
+            503,
+            "Idempotency store unavailable",
+            format!(
+                "the request was not processed because its idempotency record could not be claimed ({error}); retry later with the same key"
+            ),
+        );
+        p.retry_after = Some(1);
+        p
+    }
+
+    /// 410: the original response was too large to store, so it cannot be replayed.
+    pub fn response_not_stored(status: u16, size: u64) -> Self {
+        Self::new(
+            "idempotency-response-not-stored",
+            410,
+            "Original response too large to replay",
+            format!(
+                "the request with this key was processed (status {status}) but its {size}-byte response exceeded the route's limit and was not stored; it will not run again"
+            ),
+        )
+    }
+
+    /// 413: the request body is larger than the idempotency layer buffers.
+    pub fn request_too_large(limit: usize) -> Self {
+        Self::new(
+            "idempotency-request-too-large",
+            413,
+            "Request body too large",
+            format!("the request body exceeds {limit} bytes, the most this endpoint fingerprints"),
+        )
+    }
+
+    /// 500: the server is misconfigured (for example the adapter's layer is missing).
+    pub fn misconfigured(detail: &str) -> Self {
+        Self::new(
+            "idempotency-misconfigured",
+            500,
+            "Idempotency misconfigured on the server",
+            detail.to_owned(),
+        )
+    }
+
+    /// The JSON body.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(&self.details).unwrap_or_else(|_| b"{}".to_vec())
+    }
+
+    /// The problem type's URI.
+    pub fn type_uri(&self) -> String {
+        format!("{PROBLEM_BASE}{}", self.slug)
+    }
+}

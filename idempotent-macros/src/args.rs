@@ -1,0 +1,402 @@
+//! The attribute's arguments, parsed with `syn::meta::parser` into typed values that keep
+//! their spans. Errors are collected, not returned at the first one.
+
+use proc_macro2::{Span, TokenStream};
+use syn::parse::Parser;
+use syn::{LitStr, Token};
+
+/// Every argument, for error messages.
+pub(crate) const VALID: &str =
+    "`scope`, `unscoped`, `ttl`, `lease`, `key`, `store_server_errors`, `max_response`, `crate`";
+
+/// Whether requests must carry a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyReq {
+    Required,
+    Optional,
+}
+
+/// `scope = "param"` or `"param.field.field"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ScopePath {
+    pub(crate) param: String,
+    pub(crate) fields: Vec<String>,
+}
+
+/// The parsed arguments; each keeps the span of its value for later errors.
+#[derive(Default)]
+pub(crate) struct Args {
+    pub(crate) scope: Option<(ScopePath, Span)>,
+    pub(crate) unscoped: Option<Span>,
+    pub(crate) ttl: Option<(u64, Span)>,
+    pub(crate) lease: Option<(u64, Span)>,
+    pub(crate) key: Option<(KeyReq, Span)>,
+    pub(crate) store_server_errors: Option<Span>,
+    pub(crate) max_response: Option<(u64, Span)>,
+    pub(crate) krate: Option<(syn::Path, Span)>,
+}
+
+/// Default lease, for the "ttl shorter than lease" check when no lease is written.
+const DEFAULT_LEASE_MS: u64 = 30_000;
+
+/// Sets `slot` once; a second time is a "duplicate argument" error (serde's `Attr::set`).
+fn set<T>(slot: &mut Option<T>, value: T, name: &str, span: Span, errors: &mut Vec<syn::Error>) {
+    if slot.is_some() {
+        errors.push(syn::Error::new(
+            span,
+            format!("duplicate argument `{name}`"),
+        ));
+    } else {
+        *slot = Some(value);
+    }
+}
+
+/// Parses the attribute's arguments; all problems found are returned together.
+pub(crate) fn parse(tokens: TokenStream) -> Result<Args, Vec<syn::Error>> {
+    let mut args = Args::default();
+    let mut errors = Vec::new();
+    let parser = syn::meta::parser(|meta| {
+        let name = meta
+            .path
+            .get_ident()
+            .map(ToString::to_string)
+            .unwrap_or_else(|| {
+                quote::ToTokens::to_token_stream(&meta.path)
+                    .to_string()
+                    .replace(' ', "")
+            });
+        let span = syn::spanned::Spanned::span(&meta.path);
+        let flag = matches!(name.as_str(), "unscoped" | "store_server_errors");
+        let has_value = meta.input.peek(Token![=]);
+        if flag {
+            if has_value {
+                let v = meta.value()?;
+                let _: syn::Expr = v.parse()?;
+                errors.push(syn::Error::new(
+                    span,
+                    format!("`{name}` takes no value; write just `{name}`"),
+                ));
+            } else if name == "unscoped" {
+                set(&mut args.unscoped, span, &name, span, &mut errors);
+            } else {
+                set(
+                    &mut args.store_server_errors,
+                    span,
+                    &name,
+                    span,
+                    &mut errors,
+                );
+            }
+            return Ok(());
+        }
+        if !matches!(
+            name.as_str(),
+            "scope" | "ttl" | "lease" | "key" | "max_response" | "crate"
+        ) {
+            if has_value {
+                let _: syn::Expr = meta.value()?.parse()?;
+            }
+            errors.push(syn::Error::new(
+                span,
+                format!("unknown argument `{name}`; expected one of {VALID}"),
+            ));
+            return Ok(());
+        }
+        if !has_value {
+            let example = match name.as_str() {
+                "scope" => "scope = \"account_id\"",
+                "ttl" => "ttl = \"24h\"",
+                "lease" => "lease = \"30s\"",
+                "key" => "key = \"optional\"",
+                "max_response" => "max_response = \"1MiB\"",
+                _ => "crate = \"my_idempotent_axum\"",
+            };
+            errors.push(syn::Error::new(
+                span,
+                format!("`{name}` needs a value: `{example}`"),
+            ));
+            return Ok(());
+        }
+        let expr: syn::Expr = meta.value()?.parse()?;
+        let lit = match &expr {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Str(s),
+                ..
+            }) => s.clone(),
+            other => {
+                errors.push(syn::Error::new_spanned(
+                    other,
+                    format!("`{name}` takes a string literal, as in `{name} = \"…\"`"),
+                ));
+                return Ok(());
+            }
+        };
+        let lspan = lit.span();
+        match name.as_str() {
+            "scope" => match scope_path(&lit) {
+                Ok(p) => set(&mut args.scope, (p, lspan), &name, span, &mut errors),
+                Err(e) => errors.push(e),
+            },
+            "ttl" => match duration(&lit) {
+                Ok(ms) => set(&mut args.ttl, (ms, lspan), &name, span, &mut errors),
+                Err(e) => errors.push(e),
+            },
+            "lease" => match duration(&lit) {
+                Ok(ms) => set(&mut args.lease, (ms, lspan), &name, span, &mut errors),
+                Err(e) => errors.push(e),
+            },
+            "key" => match lit.value().as_str() {
+                "required" => set(&mut args.key, (KeyReq::Required, lspan), &name, span, &mut errors),
+                "optional" => set(&mut args.key, (KeyReq::Optional, lspan), &name, span, &mut errors),
+                other => errors.push(syn::Error::new(
+                    lspan,
+                    format!("`key = \"{other}\"` is not a key requirement; expected `\"required\"` or `\"optional\"`"),
+                )),
+            },
+            "max_response" => match size(&lit) {
+                Ok(n) => set(&mut args.max_response, (n, lspan), &name, span, &mut errors),
+                Err(e) => errors.push(e),
+            },
+            _ => match lit.parse::<syn::Path>() {
+                Ok(p) => set(&mut args.krate, (p, lspan), &name, span, &mut errors),
+                Err(_) => errors.push(syn::Error::new(lspan, "`crate` must be a path, as in `crate = \"my_idempotent_axum\"`")),
+            },
+        }
+        Ok(())
+    });
+    if let Err(e) = parser.parse2(tokens) {
+        errors.push(e);
+    }
+    if let (Some((_, uspan)), Some(_)) = (&args.scope, &args.unscoped) {
+        errors.push(syn::Error::new(
+            *uspan,
+            "`scope` and `unscoped` are mutually exclusive: a route either names its caller or shares one namespace",
+        ));
+    }
+    if args.scope.is_none() && args.unscoped.is_none() && errors.is_empty() {
+        errors.push(syn::Error::new(
+            Span::call_site(),
+            "#[idempotent] needs the caller's identity: `scope = \"param\"` naming the parameter that identifies the caller, or `unscoped` if every caller shares one namespace",
+        ));
+    }
+    if let Some((ttl, tspan)) = args.ttl {
+        let lease = args.lease.map_or(DEFAULT_LEASE_MS, |(l, _)| l);
+        if ttl < lease {
+            let which = if args.lease.is_some() {
+                "`lease`"
+            } else {
+                "the default lease"
+            };
+            errors.push(syn::Error::new(
+                tspan,
+                format!(
+                    "`ttl` ({}) is shorter than {which} ({}); a finished response must outlive the lease that protects its first attempt",
+                    fmt_ms(ttl),
+                    fmt_ms(lease)
+                ),
+            ));
+        }
+    }
+    if errors.is_empty() {
+        Ok(args)
+    } else {
+        Err(errors)
+    }
+}
+
+fn scope_path(lit: &LitStr) -> Result<ScopePath, syn::Error> {
+    let value = lit.value();
+    let mut parts = value.split('.');
+    let ident_ok = |s: &str| syn::parse_str::<syn::Ident>(s).is_ok();
+    let param = parts.next().unwrap_or_default().to_owned();
+    let fields: Vec<String> = parts.map(str::to_owned).collect();
+    if !ident_ok(&param)
+        || fields
+            .iter()
+            .any(|f| !ident_ok(f) && f.parse::<u32>().is_err())
+    {
+        return Err(syn::Error::new(
+            lit.span(),
+            format!("`scope = \"{value}\"` is not a parameter name or `param.field` path"),
+        ));
+    }
+    Ok(ScopePath { param, fields })
+}
+
+/// The same grammar as `idempotent_core::parse_duration`: `<n>ms|s|m|h|d`, not zero.
+pub(crate) fn parse_duration_ms(s: &str) -> Result<u64, String> {
+    let malformed = || {
+        format!(
+            "`{s}` is not a duration; write a whole number and a unit: `500ms`, `30s`, `15m`, `24h` or `7d`"
+        )
+    };
+    let end = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(malformed)?;
+    let (digits, unit) = s.split_at(end);
+    let per: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(malformed()),
+    };
+    if digits.is_empty() {
+        return Err(malformed());
+    }
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("the duration `{s}` is too large"))?;
+    let ms = n
+        .checked_mul(per)
+        .ok_or_else(|| format!("the duration `{s}` is too large"))?;
+    if ms == 0 {
+        return Err(format!(
+            "the duration `{s}` is zero; it must be at least 1ms"
+        ));
+    }
+    Ok(ms)
+}
+
+fn duration(lit: &LitStr) -> Result<u64, syn::Error> {
+    parse_duration_ms(&lit.value()).map_err(|m| syn::Error::new(lit.span(), m))
+}
+
+/// `<n>`, `<n>B`, `<n>KiB`, `<n>MiB` or `<n>GiB`, not zero.
+pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
+    let malformed = || {
+        format!(
+            "`{s}` is not a size; write a whole number of bytes, optionally with `KiB`, `MiB` or `GiB`, as in `1MiB`"
+        )
+    };
+    let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(end);
+    let per: u64 = match unit {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err(malformed()),
+    };
+    let n: u64 = digits.parse().map_err(|_| malformed())?;
+    let bytes = n
+        .checked_mul(per)
+        .ok_or_else(|| format!("the size `{s}` is too large"))?;
+    if bytes == 0 {
+        return Err(format!("the size `{s}` is zero"));
+    }
+    Ok(bytes)
+}
+
+fn size(lit: &LitStr) -> Result<u64, syn::Error> {
+    parse_size(&lit.value()).map_err(|m| syn::Error::new(lit.span(), m))
+}
+
+fn fmt_ms(ms: u64) -> String {
+    for (unit, per) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms >= per && ms.is_multiple_of(per) {
+            return format!("{}{unit}", ms / per);
+        }
+    }
+    format!("{ms}ms")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quote::quote;
+
+    fn errs(t: TokenStream) -> Vec<String> {
+        match parse(t) {
+            Ok(_) => vec![],
+            Err(e) => e.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[test]
+    fn parses_everything() {
+        let a = parse(quote!(
+            scope = "acct.id",
+            ttl = "7d",
+            lease = "10s",
+            key = "optional",
+            store_server_errors,
+            max_response = "64KiB",
+            crate = "my::path"
+        ))
+        .ok()
+        .unwrap();
+        assert_eq!(
+            a.scope.unwrap().0,
+            ScopePath {
+                param: "acct".into(),
+                fields: vec!["id".into()]
+            }
+        );
+        assert_eq!(a.ttl.unwrap().0, 7 * 86_400_000);
+        assert_eq!(a.lease.unwrap().0, 10_000);
+        assert_eq!(a.key.unwrap().0, KeyReq::Optional);
+        assert!(a.store_server_errors.is_some());
+        assert_eq!(a.max_response.unwrap().0, 65_536);
+        assert!(parse(quote!(unscoped)).is_ok());
+    }
+
+    #[test]
+    fn collects_errors() {
+        let e = errs(quote!(
+            scope = "a",
+            ttl = "0s",
+            lease = "5x",
+            colour = "red",
+            scope = "b"
+        ));
+        assert_eq!(e.len(), 4, "{e:?}");
+        assert!(e.iter().any(|m| m.contains("is zero")));
+        assert!(e.iter().any(|m| m.contains("`5x` is not a duration")));
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("unknown argument `colour`; expected one of `scope`"))
+        );
+        assert!(e.iter().any(|m| m == "duplicate argument `scope`"));
+        assert_eq!(
+            errs(quote!(ttl = 24))[0],
+            "`ttl` takes a string literal, as in `ttl = \"…\"`"
+        );
+        assert_eq!(
+            errs(quote!(scope = "a", ttl))[0],
+            "`ttl` needs a value: `ttl = \"24h\"`"
+        );
+        assert!(errs(quote!(scope = "a", unscoped))[0].contains("mutually exclusive"));
+        assert!(errs(quote!(ttl = "1h"))[0].contains("needs the caller's identity"));
+        assert!(
+            errs(quote!(unscoped, ttl = "10s"))[0].contains("shorter than the default lease (30s)")
+        );
+        assert!(
+            errs(quote!(unscoped, ttl = "1m", lease = "2m"))[0]
+                .contains("shorter than `lease` (2m)")
+        );
+        assert!(errs(quote!(unscoped = "yes"))[0].contains("takes no value"));
+        assert!(errs(quote!(scope = "a-b"))[0].contains("not a parameter name"));
+        assert!(
+            errs(quote!(unscoped, key = "maybe"))[0]
+                .contains("expected `\"required\"` or `\"optional\"`")
+        );
+    }
+
+    #[test]
+    fn grammars() {
+        assert_eq!(parse_duration_ms("500ms"), Ok(500));
+        assert!(parse_duration_ms("1.5h").is_err());
+        assert!(parse_duration_ms("99999999999999999999d").is_err());
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("100"), Ok(100));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("1MB").is_err());
+    }
+}

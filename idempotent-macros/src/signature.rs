@@ -1,0 +1,100 @@
+//! The handler's shape (async, no receiver, not const) and the names its parameters bind.
+
+use proc_macro2::Span;
+use syn::spanned::Spanned;
+use syn::{FnArg, ItemFn, Pat};
+
+/// Checks what `#[idempotent]` needs of the function; all problems together.
+pub(crate) fn check(f: &ItemFn) -> Vec<syn::Error> {
+    let mut errors = Vec::new();
+    let sig = &f.sig;
+    if let Some(c) = &sig.constness {
+        errors.push(syn::Error::new(
+            c.span(),
+            "#[idempotent] cannot be used on a `const fn`; handlers are `async fn`",
+        ));
+    }
+    if sig.asyncness.is_none() {
+        errors.push(syn::Error::new(
+            sig.fn_token.span(),
+            format!(
+                "#[idempotent] needs an `async fn`; make `{}` async",
+                sig.ident
+            ),
+        ));
+    }
+    if let Some(FnArg::Receiver(r)) = sig.inputs.first() {
+        errors.push(syn::Error::new(
+            r.span(),
+            "#[idempotent] handlers cannot take `self`; write a free `async fn` and reach shared state through an extractor such as `State`",
+        ));
+    }
+    errors
+}
+
+/// The names bound by the function's parameter patterns, in order, walking tuple-struct,
+/// struct, tuple, reference and typed patterns (`Path(account_id): Path<String>` binds
+/// `account_id`).
+pub(crate) fn bindings(f: &ItemFn) -> Vec<(String, Span)> {
+    let mut out = Vec::new();
+    for arg in &f.sig.inputs {
+        if let FnArg::Typed(t) = arg {
+            walk(&t.pat, &mut out);
+        }
+    }
+    out
+}
+
+fn walk(pat: &Pat, out: &mut Vec<(String, Span)>) {
+    match pat {
+        Pat::Ident(i) => {
+            out.push((i.ident.to_string(), i.ident.span()));
+            if let Some((_, sub)) = &i.subpat {
+                walk(sub, out);
+            }
+        }
+        Pat::TupleStruct(t) => t.elems.iter().for_each(|p| walk(p, out)),
+        Pat::Tuple(t) => t.elems.iter().for_each(|p| walk(p, out)),
+        Pat::Struct(s) => s.fields.iter().for_each(|f| walk(&f.pat, out)),
+        Pat::Reference(r) => walk(&r.pat, out),
+        Pat::Type(t) => walk(&t.pat, out),
+        Pat::Paren(p) => walk(&p.pat, out),
+        Pat::Slice(s) => s.elems.iter().for_each(|p| walk(p, out)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(src: &str) -> Vec<String> {
+        let f: ItemFn = syn::parse_str(src).unwrap();
+        bindings(&f).into_iter().map(|(n, _)| n).collect()
+    }
+
+    #[test]
+    fn walks_patterns() {
+        assert_eq!(
+            names(
+                "async fn h(State(app): State<App>, AccountId(account_id): AccountId, Json(req): Json<R>) {}"
+            ),
+            ["app", "account_id", "req"]
+        );
+        assert_eq!(
+            names(
+                "async fn h(Path((org, user)): Path<(u64, u64)>, Auth { user: who, .. }: Auth, &x: &u8, _: W) {}"
+            ),
+            ["org", "user", "who", "x"]
+        );
+        assert_eq!(names("async fn h(mut plain: String) {}"), ["plain"]);
+    }
+
+    #[test]
+    fn shape_errors() {
+        let f: ItemFn = syn::parse_str("const fn h() {}").unwrap();
+        let e: Vec<String> = check(&f).iter().map(ToString::to_string).collect();
+        assert_eq!(e.len(), 2);
+        assert!(e[0].contains("`const fn`") && e[1].contains("make `h` async"));
+    }
+}
