@@ -36,6 +36,17 @@
 //!
 //! Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`; sizes `<n>`, `<n>KiB`, `<n>MiB`.
 //!
+//! The scope's type must implement [`ScopeValue`] (strings, integers, UUIDs, your own id
+//! types); anything else is refused at compile time with a message saying so:
+//!
+//! ```compile_fail
+//! use axum::extract::Path;
+//! use idempotent_axum::idempotent;
+//!
+//! #[idempotent(scope = "ratio")]
+//! async fn handler(Path(ratio): Path<f64>) {} // error: `f64` cannot be used as an idempotency scope
+//! ```
+//!
 //! # Responses
 //! A first execution returns the handler's response with `Idempotent-Replayed: false`; a
 //! retry of a finished request returns the stored status, headers and body with

@@ -51,8 +51,9 @@ fn set<T>(slot: &mut Option<T>, value: T, name: &str, span: Span, errors: &mut V
     }
 }
 
-/// Parses the attribute's arguments; all problems found are returned together.
-pub(crate) fn parse(tokens: TokenStream) -> Result<Args, Vec<syn::Error>> {
+/// Parses the attribute's arguments; all problems found are returned together, next to
+/// whatever did parse (so later checks, such as the scope's, still run).
+pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
     let mut args = Args::default();
     let mut errors = Vec::new();
     let parser = syn::meta::parser(|meta| {
@@ -197,11 +198,7 @@ pub(crate) fn parse(tokens: TokenStream) -> Result<Args, Vec<syn::Error>> {
             ));
         }
     }
-    if errors.is_empty() {
-        Ok(args)
-    } else {
-        Err(errors)
-    }
+    (args, errors)
 }
 
 fn scope_path(lit: &LitStr) -> Result<ScopePath, syn::Error> {
@@ -313,10 +310,7 @@ mod tests {
     use quote::quote;
 
     fn errs(t: TokenStream) -> Vec<String> {
-        match parse(t) {
-            Ok(_) => vec![],
-            Err(e) => e.iter().map(ToString::to_string).collect(),
-        }
+        parse(t).1.iter().map(ToString::to_string).collect()
     }
 
     #[test]
@@ -330,8 +324,7 @@ mod tests {
             max_response = "64KiB",
             crate = "my::path"
         ))
-        .ok()
-        .unwrap();
+        .0;
         assert_eq!(
             a.scope.unwrap().0,
             ScopePath {
@@ -344,7 +337,7 @@ mod tests {
         assert_eq!(a.key.unwrap().0, KeyReq::Optional);
         assert!(a.store_server_errors.is_some());
         assert_eq!(a.max_response.unwrap().0, 65_536);
-        assert!(parse(quote!(unscoped)).is_ok());
+        assert!(parse(quote!(unscoped)).1.is_empty());
     }
 
     #[test]

@@ -35,16 +35,9 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
         Err(e) => return with_errors(item, vec![e]),
     };
     let mut errors = signature::check(&func);
-    let parsed = match args::parse(args) {
-        Ok(a) => Some(a),
-        Err(mut e) => {
-            errors.append(&mut e);
-            None
-        }
-    };
-    if let Some(a) = &parsed
-        && let Some((path, span)) = &a.scope
-    {
+    let (parsed, mut arg_errors) = args::parse(args);
+    errors.append(&mut arg_errors);
+    if let Some((path, span)) = &parsed.scope {
         let bound = signature::bindings(&func);
         if !bound.iter().any(|(n, _)| *n == path.param) {
             let list = if bound.is_empty() {
@@ -62,9 +55,10 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
             ));
         }
     }
-    match parsed {
-        Some(a) if errors.is_empty() => generate(&a, func, fw),
-        _ => with_errors(item, errors),
+    if errors.is_empty() {
+        generate(&parsed, func, fw)
+    } else {
+        with_errors(item, errors)
     }
 }
 

@@ -4,8 +4,8 @@
 
 use axum::extract::{FromRequestParts, State};
 use axum::http::{StatusCode, request::Parts};
-use axum::routing::{get, post};
 use axum::response::AppendHeaders;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use idempotent_axum::{Idempotency, MemoryStore, Store, idempotent};
 use serde_json::{Value, json};
@@ -40,12 +40,18 @@ struct NewCharge {
     amount: i64,
 }
 
+type Created = (
+    StatusCode,
+    AppendHeaders<[(&'static str, String); 2]>,
+    Json<Value>,
+);
+
 #[idempotent(scope = "account_id", lease = "2s")]
 async fn create_charge(
     State(app): State<App>,
     AccountId(account_id): AccountId,
     Json(req): Json<NewCharge>,
-) -> Result<(StatusCode, AppendHeaders<[(&'static str, String); 2]>, Json<Value>), (StatusCode, String)> {
+) -> Result<Created, (StatusCode, String)> {
     let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
     match req.amount {
         13 if !app.panicked_once.swap(true, Ordering::SeqCst) => panic!("handler exploded"),

@@ -1,0 +1,9 @@
+//! trybuild UI tests of `#[idempotent]`: every misuse fails with our message at the right
+//! span; the pass cases compile. Regenerate expectations with `TRYBUILD=overwrite`.
+
+#[test]
+fn ui() {
+    let t = trybuild::TestCases::new();
+    t.compile_fail("ui/fail/*.rs");
+    t.pass("ui/pass/*.rs");
+}

@@ -1,0 +1,6 @@
+use idempotent_axum::idempotent;
+
+#[idempotent(unscoped)]
+const fn handler() {}
+
+fn main() {}

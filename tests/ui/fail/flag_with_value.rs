@@ -1,0 +1,6 @@
+use idempotent_axum::idempotent;
+
+#[idempotent(unscoped = "yes")]
+async fn handler() {}
+
+fn main() {}

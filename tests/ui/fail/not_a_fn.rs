@@ -1,0 +1,6 @@
+use idempotent_axum::idempotent;
+
+#[idempotent(unscoped)]
+struct Handler;
+
+fn main() {}

@@ -1,0 +1,10 @@
+use idempotent_axum::idempotent;
+
+struct Api;
+
+impl Api {
+    #[idempotent(unscoped)]
+    async fn handler(&self) {}
+}
+
+fn main() {}

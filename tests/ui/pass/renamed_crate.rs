@@ -1,0 +1,12 @@
+use axum::routing::post;
+use axum::Router;
+use idempotent_axum as renamed;
+
+#[renamed::idempotent(unscoped, crate = "renamed")]
+async fn handler() -> &'static str {
+    "ok"
+}
+
+fn main() {
+    let _: Router = Router::new().route("/", post(handler));
+}
