@@ -67,11 +67,14 @@ use std::time::Duration;
 
 #[cfg(feature = "postgres")]
 pub use idempotent_core::PostgresStore;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use idempotent_core::SetupError;
 #[cfg(feature = "sqlite")]
 pub use idempotent_core::SqliteStore;
 pub use idempotent_core::{
-    DEFAULT_LEASE, DEFAULT_TTL, Engine, Fingerprint, IdempotencyKey, KeyError, MemoryStore,
-    Problem, Scope, ScopeError, ScopeValue, Store, StoreError, Sweeper,
+    DEFAULT_LEASE, DEFAULT_TTL, DurationError, Engine, Fingerprint, IdempotencyKey, KeyError,
+    MemoryStore, Problem, Scope, ScopeError, ScopeValue, Store, StoreError, Sweeper,
+    parse_duration,
 };
 /// The attribute (see the crate docs for its arguments).
 pub use idempotent_macros::idempotent_axum as idempotent;

@@ -1,0 +1,383 @@
+//! The charges API contract, independent of the web framework.
+
+use idempotent_axum::{MemoryStore, PostgresStore, SqliteStore, Store};
+use serde::Serialize;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// A charge, as the API returns it.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Charge {
+    /// `ch_` + 24 hex characters.
+    pub id: String,
+    /// Always `"charge"`.
+    pub object: &'static str,
+    /// The account (bearer token) that created it.
+    pub account: String,
+    /// Amount in the currency's smallest unit, > 0.
+    pub amount: i64,
+    /// Three-letter currency code, lower case.
+    pub currency: String,
+    /// The customer charged.
+    pub customer: String,
+    /// Creation time, Unix seconds.
+    pub created: i64,
+}
+
+/// A validated request to create a charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewCharge {
+    /// > 0.
+    pub amount: i64,
+    /// Three ASCII letters, lower-cased.
+    pub currency: String,
+    /// Non-empty.
+    pub customer: String,
+}
+
+/// Why a charge request is refused (answered with 400 before any key is claimed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidCharge {
+    /// The body is not JSON / form data of the expected shape.
+    #[error("the body is not a valid {0} charge request")]
+    Malformed(&'static str),
+    /// The content type is neither JSON nor form.
+    #[error("send the charge as `application/json` or `application/x-www-form-urlencoded`")]
+    UnsupportedMediaType,
+    /// A required field is absent.
+    #[error("missing field `{0}`")]
+    Missing(&'static str),
+    /// `amount` is not a positive integer.
+    #[error("`amount` must be a positive integer (smallest currency unit)")]
+    Amount,
+    /// `currency` is not three letters.
+    #[error("`currency` must be a three-letter code such as `usd`")]
+    Currency,
+    /// `customer` is empty.
+    #[error("`customer` must not be empty")]
+    Customer,
+}
+
+impl NewCharge {
+    /// Parses and validates a body by its content type: JSON `{"amount": 500, "currency":
+    /// "usd", "customer": "cus_123"}` or form `amount=500&currency=usd&customer=cus_123`.
+    ///
+    /// # Errors
+    /// [`InvalidCharge`] describing the first problem found.
+    pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, InvalidCharge> {
+        let media = content_type
+            .and_then(|c| c.split(';').next())
+            .map(|m| m.trim().to_ascii_lowercase())
+            .unwrap_or_default();
+        let (amount, currency, customer) = match media.as_str() {
+            "application/json" => {
+                let v: serde_json::Value =
+                    serde_json::from_slice(body).map_err(|_| InvalidCharge::Malformed("JSON"))?;
+                let obj = v.as_object().ok_or(InvalidCharge::Malformed("JSON"))?;
+                let amount = match obj.get("amount") {
+                    None => return Err(InvalidCharge::Missing("amount")),
+                    Some(a) => a.as_i64().ok_or(InvalidCharge::Amount)?,
+                };
+                let text = |name: &'static str| -> Result<String, InvalidCharge> {
+                    match obj.get(name) {
+                        None => Err(InvalidCharge::Missing(name)),
+                        Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                        Some(_) => Err(if name == "currency" {
+                            InvalidCharge::Currency
+                        } else {
+                            InvalidCharge::Customer
+                        }),
+                    }
+                };
+                (amount, text("currency")?, text("customer")?)
+            }
+            "application/x-www-form-urlencoded" => {
+                let mut amount = None;
+                let mut currency = None;
+                let mut customer = None;
+                for (k, v) in form_urlencoded::parse(body) {
+                    match k.as_ref() {
+                        "amount" => amount = Some(v.into_owned()),
+                        "currency" => currency = Some(v.into_owned()),
+                        "customer" => customer = Some(v.into_owned()),
+                        _ => {}
+                    }
+                }
+                let amount = amount
+                    .ok_or(InvalidCharge::Missing("amount"))?
+                    .parse::<i64>()
+                    .map_err(|_| InvalidCharge::Amount)?;
+                (
+                    amount,
+                    currency.ok_or(InvalidCharge::Missing("currency"))?,
+                    customer.ok_or(InvalidCharge::Missing("customer"))?,
+                )
+            }
+            _ => return Err(InvalidCharge::UnsupportedMediaType),
+        };
+        if amount <= 0 {
+            return Err(InvalidCharge::Amount);
+        }
+        if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_alphabetic()) {
+            return Err(InvalidCharge::Currency);
+        }
+        if customer.trim().is_empty() {
+            return Err(InvalidCharge::Customer);
+        }
+        Ok(NewCharge {
+            amount,
+            currency: currency.to_ascii_lowercase(),
+            customer,
+        })
+    }
+}
+
+impl Charge {
+    /// A new charge for `account` (fresh id, created now).
+    pub fn new(account: &str, req: NewCharge) -> Self {
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        Charge {
+            id: format!("ch_{}", &id[..24]),
+            object: "charge",
+            account: account.to_owned(),
+            amount: req.amount,
+            currency: req.currency,
+            customer: req.customer,
+            created,
+        }
+    }
+}
+
+/// Where charges are written: the same database as the idempotency store.
+#[derive(Debug, Clone)]
+pub enum Charges {
+    /// In-process list (`--database memory`).
+    Memory(Arc<Mutex<Vec<Charge>>>),
+    /// A SQLite table.
+    Sqlite(sqlx::SqlitePool),
+    /// A PostgreSQL table.
+    Postgres(sqlx::PgPool),
+}
+
+/// A charges-table failure.
+#[derive(Debug, thiserror::Error)]
+#[error("charges database error: {0}")]
+pub struct DbError(#[from] sqlx::Error);
+
+type Row = (String, String, i64, String, String, i64);
+
+fn from_row((id, account, amount, currency, customer, created): Row) -> Charge {
+    Charge {
+        id,
+        object: "charge",
+        account,
+        amount,
+        currency,
+        customer,
+        created,
+    }
+}
+
+impl Charges {
+    /// Writes a charge.
+    ///
+    /// # Errors
+    /// [`DbError`] when the database fails.
+    pub async fn insert(&self, c: &Charge) -> Result<(), DbError> {
+        match self {
+            Charges::Memory(list) => {
+                list.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(c.clone());
+                Ok(())
+            }
+            Charges::Sqlite(pool) => {
+                sqlx::query("INSERT INTO charges (id, account, amount, currency, customer, created) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
+                    .bind(&c.id).bind(&c.account).bind(c.amount).bind(&c.currency).bind(&c.customer).bind(c.created)
+                    .execute(pool)
+                    .await?;
+                Ok(())
+            }
+            Charges::Postgres(pool) => {
+                sqlx::query("INSERT INTO charges (id, account, amount, currency, customer, created) VALUES ($1, $2, $3, $4, $5, $6)")
+                    .bind(&c.id).bind(&c.account).bind(c.amount).bind(&c.currency).bind(&c.customer).bind(c.created)
+                    .execute(pool)
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// This account's charges, oldest first.
+    ///
+    /// # Errors
+    /// [`DbError`] when the database fails.
+    pub async fn list(&self, account: &str) -> Result<Vec<Charge>, DbError> {
+        match self {
+            Charges::Memory(list) => Ok(list
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .filter(|c| c.account == account)
+                .cloned()
+                .collect()),
+            Charges::Sqlite(pool) => {
+                let rows: Vec<Row> = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = ?1 ORDER BY seq")
+                    .bind(account)
+                    .fetch_all(pool)
+                    .await?;
+                Ok(rows.into_iter().map(from_row).collect())
+            }
+            Charges::Postgres(pool) => {
+                let rows: Vec<Row> = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = $1 ORDER BY seq")
+                    .bind(account)
+                    .fetch_all(pool)
+                    .await?;
+                Ok(rows.into_iter().map(from_row).collect())
+            }
+        }
+    }
+}
+
+/// Why the database could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Not `memory`, `sqlite:…` or `postgres://…`.
+    #[error(
+        "unsupported database URL `{0}`: use `memory`, `sqlite://FILE`, `sqlite::memory:` or `postgres://…`"
+    )]
+    Unsupported(String),
+    /// Setting up the idempotency store failed.
+    #[error(transparent)]
+    Setup(#[from] idempotent_axum::SetupError),
+    /// Creating the charges table failed.
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// Opens the database named by `url`: the idempotency store (migrated) and the charges table
+/// (created if missing), on one database.
+///
+/// # Errors
+/// [`OpenError`].
+pub async fn open(url: &str) -> Result<(Arc<dyn Store>, Charges), OpenError> {
+    if url == "memory" {
+        return Ok((
+            Arc::new(MemoryStore::new()),
+            Charges::Memory(Arc::default()),
+        ));
+    }
+    if url.starts_with("sqlite:") {
+        let store = SqliteStore::connect(url).await?;
+        store.migrate().await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS charges (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, account TEXT NOT NULL,
+                amount INTEGER NOT NULL, currency TEXT NOT NULL, customer TEXT NOT NULL, created INTEGER NOT NULL);
+             CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);",
+        )
+        .execute(store.pool())
+        .await?;
+        let charges = Charges::Sqlite(store.pool().clone());
+        return Ok((Arc::new(store), charges));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .test_before_acquire(false)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await?;
+        let store = PostgresStore::new(pool.clone())?;
+        store.migrate().await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS charges (
+                seq bigserial PRIMARY KEY, id text NOT NULL UNIQUE, account text NOT NULL,
+                amount bigint NOT NULL, currency text NOT NULL, customer text NOT NULL, created bigint NOT NULL);
+             CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);",
+        )
+        .execute(&pool)
+        .await?;
+        return Ok((Arc::new(store), Charges::Postgres(pool)));
+    }
+    Err(OpenError::Unsupported(url.to_owned()))
+}
+
+/// Parses a `--lease` / `--work-delay` value (`0ms` allowed for the delay).
+///
+/// # Errors
+/// The duration grammar's message.
+pub fn parse_delay(s: &str) -> Result<Duration, String> {
+    if s.strip_suffix("ms")
+        .or_else(|| s.strip_suffix('s'))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b == b'0'))
+    {
+        return Ok(Duration::ZERO);
+    }
+    idempotent_axum::parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// Parses a `--lease` value (must be > 0).
+///
+/// # Errors
+/// The duration grammar's message.
+pub fn parse_lease(s: &str) -> Result<Duration, String> {
+    idempotent_axum::parse_duration(s).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        let json = Some("application/json");
+        let form = Some("application/x-www-form-urlencoded");
+        let ok = NewCharge {
+            amount: 500,
+            currency: "usd".into(),
+            customer: "cus_1".into(),
+        };
+        assert_eq!(
+            NewCharge::parse(
+                json,
+                br#"{"amount":500,"currency":"USD","customer":"cus_1"}"#
+            ),
+            Ok(ok.clone())
+        );
+        assert_eq!(
+            NewCharge::parse(form, b"customer=cus_1&amount=500&currency=usd"),
+            Ok(ok)
+        );
+        assert_eq!(
+            NewCharge::parse(json, br#"{"amount":0,"currency":"usd","customer":"c"}"#),
+            Err(InvalidCharge::Amount)
+        );
+        assert_eq!(
+            NewCharge::parse(json, br#"{"amount":5,"currency":"us","customer":"c"}"#),
+            Err(InvalidCharge::Currency)
+        );
+        assert_eq!(
+            NewCharge::parse(json, br#"{"amount":5,"currency":"usd"}"#),
+            Err(InvalidCharge::Missing("customer"))
+        );
+        assert_eq!(
+            NewCharge::parse(json, b"{"),
+            Err(InvalidCharge::Malformed("JSON"))
+        );
+        assert_eq!(
+            NewCharge::parse(form, b"amount=x&currency=usd&customer=c"),
+            Err(InvalidCharge::Amount)
+        );
+        assert_eq!(
+            NewCharge::parse(Some("text/plain"), b""),
+            Err(InvalidCharge::UnsupportedMediaType)
+        );
+        assert_eq!(parse_delay("0ms"), Ok(Duration::ZERO));
+        assert_eq!(parse_delay("5s"), Ok(Duration::from_secs(5)));
+        assert!(parse_lease("0s").is_err());
+    }
+}

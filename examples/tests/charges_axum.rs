@@ -1,0 +1,301 @@
+//! The charges example as a real process on a free port, driven over HTTP, on SQLite and
+//! PostgreSQL.
+#![allow(clippy::unwrap_used)] // tests unwrap freely
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A running `charges-axum`; killed on drop.
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(database: &str, extra: &[&str]) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+        .args(["--listen", "127.0.0.1:0", "--database", database])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("first line: {line:?}"))
+        .to_owned();
+    Server { child, base }
+}
+
+fn account() -> String {
+    format!("acct_{}", uuid::Uuid::new_v4().simple())
+}
+
+fn key() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+struct Api {
+    client: reqwest::Client,
+    base: String,
+}
+
+impl Api {
+    fn new(s: &Server) -> Self {
+        Api {
+            client: reqwest::Client::new(),
+            base: s.base.clone(),
+        }
+    }
+    fn json(&self, account: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
+        self.client
+            .post(format!("{}/v1/charges", self.base))
+            .bearer_auth(account)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+    }
+    fn form(&self, account: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
+        self.client
+            .post(format!("{}/v1/charges", self.base))
+            .bearer_auth(account)
+            .header("idempotency-key", key)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body.to_owned())
+    }
+    async fn count(&self, account: &str) -> usize {
+        let list: Value = self
+            .client
+            .get(format!("{}/v1/charges", self.base))
+            .bearer_auth(account)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(list["object"], "list");
+        list["data"].as_array().unwrap().len()
+    }
+}
+
+const CHARGE: &str = r#"{"amount": 500, "currency": "usd", "customer": "cus_123"}"#;
+
+async fn contract(database: &str) {
+    let server = start(database, &[]);
+    let api = Api::new(&server);
+    let acct = account();
+
+    assert_eq!(
+        api.client
+            .get(format!("{}/healthz", api.base))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    // First charge, then its replay: same bytes, replay header; one charge written.
+    let k = key();
+    let first = api.json(&acct, &k, CHARGE).send().await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.headers()["idempotent-replayed"], "false");
+    let body = first.bytes().await.unwrap();
+    let charge: Value = serde_json::from_slice(&body).unwrap();
+    assert!(charge["id"].as_str().unwrap().starts_with("ch_"));
+    assert_eq!(
+        (charge["object"].as_str(), charge["account"].as_str()),
+        (Some("charge"), Some(acct.as_str()))
+    );
+    assert_eq!(
+        (
+            charge["amount"].as_i64(),
+            charge["currency"].as_str(),
+            charge["customer"].as_str()
+        ),
+        (Some(500), Some("usd"), Some("cus_123"))
+    );
+    assert!(charge["created"].as_i64().unwrap() > 1_700_000_000);
+    let replay = api
+        .json(
+            &acct,
+            &k,
+            r#"{"customer":"cus_123","currency":"usd","amount":500}"#,
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 201);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.bytes().await.unwrap(), body);
+    assert_eq!(api.count(&acct).await, 1);
+
+    // Same key, different charge: 422.
+    let other = api
+        .json(
+            &acct,
+            &k,
+            r#"{"amount": 501, "currency": "usd", "customer": "cus_123"}"#,
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 422);
+    assert_eq!(other.headers()["content-type"], "application/problem+json");
+
+    // 401 without (or with an empty) bearer.
+    let anon = api
+        .client
+        .post(format!("{}/v1/charges", api.base))
+        .header("idempotency-key", key())
+        .header("content-type", "application/json")
+        .body(CHARGE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anon.status(), 401);
+    let empty = api.json("", &key(), CHARGE).send().await.unwrap();
+    assert_eq!(empty.status(), 401);
+
+    // 400 before any claim: the corrected retry with the same key succeeds.
+    let k2 = key();
+    for bad in [
+        r#"{"amount": 0, "currency": "usd", "customer": "cus_1"}"#,
+        r#"{"amount": 5, "currency": "dollars", "customer": "cus_1"}"#,
+        r#"{"amount": 5, "currency": "usd"}"#,
+        r#"{"amount": 5, "#,
+    ] {
+        let res = api.json(&acct, &k2, bad).send().await.unwrap();
+        assert_eq!(res.status(), 400, "{bad}");
+        assert_eq!(res.headers()["content-type"], "application/problem+json");
+    }
+    let fixed = api.json(&acct, &k2, CHARGE).send().await.unwrap();
+    assert_eq!(fixed.status(), 201);
+    assert_eq!(fixed.headers()["idempotent-replayed"], "false");
+    assert_eq!(api.count(&acct).await, 2);
+
+    // Form bodies: pairs reordered replay; a JSON body under that key is a 422.
+    let k3 = key();
+    let f1 = api
+        .form(&acct, &k3, "amount=700&currency=eur&customer=cus_9")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(f1.status(), 201);
+    let f1_body = f1.bytes().await.unwrap();
+    let f2 = api
+        .form(&acct, &k3, "customer=cus_9&amount=700&currency=eur")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(f2.headers()["idempotent-replayed"], "true");
+    assert_eq!(f2.bytes().await.unwrap(), f1_body);
+    let as_json = api
+        .json(
+            &acct,
+            &k3,
+            r#"{"amount": 700, "currency": "eur", "customer": "cus_9"}"#,
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(as_json.status(), 422);
+    assert_eq!(api.count(&acct).await, 3);
+
+    // 8 concurrent duplicates of 100 operations: exactly 100 charges.
+    let racer = account();
+    let mut requests = Vec::new();
+    for op in 0..100 {
+        let k = key();
+        let body = format!(
+            r#"{{"amount": {}, "currency": "usd", "customer": "cus_{op}"}}"#,
+            op + 1
+        );
+        for _ in 0..8 {
+            requests.push(api.json(&racer, &k, &body).send());
+        }
+    }
+    let mut created = 0;
+    for res in futures_util::future::join_all(requests).await {
+        let status = res.unwrap().status().as_u16();
+        assert!(matches!(status, 201 | 409), "{status}");
+        created += usize::from(status == 201);
+    }
+    assert!(created >= 100);
+    assert_eq!(api.count(&racer).await, 100);
+    drop(server);
+
+    // 409 while the first attempt is still with the "payment provider".
+    let slow = start(database, &["--work-delay", "2s"]);
+    let api = Api::new(&slow);
+    let k4 = key();
+    let first = tokio::spawn(api.json(&acct, &k4, CHARGE).send());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let busy = api.json(&acct, &k4, CHARGE).send().await.unwrap();
+    assert_eq!(busy.status(), 409);
+    assert!(
+        busy.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            >= 1
+    );
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), 201);
+    let after = api.json(&acct, &k4, CHARGE).send().await.unwrap();
+    assert_eq!(after.headers()["idempotent-replayed"], "true");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    contract(&format!(
+        "sqlite://{}",
+        dir.path().join("charges.db").display()
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn charges_on_postgres() {
+    contract(&std::env::var("DATABASE_URL").unwrap()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_on_memory() {
+    contract("memory").await;
+}
+
+#[test]
+fn bad_flags_fail_clearly() {
+    let out = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+        .args(["--lease", "0s"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is zero"));
+    let out = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+        .args(["--listen", "127.0.0.1:0", "--database", "mysql://nope"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+}
