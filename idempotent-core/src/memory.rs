@@ -162,7 +162,7 @@ impl MemoryStore {
                     locked_until,
                 },
                 created_at: now,
-                expires_at: now + req.ttl.max(req.lease),
+                expires_at: now + req.lease + req.ttl,
             };
             (lease, record)
         };
@@ -250,7 +250,7 @@ impl Store for MemoryStore {
                     outcome: outcome.clone(),
                     completed_at: now,
                 };
-                rec.expires_at = now + ttl;
+                rec.expires_at = rec.expires_at.max(now + ttl);
             }
         })
     }

@@ -88,7 +88,8 @@ pub trait Store: Send + Sync + 'static {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
 
     /// Finishes the attempt holding `token`: the record becomes `done` with `outcome`, and
-    /// expires `ttl` after now.
+    /// expires no sooner than `ttl` after now. (A claim sets the expiry to now + lease + ttl,
+    /// so a handler that finishes within its lease leaves it unchanged: the ttl is a floor.)
     ///
     /// # Errors
     /// [`StoreError::StaleLease`] when `token` no longer holds the record.

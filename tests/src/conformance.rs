@@ -211,7 +211,9 @@ pub async fn ttl_expiry_reclaims(f: &impl Fixture) {
         .await
         .expect("complete");
     assert!(store.get(&key).await.expect("get").is_some());
-    f.advance(ttl + Duration::from_millis(200)).await;
+    // The ttl is a floor: the claim's expiry (now + lease + ttl) may outlast it.
+    f.advance(f.lease() + ttl + Duration::from_millis(200))
+        .await;
     assert_eq!(store.get(&key).await.expect("get"), None);
     // A different fingerprint is fine now: the old record is gone.
     let again = claimed(claim(&*store, &key, &fp("b"), f.lease(), TTL).await);
@@ -271,7 +273,8 @@ pub async fn purge_in_batches(f: &impl Fixture) {
         0,
         "nothing expired yet"
     );
-    f.advance(short + Duration::from_millis(200)).await;
+    f.advance(f.lease() + short + Duration::from_millis(200))
+        .await;
     // `keep` has a live lease of f.lease() from its own claim; extend it so it survives.
     store
         .extend(&keep, kl.token, TTL)

@@ -466,3 +466,54 @@ async fn invalid_table_names_are_refused() {
         .build();
     assert!(matches!(bad, Err(SetupError::InvalidIdentifier(_))));
 }
+
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_complete_is_a_hot_update() {
+    // One connection, so the statistics we flush are the ones our statements produced.
+    let pool = pg_pool(1).await;
+    let table = unique_table("hot");
+    let store = pg_store(pool.clone(), &table).await;
+    let engine = Engine::new(store);
+    for _ in 0..50 {
+        let key = unique_key("hot");
+        let out = engine
+            .execute(request(&key), &Policy::default(), || async { handled() })
+            .await;
+        assert!(matches!(
+            out,
+            Outcome::Executed {
+                recorded: Recorded::Stored,
+                ..
+            }
+        ));
+    }
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut counts = (0_i64, 0_i64);
+    for _ in 0..50 {
+        counts = sqlx::query_as(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = 'idempotent_test' AND relname = $1",
+        )
+        .bind(&table)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if counts.0 >= 50 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (updates, hot) = counts;
+    assert_eq!(updates, 50, "one complete per execution");
+    assert!(
+        hot >= 45,
+        "completes should be HOT updates: {hot} of {updates}"
+    );
+    pg_drop(&pool, &table).await;
+}

@@ -98,16 +98,22 @@ impl Statements {
             schema: schema.to_owned(),
             name: name.to_owned(),
             // Closes the check-then-insert race: the INSERT … ON CONFLICT DO NOTHING is the
-            // claim itself, so of N concurrent claimers exactly one inserts. A replay takes
-            // the second branch and writes nothing (no row lock, no transaction id, no WAL),
-            // unlike `ON CONFLICT DO UPDATE … WHERE false`. Under READ COMMITTED the second
-            // branch can miss a row committed by a concurrent claimer mid-statement (it reads
-            // the statement's snapshot): then no row comes back and the caller loops.
-            claim: s("WITH ins AS (
+            // claim itself, so of N concurrent claimers exactly one inserts. When the row is
+            // already visible (every replay), the INSERT gets no input row at all: no
+            // speculative insertion, no row lock, no transaction id, no WAL (unlike
+            // `ON CONFLICT DO UPDATE … WHERE false`, which locks the row). Under READ
+            // COMMITTED, a row committed by a concurrent claimer after this statement's
+            // snapshot is invisible to `existing` yet conflicts in the INSERT: then no row
+            // comes back and the caller loops (bounded).
+            claim: s("WITH existing AS (
+                    SELECT fingerprint, done, token, expires_at, locked_until, status, headers, body, oversized
+                    FROM {t} WHERE scope = $1 AND key = $2),
+                ins AS (
                     INSERT INTO {t} (scope, key, fingerprint, done, token, locked_until, created_at, expires_at)
-                    VALUES ($1, $2, $3, false, $4,
-                            now() + $5::float8 * interval '1 millisecond', now(),
-                            now() + $6::float8 * interval '1 millisecond')
+                    SELECT $1, $2, $3, false, $4,
+                           now() + $5::float8 * interval '1 millisecond', now(),
+                           now() + $6::float8 * interval '1 millisecond'
+                    WHERE NOT EXISTS (SELECT 1 FROM existing)
                     ON CONFLICT (scope, key) DO NOTHING
                     RETURNING locked_until)
                 SELECT true AS inserted, NULL::bytea AS fingerprint, false AS done, NULL::uuid AS token,
@@ -121,8 +127,7 @@ impl Statements {
                        (NOT done AND locked_until <= now()),
                        COALESCE(GREATEST(0, extract(epoch FROM (locked_until - now())) * 1000), 0)::int8,
                        0::int8, status, headers, body, oversized
-                FROM {t}
-                WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)"),
+                FROM existing"),
             // The rare path: take over an expired record, or a lease that ran out (same
             // fingerprint). Compare-and-swap on the old token closes the race between two
             // retries taking over at once: only one UPDATE matches the old token.
@@ -135,9 +140,12 @@ impl Statements {
                   AND (expires_at <= now() OR (NOT done AND locked_until <= now() AND fingerprint = $3))
                 RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
             // Fenced: a stale owner (its lease taken over) matches no row and cannot overwrite.
+            // The claim already set expires_at to now + lease + ttl, so for a handler that
+            // finishes within its lease the GREATEST leaves the indexed column unchanged and
+            // the update can be HOT (no index insertions; see the fillfactor migration).
             complete: s("UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
                     oversized = $7, completed_at = now(), locked_until = NULL,
-                    expires_at = now() + $8::float8 * interval '1 millisecond'
+                    expires_at = GREATEST(expires_at, now() + $8::float8 * interval '1 millisecond')
                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > now()"),
             // Fenced like complete: a stale owner cannot delete the new owner's record.
             release: s("DELETE FROM {t}
@@ -212,13 +220,24 @@ impl PostgresStore {
         let sql = include_str!("../../migrations/postgres/0001_create_records.sql")
             .replace("{table}", &self.sql.table)
             .replace("{name}", &self.sql.name);
-        let mut migrator = Migrator::with_migrations(vec![Migration::new(
-            1,
-            "create records".into(),
-            MigrationType::Simple,
-            AssertSqlSafe(sql).into_sql_str(),
-            false,
-        )]);
+        let fillfactor = include_str!("../../migrations/postgres/0002_fillfactor.sql")
+            .replace("{table}", &self.sql.table);
+        let mut migrator = Migrator::with_migrations(vec![
+            Migration::new(
+                1,
+                "create records".into(),
+                MigrationType::Simple,
+                AssertSqlSafe(sql).into_sql_str(),
+                false,
+            ),
+            Migration::new(
+                2,
+                "fillfactor for HOT completes".into(),
+                MigrationType::Simple,
+                AssertSqlSafe(fillfactor).into_sql_str(),
+                false,
+            ),
+        ]);
         migrator
             .dangerous_set_table_name(format!("{}.{}_migrations", self.sql.schema, self.sql.name));
         migrator.create_schema(self.sql.schema.clone());
@@ -261,7 +280,7 @@ impl PostgresStore {
                 .bind(fp)
                 .bind(token.as_uuid())
                 .bind(millis(req.lease))
-                .bind(millis(req.ttl))
+                .bind(millis(req.lease + req.ttl))
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(db_error)?;
@@ -280,7 +299,7 @@ impl PostgresStore {
                         .bind(fp)
                         .bind(token.as_uuid())
                         .bind(millis(req.lease))
-                        .bind(millis(req.ttl))
+                        .bind(millis(req.lease + req.ttl))
                         .bind(old.as_uuid())
                         .fetch_optional(&mut *conn)
                         .await

@@ -120,7 +120,7 @@ impl Statements {
                 RETURNING locked_until"),
             // Fenced: a stale owner (lease taken over) matches no row and cannot overwrite.
             complete: s("UPDATE {t} SET done = 1, status = ?4, headers = ?5, body = ?6, oversized = ?7,
-                    completed_at = {now}, locked_until = NULL, expires_at = {now} + ?8
+                    completed_at = {now}, locked_until = NULL, expires_at = max(expires_at, {now} + ?8)
                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND done = 0 AND expires_at > {now}"),
             // Fenced like complete.
             release: s("DELETE FROM {t}
@@ -259,7 +259,7 @@ impl SqliteStore {
                     .bind(fp)
                     .bind(token.as_uuid())
                     .bind(millis(req.lease))
-                    .bind(millis(req.ttl))
+                    .bind(millis(req.lease + req.ttl))
                     .fetch_optional(&mut *conn)
                     .await
                     .map_err(db_error)?;
@@ -278,7 +278,7 @@ impl SqliteStore {
                         .bind(fp)
                         .bind(token.as_uuid())
                         .bind(millis(req.lease))
-                        .bind(millis(req.ttl))
+                        .bind(millis(req.lease + req.ttl))
                         .bind(old.as_uuid())
                         .fetch_optional(&mut *conn)
                         .await
