@@ -1,5 +1,164 @@
 //! What the SQL stores share: identifier checks, row decoding and the claim decision.
 
+/// The parts of a SQL store that are the same text for every database: the fenced
+/// `complete`, the `Store` impl around each store's own `claim_on`, and row decoding.
+/// (One macro rather than a generic over `sqlx::Database`, whose executor bounds would
+/// drown the statements.)
+macro_rules! sql_store_common {
+    ($store:ident, $db:ty, $conn:ty, $row:ty) => {
+        fn q(sql: &Arc<str>) -> sqlx::SqlStr {
+            AssertSqlSafe(Arc::clone(sql)).into_sql_str()
+        }
+
+        fn existing(row: &$row) -> Result<ExistingRow, sqlx::Error> {
+            Ok(ExistingRow {
+                fingerprint: row.try_get("fingerprint")?,
+                done: row.try_get("done")?,
+                token: row.try_get("token")?,
+                expired: row.try_get("expired")?,
+                lease_over: row.try_get("lease_over")?,
+                retry_ms: row.try_get("retry_ms")?,
+                status: row.try_get("status")?,
+                headers: row.try_get("headers")?,
+                body: row.try_get("body")?,
+                oversized: row.try_get("oversized")?,
+            })
+        }
+
+        impl $store {
+            /// [`Store::complete`] on a connection or transaction you provide.
+            ///
+            /// # Errors
+            /// As [`Store::complete`].
+            pub async fn complete_on(
+                &self,
+                conn: &mut $conn,
+                key: &RecordKey,
+                token: LeaseToken,
+                outcome: &StoredOutcome,
+                ttl: Duration,
+            ) -> Result<(), StoreError> {
+                let c = outcome_columns(outcome);
+                self.sent.bump();
+                let done = sqlx::query(q(&self.sql.complete))
+                    .bind(key.scope.as_str())
+                    .bind(key.key.as_str())
+                    .bind(token.as_uuid())
+                    .bind(c.status)
+                    .bind(c.headers)
+                    .bind(c.body)
+                    .bind(c.oversized)
+                    .bind(millis(ttl))
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(db_error)?;
+                if done.rows_affected() == 1 {
+                    Ok(())
+                } else {
+                    Err(StoreError::StaleLease)
+                }
+            }
+
+            async fn conn(&self) -> Result<sqlx::pool::PoolConnection<$db>, StoreError> {
+                self.pool.acquire().await.map_err(db_error)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl Store for $store {
+            async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+                let mut conn = self.conn().await?;
+                self.claim_on(&mut conn, req).await
+            }
+
+            async fn complete(
+                &self,
+                key: &RecordKey,
+                token: LeaseToken,
+                outcome: &StoredOutcome,
+                ttl: Duration,
+            ) -> Result<(), StoreError> {
+                let mut conn = self.conn().await?;
+                self.complete_on(&mut conn, key, token, outcome, ttl).await
+            }
+
+            async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+                self.sent.bump();
+                let done = sqlx::query(q(&self.sql.release))
+                    .bind(key.scope.as_str())
+                    .bind(key.key.as_str())
+                    .bind(token.as_uuid())
+                    .execute(&self.pool)
+                    .await
+                    .map_err(db_error)?;
+                if done.rows_affected() == 1 {
+                    Ok(())
+                } else {
+                    Err(StoreError::StaleLease)
+                }
+            }
+
+            async fn extend(
+                &self,
+                key: &RecordKey,
+                token: LeaseToken,
+                lease: Duration,
+            ) -> Result<SystemTime, StoreError> {
+                self.sent.bump();
+                let until: Option<i64> = sqlx::query_scalar(q(&self.sql.extend))
+                    .bind(key.scope.as_str())
+                    .bind(key.key.as_str())
+                    .bind(token.as_uuid())
+                    .bind(millis(lease))
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(db_error)?;
+                until.map(from_millis).ok_or(StoreError::StaleLease)
+            }
+
+            async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+                self.sent.bump();
+                let done = sqlx::query(q(&self.sql.purge))
+                    .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(db_error)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+                self.sent.bump();
+                let row = sqlx::query(q(&self.sql.get))
+                    .bind(key.scope.as_str())
+                    .bind(key.key.as_str())
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(db_error)?;
+                row.map(|row| record(key, &row)).transpose()
+            }
+        }
+
+        fn record(key: &RecordKey, row: &$row) -> Result<Record, StoreError> {
+            let columns = || -> Result<RecordColumns, sqlx::Error> {
+                Ok(RecordColumns {
+                    fingerprint: row.try_get("fingerprint")?,
+                    done: row.try_get("done")?,
+                    token: row.try_get("token")?,
+                    locked_until: row.try_get("locked_until")?,
+                    status: row.try_get("status")?,
+                    headers: row.try_get("headers")?,
+                    body: row.try_get("body")?,
+                    oversized: row.try_get("oversized")?,
+                    created_at: row.try_get("created_at")?,
+                    completed_at: row.try_get("completed_at")?,
+                    expires_at: row.try_get("expires_at")?,
+                })
+            };
+            build_record(key, columns().map_err(db_error)?)
+        }
+    };
+}
+
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "sqlite")]
