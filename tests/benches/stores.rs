@@ -45,7 +45,7 @@ fn handled() -> Handled<()> {
     }
 }
 
-fn engine_benches(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, engine: &Engine) {
+fn first_execution(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, engine: &Engine) {
     let policy = Policy::default();
     c.bench_function(&format!("{name}/first_execution"), |b| {
         b.to_async(rt).iter(|| async {
@@ -61,6 +61,10 @@ fn engine_benches(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, e
             ));
         })
     });
+}
+
+fn replay(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, engine: &Engine) {
+    let policy = Policy::default();
     let key = next_key();
     rt.block_on(engine.execute(request(&key), &policy, || async { handled() }));
     c.bench_function(&format!("{name}/replay"), |b| {
@@ -86,6 +90,7 @@ fn sqlite(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
         s
     });
     let pool = store.pool().clone();
+    let engine = Engine::new(store);
     c.bench_function("sqlite_file/floor_insert", |b| {
         b.to_async(rt).iter(|| async {
             sqlx::query("INSERT INTO floor (k, v) VALUES (?1, ?2)")
@@ -96,6 +101,7 @@ fn sqlite(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
                 .expect("insert");
         })
     });
+    first_execution(c, rt, "sqlite_file", &engine);
     let k = next_key();
     rt.block_on(
         sqlx::query("INSERT INTO floor (k, v) VALUES (?1, ?2)")
@@ -114,7 +120,7 @@ fn sqlite(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
             assert_eq!(v.len(), BODY.len());
         })
     });
-    engine_benches(c, rt, "sqlite_file", &Engine::new(store));
+    replay(c, rt, "sqlite_file", &engine);
 }
 
 fn postgres(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
@@ -136,6 +142,7 @@ fn postgres(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
     });
     let insert = format!("INSERT INTO idempotent_test.{table}_floor (k, v) VALUES ($1, $2)");
     let select = format!("SELECT v FROM idempotent_test.{table}_floor WHERE k = $1");
+    let engine = Engine::new(store);
     c.bench_function("postgres/floor_insert", |b| {
         b.to_async(rt).iter(|| async {
             sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
@@ -146,6 +153,7 @@ fn postgres(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
                 .expect("insert");
         })
     });
+    first_execution(c, rt, "postgres", &engine);
     let k = next_key();
     rt.block_on(
         sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
@@ -164,7 +172,7 @@ fn postgres(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
             assert_eq!(v.len(), BODY.len());
         })
     });
-    engine_benches(c, rt, "postgres", &Engine::new(store));
+    replay(c, rt, "postgres", &engine);
     rt.block_on(async {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "DROP TABLE IF EXISTS idempotent_test.{table}_floor"
