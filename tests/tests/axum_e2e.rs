@@ -74,6 +74,17 @@ async fn create_refund(
     (StatusCode::CREATED, format!("refund for {account_id}: {v}"))
 }
 
+#[idempotent(unscoped, max_response = "16")]
+async fn big() -> String {
+    "x".repeat(100)
+}
+
+#[idempotent(unscoped, key = "optional")]
+async fn optional(State(app): State<App>) -> StatusCode {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    StatusCode::NO_CONTENT
+}
+
 #[idempotent(unscoped)]
 async fn list(State(app): State<App>) -> String {
     format!("runs={}", app.runs.load(Ordering::SeqCst))
@@ -90,6 +101,8 @@ async fn serve(idempotency: Idempotency) -> Server {
     let router = Router::new()
         .route("/v1/charges", post(create_charge).get(list))
         .route("/v1/refunds", post(create_refund))
+        .route("/big", post(big))
+        .route("/optional", post(optional))
         .layer(idempotency.layer())
         .with_state(app.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -420,6 +433,66 @@ async fn failing_store_answers_503_and_never_runs_the_handler() {
     problem(res, 503, "idempotency-store-unavailable").await;
     assert_eq!(s.runs(), 0);
     let _ = MemoryStore::new().purge_expired(1).await; // Store is in scope for users
+}
+
+#[tokio::test]
+async fn oversized_responses_optional_keys_and_request_limits() {
+    let s = serve(Idempotency::new(MemoryStore::new()).max_request(1024)).await;
+    // A response over the route's limit is returned in full, not stored; the retry gets 410
+    // and the handler does not run again.
+    let post = |path: &str, key: Option<&str>, body: String| {
+        let mut r = s.client.post(format!("{}{path}", s.base)).body(body);
+        if let Some(k) = key {
+            r = r.header("idempotency-key", k);
+        }
+        r.send()
+    };
+    let first = post("/big", Some("big-1"), String::new()).await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.text().await.unwrap().len(), 100);
+    problem(
+        post("/big", Some("big-1"), String::new()).await.unwrap(),
+        410,
+        "idempotency-response-not-stored",
+    )
+    .await;
+    // key = "optional": no key runs unprotected every time; a key still protects.
+    for _ in 0..2 {
+        assert_eq!(
+            post("/optional", None, String::new())
+                .await
+                .unwrap()
+                .status(),
+            204
+        );
+    }
+    assert_eq!(s.runs(), 2);
+    for _ in 0..2 {
+        assert_eq!(
+            post("/optional", Some("opt-1"), String::new())
+                .await
+                .unwrap()
+                .status(),
+            204
+        );
+    }
+    assert_eq!(s.runs(), 3);
+    problem(
+        post("/optional", Some(""), String::new()).await.unwrap(),
+        400,
+        "idempotency-key-invalid",
+    )
+    .await;
+    // Bodies over the layer's limit are refused before anything else.
+    problem(
+        post("/optional", Some("opt-2"), "y".repeat(2048))
+            .await
+            .unwrap(),
+        413,
+        "idempotency-request-too-large",
+    )
+    .await;
+    assert_eq!(s.runs(), 3);
 }
 
 #[tokio::test]
