@@ -168,12 +168,20 @@ impl MemoryStore {
         };
         match map.get_mut(req.key) {
             None => {
-                if self.inner.len.load(Ordering::Relaxed) >= self.inner.max_entries {
+                // Reserve a slot first, so claims racing on other shards cannot overshoot.
+                let max = self.inner.max_entries;
+                if self
+                    .inner
+                    .len
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n < max).then_some(n + 1)
+                    })
+                    .is_err()
+                {
                     return Err(true);
                 }
                 let (lease, record) = fresh(false);
                 map.insert(req.key.clone(), record);
-                self.inner.len.fetch_add(1, Ordering::Relaxed);
                 Ok(ClaimOutcome::Claimed(lease))
             }
             Some(rec) if rec.expires_at <= now => {

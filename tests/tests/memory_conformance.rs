@@ -82,3 +82,36 @@ async fn capacity_is_enforced_and_expired_records_make_room() {
     ));
     assert_eq!(store.len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn capacity_holds_under_concurrent_claims() {
+    use idempotent_core::*;
+    let store = Arc::new(MemoryStore::builder().max_entries(10).build());
+    let fp = idempotent_tests::conformance::fp("a");
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let key = idempotent_tests::conformance::unique_key(&format!("cap{i}"));
+                barrier.wait().await;
+                let req = ClaimRequest {
+                    key: &key,
+                    fingerprint: &fp,
+                    lease: Duration::from_secs(60),
+                    ttl: Duration::from_secs(60),
+                };
+                store.claim(req).await
+            })
+        })
+        .collect();
+    let mut claimed = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(ClaimOutcome::Claimed(_)) => claimed += 1,
+            Err(StoreError::Capacity { max_entries: 10 }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((claimed, store.len()), (10, 10));
+}
