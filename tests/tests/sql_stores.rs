@@ -86,34 +86,32 @@ async fn postgres_round_trips_and_no_write_on_replay() {
     engine
         .execute(request(&key), &Policy::default(), || async { handled() })
         .await;
-    let xmin_before: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT xmin::text FROM idempotent_test.{table} WHERE scope = $1 AND key = $2"
-    )))
-    .bind(key.scope.as_str())
-    .bind(key.key.as_str())
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let (xmin_before, _) = row_versions(&pool, &table, &key).await;
     for _ in 0..5 {
         let out = engine
             .execute(request(&key), &Policy::default(), || async { handled() })
             .await;
         assert!(matches!(out, Outcome::Replayed(_)));
     }
-    let (xmin, xmax): (String, String) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT xmin::text, xmax::text FROM idempotent_test.{table} WHERE scope = $1 AND key = $2"
-    )))
-    .bind(key.scope.as_str())
-    .bind(key.key.as_str())
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let (xmin, xmax) = row_versions(&pool, &table, &key).await;
     assert_eq!(
         (xmin, xmax.as_str()),
         (xmin_before, "0"),
         "replays wrote to the row"
     );
     pg_drop(&pool, &table).await;
+}
+
+/// The row's `xmin` and `xmax` (which transactions wrote and locked it).
+async fn row_versions(pool: &sqlx::PgPool, table: &str, key: &RecordKey) -> (String, String) {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT xmin::text, xmax::text FROM idempotent_test.{table} WHERE scope = $1 AND key = $2"
+    )))
+    .bind(key.scope.as_str())
+    .bind(key.key.as_str())
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// Runs `keys` × `dups` claims spread over `stores` (one per instance), all concurrently per

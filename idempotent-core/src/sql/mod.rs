@@ -5,7 +5,7 @@
 /// (One macro rather than a generic over `sqlx::Database`, whose executor bounds would
 /// drown the statements.)
 macro_rules! sql_store_common {
-    ($store:ident, $db:ty, $conn:ty, $row:ty) => {
+    ($store:ident, $pool:ty, $db:ty, $conn:ty, $row:ty) => {
         fn q(sql: &Arc<str>) -> sqlx::SqlStr {
             AssertSqlSafe(Arc::clone(sql)).into_sql_str()
         }
@@ -26,6 +26,46 @@ macro_rules! sql_store_common {
         }
 
         impl $store {
+            /// The pool.
+            pub fn pool(&self) -> &$pool {
+                &self.pool
+            }
+
+            /// The table name (schema-qualified for PostgreSQL).
+            pub fn table(&self) -> &str {
+                &self.sql.table
+            }
+
+            /// Statements this store (and its clones) has sent so far.
+            pub fn statements_sent(&self) -> u64 {
+                self.sent.get()
+            }
+
+            /// Runs a claim-shaped statement (the SQLite insert, either store's take-over): binds
+            /// scope, key, fingerprint, the new token, the lease and the initial expiry (lease + ttl),
+            /// then the old token when taking over; returns the new lease end if a row was written.
+            async fn claim_write(
+                &self,
+                conn: &mut $conn,
+                sql: &Arc<str>,
+                req: &ClaimRequest<'_>,
+                token: LeaseToken,
+                old: Option<LeaseToken>,
+            ) -> Result<Option<i64>, StoreError> {
+                self.sent.bump();
+                let mut query = sqlx::query_scalar(q(sql))
+                    .bind(req.key.scope.as_str())
+                    .bind(req.key.key.as_str())
+                    .bind(req.fingerprint.as_bytes().as_slice())
+                    .bind(token.as_uuid())
+                    .bind(millis(req.lease))
+                    .bind(millis(req.lease + req.ttl));
+                if let Some(old) = old {
+                    query = query.bind(old.as_uuid());
+                }
+                query.fetch_optional(&mut *conn).await.map_err(db_error)
+            }
+
             /// [`Store::complete`] on a connection or transaction you provide.
             ///
             /// # Errors

@@ -226,21 +226,6 @@ impl PostgresStore {
         Ok(())
     }
 
-    /// The pool.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
-    /// The schema-qualified table name.
-    pub fn table(&self) -> &str {
-        &self.sql.table
-    }
-
-    /// Statements this store (and its clones) has sent so far.
-    pub fn statements_sent(&self) -> u64 {
-        self.sent.get()
-    }
-
     /// [`Store::claim`] on a connection or transaction you provide.
     ///
     /// # Errors
@@ -273,18 +258,9 @@ impl PostgresStore {
             match decide(existing(&row).map_err(db_error)?, req.fingerprint)? {
                 Decision::Report(outcome) => return Ok(outcome),
                 Decision::TakeOver(old) => {
-                    self.sent.bump();
-                    let until: Option<i64> = sqlx::query_scalar(q(&self.sql.take_over))
-                        .bind(scope)
-                        .bind(key)
-                        .bind(fp)
-                        .bind(token.as_uuid())
-                        .bind(millis(req.lease))
-                        .bind(millis(req.lease + req.ttl))
-                        .bind(old.as_uuid())
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db_error)?;
+                    let until = self
+                        .claim_write(conn, &self.sql.take_over, &req, token, Some(old))
+                        .await?;
                     if let Some(until) = until {
                         return Ok(claimed(token, until, true));
                     }
@@ -295,4 +271,4 @@ impl PostgresStore {
     }
 }
 
-sql_store_common!(PostgresStore, sqlx::Postgres, PgConnection, PgRow);
+sql_store_common!(PostgresStore, PgPool, sqlx::Postgres, PgConnection, PgRow);

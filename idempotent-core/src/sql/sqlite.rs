@@ -197,21 +197,6 @@ impl SqliteStore {
         Ok(())
     }
 
-    /// The pool.
-    pub fn pool(&self) -> &SqlitePool {
-        &self.pool
-    }
-
-    /// The table name.
-    pub fn table(&self) -> &str {
-        &self.sql.table
-    }
-
-    /// Statements this store (and its clones) has sent so far.
-    pub fn statements_sent(&self) -> u64 {
-        self.sent.get()
-    }
-
     /// [`Store::claim`] on a connection or transaction you provide.
     ///
     /// # Errors
@@ -222,7 +207,6 @@ impl SqliteStore {
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
         let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
-        let fp = req.fingerprint.as_bytes().as_slice();
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             self.sent.bump();
             let row = sqlx::query(q(&self.sql.read))
@@ -233,17 +217,9 @@ impl SqliteStore {
                 .map_err(db_error)?;
             let token = LeaseToken::generate();
             let Some(row) = row else {
-                self.sent.bump();
-                let until: Option<i64> = sqlx::query_scalar(q(&self.sql.insert))
-                    .bind(scope)
-                    .bind(key)
-                    .bind(fp)
-                    .bind(token.as_uuid())
-                    .bind(millis(req.lease))
-                    .bind(millis(req.lease + req.ttl))
-                    .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(db_error)?;
+                let until = self
+                    .claim_write(conn, &self.sql.insert, &req, token, None)
+                    .await?;
                 match until {
                     Some(until) => return Ok(claimed(token, until, false)),
                     None => continue, // a concurrent claimer inserted first: read its row
@@ -252,18 +228,9 @@ impl SqliteStore {
             match decide(existing(&row).map_err(db_error)?, req.fingerprint)? {
                 Decision::Report(outcome) => return Ok(outcome),
                 Decision::TakeOver(old) => {
-                    self.sent.bump();
-                    let until: Option<i64> = sqlx::query_scalar(q(&self.sql.take_over))
-                        .bind(scope)
-                        .bind(key)
-                        .bind(fp)
-                        .bind(token.as_uuid())
-                        .bind(millis(req.lease))
-                        .bind(millis(req.lease + req.ttl))
-                        .bind(old.as_uuid())
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db_error)?;
+                    let until = self
+                        .claim_write(conn, &self.sql.take_over, &req, token, Some(old))
+                        .await?;
                     if let Some(until) = until {
                         return Ok(claimed(token, until, true));
                     }
@@ -274,4 +241,10 @@ impl SqliteStore {
     }
 }
 
-sql_store_common!(SqliteStore, sqlx::Sqlite, SqliteConnection, SqliteRow);
+sql_store_common!(
+    SqliteStore,
+    SqlitePool,
+    sqlx::Sqlite,
+    SqliteConnection,
+    SqliteRow
+);
