@@ -22,7 +22,7 @@ fn json_1k() -> Vec<u8> {
 fn fp() -> Fingerprint {
     Fingerprint::compute(&FingerprintInput {
         method: "POST",
-        route: "/v1/charges",
+        path: "/v1/charges",
         query: None,
         content_type: Some("application/json"),
         body: br#"{"amount":500}"#,
@@ -59,7 +59,7 @@ fn benches(c: &mut Criterion) {
         b.iter(|| {
             Fingerprint::compute(&FingerprintInput {
                 method: "POST",
-                route: "/v1/charges",
+                path: "/v1/charges",
                 query: None,
                 content_type: Some("application/json"),
                 body: black_box(&body),
@@ -70,7 +70,7 @@ fn benches(c: &mut Criterion) {
         b.iter(|| {
             Fingerprint::compute(&FingerprintInput {
                 method: "POST",
-                route: "/v1/charges",
+                path: "/v1/charges",
                 query: None,
                 content_type: Some("application/octet-stream"),
                 body: black_box(&body),

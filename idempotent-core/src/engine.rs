@@ -1,11 +1,14 @@
-//! The engine: claim → execute → complete/release → replay.
+//! The engine: claim → execute → complete/release → replay, and the executions it owns.
 
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 use crate::{Fingerprint, IdempotencyKey, KeyError, LeaseToken, RecordKey, Scope, StoredOutcome};
 use futures_util::FutureExt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 /// Default ttl: how long a finished response is replayed.
@@ -99,11 +102,53 @@ pub struct Handled<T> {
 pub enum Recorded {
     /// The outcome is stored and will be replayed.
     Stored,
-    /// The outcome was not storable (5xx, 408/409/425/429): the key was released.
+    /// The outcome was not storable (5xx, 408/409/425/429, a panic, a failed body): the key
+    /// was released, so a retry runs again.
     Released,
-    /// Writing the record failed (lost lease, store error). A retry may run the handler
-    /// again once the lease has run out.
+    /// Writing the record failed even after bounded retries (lost lease, store error). The
+    /// record stays in progress until its lease runs out: a retry meanwhile gets "in progress",
+    /// and after that it takes over and runs the handler again (the documented limit of plain
+    /// mode). Logged with `tracing` at error level.
     Failed(StoreError),
+}
+
+/// Why a request ran without a record.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Unprotected {
+    /// No key on a route where it is optional.
+    NoKey,
+    /// The store failed and the route opted into fail-open.
+    FailedOpen(StoreError),
+}
+
+/// What [`Engine::begin`] found: run the handler under an [`Execution`], or answer without
+/// running it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Begin {
+    /// This request claimed the record: run the handler, then [`Execution::finish`].
+    Claimed(Execution),
+    /// A stored outcome to replay; the handler must not run.
+    Replay(StoredOutcome),
+    /// Another attempt is running; retry after the given time.
+    InProgress {
+        /// Time until the other attempt's lease runs out.
+        retry_after: Duration,
+    },
+    /// The key was used for a different request.
+    Mismatch {
+        /// Whether that request is still running.
+        in_progress: bool,
+    },
+    /// The key is missing (on a route that requires one) or malformed.
+    KeyRejected(KeyError),
+    /// Run the handler without a record (no key on an optional route, or fail-open).
+    Unprotected(Unprotected),
+    /// The store failed; the handler must not run.
+    StoreUnavailable(StoreError),
+    /// [`Engine::drain`] has begun: no new execution starts in this process.
+    Draining,
 }
 
 /// The result of [`Engine::execute`].
@@ -142,9 +187,12 @@ pub enum Outcome<T> {
         /// The store's error.
         error: StoreError,
     },
+    /// The engine is draining (shutting down); the handler did not run.
+    Draining,
 }
 
-/// Runs handlers at most once per (scope, key), over any [`Store`].
+/// Runs handlers at most once per (scope, key), over any [`Store`], and owns the executions
+/// it starts.
 ///
 /// ```
 /// use idempotent_core::*;
@@ -152,7 +200,7 @@ pub enum Outcome<T> {
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let engine = Engine::new(MemoryStore::new());
 /// let fp = Fingerprint::compute(&FingerprintInput {
-///     method: "POST", route: "/charges", query: None, content_type: None, body: b"",
+///     method: "POST", path: "/charges", query: None, content_type: None, body: b"",
 /// });
 /// let request = || ExecuteRequest {
 ///     scope: Scope::new("acct_1").unwrap(),
@@ -168,41 +216,178 @@ pub enum Outcome<T> {
 /// assert!(matches!(retry, Outcome::Replayed(_)));
 /// # }
 /// ```
+///
+/// # Life cycle
+/// Every claimed execution is counted until it is finished (its outcome stored or the key
+/// released). [`Engine::drain`] stops new executions and waits, bounded, for the running ones:
+/// call it after your server stops accepting connections, so work that lost its client still
+/// gets stored before the process exits.
 #[derive(Clone)]
 pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     store: Arc<dyn Store>,
+    flight: Flight,
+}
+
+/// Executions in flight, for [`Engine::drain`].
+#[derive(Default)]
+struct Flight {
+    running: AtomicUsize,
+    draining: AtomicBool,
+    idle: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("running", &self.running())
+            .finish_non_exhaustive()
     }
+}
+
+/// What [`Engine::drain`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Drained {
+    /// Executions still running when the bound passed (0 when all finished). Their records
+    /// stay in progress until their leases end; a retry after that runs them again.
+    pub still_running: usize,
 }
 
 impl Engine {
     /// An engine over `store`.
     pub fn new(store: impl Store) -> Self {
-        Engine {
-            store: Arc::new(store),
-        }
+        Self::from_arc(Arc::new(store))
     }
 
     /// An engine over a shared store.
     pub fn from_arc(store: Arc<dyn Store>) -> Self {
-        Engine { store }
+        Engine {
+            inner: Arc::new(Inner {
+                store,
+                flight: Flight::default(),
+            }),
+        }
     }
 
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store
+        &self.inner.store
     }
 
-    /// Claims the request's record and runs `handler` only if the claim succeeded.
+    /// Executions claimed and not yet finished.
+    pub fn running(&self) -> usize {
+        self.inner.flight.running.load(Ordering::Acquire)
+    }
+
+    /// Whether [`Engine::drain`] has been called.
+    pub fn is_draining(&self) -> bool {
+        self.inner.flight.draining.load(Ordering::Acquire)
+    }
+
+    /// Stops new executions ([`Begin::Draining`] from then on) and waits until the running
+    /// ones have finished, or `timeout` has passed. Executions still running then are logged
+    /// (`tracing`, warn level); their records stay in progress until their leases end.
     ///
-    /// While the handler runs longer than half the lease, a heartbeat extends the lease. A
-    /// storable outcome (see [`Policy::stores`]) completes the record; anything else releases
-    /// it. If the handler panics, the key is released and the panic resumes; if this future is
-    /// dropped mid-handler (cancellation), the key is released in the background.
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    /// let engine = idempotent_core::Engine::new(idempotent_core::MemoryStore::new());
+    /// let drained = engine.drain(Duration::from_secs(10)).await;
+    /// assert_eq!(drained.still_running, 0);
+    /// # }
+    /// ```
+    pub async fn drain(&self, timeout: Duration) -> Drained {
+        let flight = &self.inner.flight;
+        flight.draining.store(true, Ordering::Release);
+        let all_done = async {
+            loop {
+                let idle = flight.idle.notified();
+                if flight.running.load(Ordering::Acquire) == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        let _ = tokio::time::timeout(timeout, all_done).await;
+        let still_running = flight.running.load(Ordering::Acquire);
+        if still_running > 0 {
+            tracing::warn!(
+                still_running,
+                ?timeout,
+                "idempotency: executions still running after the drain timeout; their records stay in progress until their leases end"
+            );
+        }
+        Drained { still_running }
+    }
+
+    /// Claims the request's record. On [`Begin::Claimed`] the caller runs the handler under
+    /// the returned [`Execution`] and finishes it with the outcome; every other variant says
+    /// how to answer without running it (except [`Begin::Unprotected`], which says to run it
+    /// without a record).
+    pub async fn begin(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
+        let key = match req.key {
+            Ok(key) => key,
+            Err(KeyError::Missing) if policy.key == KeyRequirement::Optional => {
+                return Begin::Unprotected(Unprotected::NoKey);
+            }
+            Err(e) => return Begin::KeyRejected(e),
+        };
+        if self.is_draining() {
+            return Begin::Draining;
+        }
+        let key = RecordKey::new(req.scope, key);
+        let claim = self
+            .inner
+            .store
+            .claim(ClaimRequest {
+                key: &key,
+                fingerprint: &req.fingerprint,
+                lease: policy.lease,
+                ttl: policy.ttl,
+            })
+            .await;
+        match claim {
+            Ok(ClaimOutcome::Claimed(lease)) => {
+                if lease.took_over {
+                    tracing::info!(
+                        "idempotency: took over a record whose lease or ttl had run out"
+                    );
+                }
+                Begin::Claimed(Execution::new(
+                    Arc::clone(&self.inner),
+                    key,
+                    lease.token,
+                    *policy,
+                ))
+            }
+            Ok(ClaimOutcome::Replay(outcome)) => Begin::Replay(outcome),
+            Ok(ClaimOutcome::InProgress { retry_after }) => Begin::InProgress { retry_after },
+            Ok(ClaimOutcome::Mismatch { in_progress }) => Begin::Mismatch { in_progress },
+            Err(error) => {
+                tracing::error!(error = %error, "idempotency: claim failed");
+                if policy.fail_open {
+                    Begin::Unprotected(Unprotected::FailedOpen(error))
+                } else {
+                    Begin::StoreUnavailable(error)
+                }
+            }
+        }
+    }
+
+    /// Claims the request's record and runs `handler` only if the claim succeeded; a storable
+    /// outcome (see [`Policy::stores`]) is stored, anything else releases the key.
+    ///
+    /// While the handler runs longer than half the lease, a heartbeat extends the lease. If the
+    /// handler panics, the key is released and the panic resumes. If this future is dropped
+    /// while the handler runs, the handler is dropped with it and the record **stays in
+    /// progress until its lease runs out** (the handler may have done its work, so releasing
+    /// would let a retry do it again). Code that must survive its caller going away (an HTTP
+    /// request whose client disconnects) runs the work under [`Engine::begin`] inside a
+    /// [`Detached`] future instead, as the adapters do.
     pub async fn execute<T, F, Fut>(
         &self,
         req: ExecuteRequest,
@@ -213,111 +398,250 @@ impl Engine {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Handled<T>>,
     {
-        let key = match req.key {
-            Ok(key) => key,
-            Err(KeyError::Missing) if policy.key == KeyRequirement::Optional => {
-                return Outcome::NoKey(handler().await.value);
-            }
-            Err(e) => return Outcome::KeyRejected(e),
-        };
-        let key = RecordKey::new(req.scope, key);
-        let claim = self
-            .store
-            .claim(ClaimRequest {
-                key: &key,
-                fingerprint: &req.fingerprint,
-                lease: policy.lease,
-                ttl: policy.ttl,
-            })
-            .await;
-        let lease = match claim {
-            Ok(ClaimOutcome::Claimed(lease)) => lease,
-            Ok(ClaimOutcome::Replay(outcome)) => return Outcome::Replayed(outcome),
-            Ok(ClaimOutcome::InProgress { retry_after }) => {
-                return Outcome::InProgress { retry_after };
-            }
-            Ok(ClaimOutcome::Mismatch { in_progress }) => return Outcome::Mismatch { in_progress },
-            Err(error) if policy.fail_open => {
-                return Outcome::FailedOpen {
-                    value: handler().await.value,
-                    error,
-                };
-            }
-            Err(error) => return Outcome::StoreUnavailable(error),
-        };
-
-        let mut guard = ReleaseGuard {
-            store: Arc::clone(&self.store),
-            key: Some(key),
-            token: lease.token,
-        };
-        let result = run_with_heartbeat(&self.store, &guard, policy.lease, handler).await;
-        let key = guard.key.take();
-        let Some(key) = key else {
-            // Unreachable: the key is only taken here.
-            return Outcome::StoreUnavailable(StoreError::Corrupt(
-                "release guard lost its key".into(),
-            ));
-        };
-        let handled = match result {
-            Ok(handled) => handled,
-            Err(panic) => {
-                let _ = self.store.release(&key, lease.token).await;
-                std::panic::resume_unwind(panic);
-            }
-        };
-        let recorded = if policy.stores(handled.record.status()) {
-            match self
-                .store
-                .complete(&key, lease.token, &handled.record, policy.ttl)
-                .await
-            {
-                Ok(()) => Recorded::Stored,
-                Err(e) => Recorded::Failed(e),
-            }
-        } else {
-            match self.store.release(&key, lease.token).await {
-                Ok(()) => Recorded::Released,
-                Err(e) => Recorded::Failed(e),
-            }
-        };
-        Outcome::Executed {
-            value: handled.value,
-            recorded,
+        match self.begin(req, policy).await {
+            Begin::Claimed(mut execution) => match execution.run(handler()).await {
+                Ok(handled) => Outcome::Executed {
+                    recorded: execution.finish(handled.record).await,
+                    value: handled.value,
+                },
+                Err(panic) => {
+                    execution.release().await;
+                    std::panic::resume_unwind(panic)
+                }
+            },
+            Begin::Replay(outcome) => Outcome::Replayed(outcome),
+            Begin::InProgress { retry_after } => Outcome::InProgress { retry_after },
+            Begin::Mismatch { in_progress } => Outcome::Mismatch { in_progress },
+            Begin::KeyRejected(e) => Outcome::KeyRejected(e),
+            Begin::Unprotected(Unprotected::NoKey) => Outcome::NoKey(handler().await.value),
+            Begin::Unprotected(Unprotected::FailedOpen(error)) => Outcome::FailedOpen {
+                value: handler().await.value,
+                error,
+            },
+            Begin::StoreUnavailable(e) => Outcome::StoreUnavailable(e),
+            Begin::Draining => Outcome::Draining,
         }
     }
 }
 
-type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
+/// The payload of a caught panic.
+pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 
-/// Runs the handler, catching panics; after half the lease, a spawned heartbeat extends the
-/// lease every half lease until the handler finishes.
-async fn run_with_heartbeat<T, F, Fut>(
-    store: &Arc<dyn Store>,
-    guard: &ReleaseGuard,
-    lease: Duration,
-    handler: F,
-) -> Result<Handled<T>, PanicPayload>
-where
-    F: FnOnce() -> Fut,
-    Fut: Future<Output = Handled<T>>,
-{
-    let fut = AssertUnwindSafe(async move { handler().await }).catch_unwind();
-    let mut fut = std::pin::pin!(fut);
-    let half = lease / 2;
-    tokio::select! {
-        biased;
-        out = &mut fut => return out,
-        () = tokio::time::sleep(half) => {}
+/// One claimed execution: holds the record's lease until the outcome is stored or the key
+/// released, extends the lease while it runs (a heartbeat after half the lease), and counts
+/// towards [`Engine::drain`].
+///
+/// Finish it with [`Execution::finish`] or [`Execution::release`]. Dropping it unfinished
+/// stops its heartbeat and leaves the record in progress until the lease runs out (logged):
+/// that is what a crash does too, and it never lets a retry run while the work may be done.
+pub struct Execution {
+    engine: Arc<Inner>,
+    key: RecordKey,
+    token: LeaseToken,
+    policy: Policy,
+    heartbeat: Heartbeat,
+    finished: bool,
+}
+
+impl std::fmt::Debug for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("token", &self.token)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
     }
-    // Slow handler: heartbeat in its own task so the handler is never paused by it.
-    let Some(key) = guard.key.clone() else {
-        return fut.await;
-    };
-    let heartbeat = tokio::spawn(heartbeat(Arc::clone(store), key, guard.token, lease));
-    let out = fut.await;
-    heartbeat.abort();
-    out
+}
+
+impl Execution {
+    fn new(engine: Arc<Inner>, key: RecordKey, token: LeaseToken, policy: Policy) -> Self {
+        engine.flight.running.fetch_add(1, Ordering::AcqRel);
+        Execution {
+            engine,
+            key,
+            token,
+            policy,
+            heartbeat: Heartbeat::default(),
+            finished: false,
+        }
+    }
+
+    /// The route's policy this execution runs under.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The record's (scope, key).
+    pub fn key(&self) -> &RecordKey {
+        &self.key
+    }
+
+    /// Runs `fut` to completion while keeping the lease alive; a panic in it is caught and
+    /// returned (finish with [`Execution::release`], then resume it).
+    ///
+    /// # Errors
+    /// The panic's payload, if `fut` panicked.
+    pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
+        let mut fut = std::pin::pin!(AssertUnwindSafe(fut).catch_unwind());
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+                return Poll::Ready(out);
+            }
+            self.poll_heartbeat(cx);
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Keeps the lease alive from a `poll` function (a response body the adapter streams):
+    /// after half the lease it starts the heartbeat task, which then extends the lease every
+    /// half lease until this execution is finished or dropped. Registers a wake-up with `cx`
+    /// until then. Needs a tokio runtime with timers.
+    pub fn poll_heartbeat(&mut self, cx: &mut Context<'_>) {
+        if self.heartbeat.task.is_some() || self.finished {
+            return;
+        }
+        let half = self.policy.lease / 2;
+        let timer = self
+            .heartbeat
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(half)));
+        if timer.as_mut().poll(cx).is_ready() {
+            self.heartbeat.timer = None;
+            let task = tokio::spawn(heartbeat(
+                Arc::clone(&self.engine.store),
+                self.key.clone(),
+                self.token,
+                self.policy.lease,
+            ));
+            self.heartbeat.task = Some(AbortOnDrop(task));
+        }
+    }
+
+    /// Finishes with the handler's outcome: stores it if the policy stores its status, else
+    /// releases the key. Store errors are retried (bounded, within the lease); if it still
+    /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
+    pub async fn finish(mut self, outcome: StoredOutcome) -> Recorded {
+        let recorded = if self.policy.stores(outcome.status()) {
+            self.complete(&outcome).await
+        } else {
+            self.release_now().await
+        };
+        self.done();
+        recorded
+    }
+
+    /// Finishes without an outcome to store (a panic, a response body that failed before it
+    /// could be stored): releases the key so a retry runs again. Failures are retried and
+    /// logged like [`Execution::finish`]'s.
+    pub async fn release(mut self) -> Recorded {
+        let recorded = self.release_now().await;
+        self.done();
+        recorded
+    }
+
+    async fn complete(&mut self, outcome: &StoredOutcome) -> Recorded {
+        let (store, key, token, ttl) = (&self.engine.store, &self.key, self.token, self.policy.ttl);
+        match retry_within(self.policy.lease, || {
+            store.complete(key, token, outcome, ttl)
+        })
+        .await
+        {
+            Ok(()) => Recorded::Stored,
+            Err((error, attempts)) => {
+                tracing::error!(
+                    error = %error,
+                    attempts,
+                    status = outcome.status(),
+                    "idempotency: the outcome could not be stored; the record stays in progress until its lease ends, then a retry runs the handler again"
+                );
+                Recorded::Failed(error)
+            }
+        }
+    }
+
+    async fn release_now(&mut self) -> Recorded {
+        let (store, key, token) = (&self.engine.store, &self.key, self.token);
+        match retry_within(self.policy.lease, || store.release(key, token)).await {
+            Ok(()) => Recorded::Released,
+            Err((error, attempts)) => {
+                tracing::error!(
+                    error = %error,
+                    attempts,
+                    "idempotency: the key could not be released; the record stays in progress until its lease ends"
+                );
+                Recorded::Failed(error)
+            }
+        }
+    }
+
+    fn done(&mut self) {
+        self.finished = true;
+        self.heartbeat = Heartbeat::default();
+    }
+}
+
+impl Drop for Execution {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::warn!(
+                "idempotency: an execution was dropped before its outcome was stored; its record stays in progress until its lease ends"
+            );
+        }
+        let flight = &self.engine.flight;
+        if flight.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            flight.idle.notify_waiters();
+        }
+    }
+}
+
+/// Retries a fenced store write after transient failures, with exponential backoff, for at
+/// most half the lease (the other half is the margin before a retry could take over). A stale
+/// lease is final. Returns the last error and the number of attempts.
+async fn retry_within<F, Fut>(lease: Duration, mut call: F) -> Result<(), (StoreError, u32)>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    let deadline = tokio::time::Instant::now() + lease / 2;
+    let mut backoff = Duration::from_millis(10);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        match call().await {
+            Ok(()) => return Ok(()),
+            Err(StoreError::StaleLease) if attempts > 1 => {
+                // An earlier attempt may have been applied before its answer was lost; the
+                // record is no longer ours either way.
+                return Err((StoreError::StaleLease, attempts));
+            }
+            Err(e @ StoreError::StaleLease) => return Err((e, attempts)),
+            Err(e) => {
+                let now = tokio::time::Instant::now();
+                if now + backoff >= deadline {
+                    return Err((e, attempts));
+                }
+                tracing::warn!(error = %e, attempts, "idempotency: store write failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// The lazily started heartbeat of an execution.
+#[derive(Default)]
+struct Heartbeat {
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    task: Option<AbortOnDrop>,
+}
+
+/// A task that is aborted when this handle is dropped, so it never outlives its owner.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 async fn heartbeat(store: Arc<dyn Store>, key: RecordKey, token: LeaseToken, lease: Duration) {
@@ -326,30 +650,180 @@ async fn heartbeat(store: Arc<dyn Store>, key: RecordKey, token: LeaseToken, lea
         match store.extend(&key, token, lease).await {
             Ok(_) => tokio::time::sleep(half).await,
             // Someone took over: stop; `complete` will report the stale lease.
-            Err(StoreError::StaleLease) => return,
+            Err(StoreError::StaleLease) => {
+                tracing::warn!("idempotency: the lease was taken over while the handler ran");
+                return;
+            }
             // A passing store error: try again sooner, the lease still has half to run.
-            Err(_) => tokio::time::sleep(half / 4).await,
+            Err(error) => {
+                tracing::warn!(error = %error, "idempotency: heartbeat failed; retrying");
+                tokio::time::sleep(half / 4).await;
+            }
         }
     }
 }
 
-/// Releases the key if the handler future is dropped before it finishes (cancellation).
-struct ReleaseGuard {
-    store: Arc<dyn Store>,
-    key: Option<RecordKey>,
-    token: LeaseToken,
+/// A future that keeps running when it is dropped: if it is dropped before it finished (a
+/// client that went away), the rest of it is spawned onto the current tokio runtime and runs
+/// to completion there. Polled in place until then, so the common path costs no spawn.
+///
+/// This is how an HTTP adapter makes "client gone" different from "cancelled": the claimed
+/// execution, its handler and the storing of its outcome live in the detached future.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use idempotent_core::Detached;
+/// let (tx, rx) = tokio::sync::oneshot::channel();
+/// let work = Detached::new(async move {
+///     tokio::task::yield_now().await;
+///     let _ = tx.send("done");
+/// });
+/// // The caller gives up after the first poll ...
+/// let _ = tokio::time::timeout(std::time::Duration::ZERO, work).await;
+/// // ... and the work still finishes.
+/// assert_eq!(rx.await, Ok("done"));
+/// # }
+/// ```
+#[must_use = "futures do nothing unless polled"]
+pub struct Detached<F: Future + Send + 'static>
+where
+    F::Output: Send,
+{
+    fut: Option<Pin<Box<F>>>,
 }
 
-impl Drop for ReleaseGuard {
-    fn drop(&mut self) {
-        let Some(key) = self.key.take() else { return };
-        let store = Arc::clone(&self.store);
-        let token = self.token;
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let _ = store.release(&key, token).await;
-            });
+impl<F: Future + Send + 'static> Detached<F>
+where
+    F::Output: Send,
+{
+    /// Wraps `fut`.
+    pub fn new(fut: F) -> Self {
+        Detached {
+            fut: Some(Box::pin(fut)),
         }
-        // Without a runtime the lease running out frees the key instead.
+    }
+}
+
+impl<F: Future + Send + 'static> Future for Detached<F>
+where
+    F::Output: Send,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let Some(fut) = self.fut.as_mut() else {
+            // Polled after completion: never ready again (as a fused future would be).
+            return Poll::Pending;
+        };
+        let out = std::task::ready!(fut.as_mut().poll(cx));
+        self.fut = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<F: Future + Send + 'static> Drop for Detached<F>
+where
+    F::Output: Send,
+{
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                drop(rt.spawn(async move {
+                    let _ = fut.await;
+                }));
+            }
+            Err(_) => tracing::warn!(
+                "idempotency: unfinished work dropped outside a tokio runtime; its record stays in progress until its lease ends"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FingerprintInput, MemoryStore, RecordState, StoredResponse};
+
+    fn request(key: &str) -> ExecuteRequest {
+        ExecuteRequest {
+            scope: Scope::new("acct").expect("scope"),
+            key: IdempotencyKey::parse(key.as_bytes()),
+            fingerprint: Fingerprint::compute(&FingerprintInput {
+                method: "POST",
+                path: "/t",
+                query: None,
+                content_type: None,
+                body: b"",
+            }),
+        }
+    }
+
+    /// Point 10 of the exactly-once issue: the heartbeat task cannot outlive its execution.
+    /// Dropping a running execution after its heartbeat started must stop extending the lease,
+    /// so the key is not held "in progress" for the life of the process.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn heartbeat_stops_when_the_execution_is_dropped() {
+        let store = MemoryStore::new();
+        let engine = Engine::new(store.clone());
+        let policy = Policy {
+            lease: Duration::from_millis(200),
+            ..Policy::default()
+        };
+        let Begin::Claimed(mut execution) = engine.begin(request("hb"), &policy).await else {
+            panic!("not claimed")
+        };
+        // Run past half the lease, so the heartbeat task has started, then drop everything.
+        let _ = tokio::time::timeout(
+            Duration::from_millis(350),
+            execution.run(std::future::pending::<()>()),
+        )
+        .await;
+        let key = execution.key().clone();
+        let lease_end = |r: Option<crate::Record>| match r.map(|r| r.state) {
+            Some(RecordState::InProgress { locked_until, .. }) => locked_until,
+            other => panic!("{other:?}"),
+        };
+        let extended = lease_end(store.get(&key).await.expect("get"));
+        drop(execution);
+        assert_eq!(engine.running(), 0);
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        // No extension after the drop, and a retry takes the record over.
+        assert_eq!(lease_end(store.get(&key).await.expect("get")), extended);
+        match engine.begin(request("hb"), &policy).await {
+            Begin::Claimed(e) => drop(e),
+            other => panic!("expected a take-over, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn drain_waits_for_running_executions_and_refuses_new_ones() {
+        let engine = Engine::new(MemoryStore::new());
+        let policy = Policy::default();
+        let Begin::Claimed(execution) = engine.begin(request("d1"), &policy).await else {
+            panic!("not claimed")
+        };
+        let finisher = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            execution
+                .finish(StoredResponse::new(201, "ok").into())
+                .await
+        });
+        let drained = engine.drain(Duration::from_secs(5)).await;
+        assert_eq!(drained.still_running, 0);
+        assert!(matches!(finisher.await.expect("join"), Recorded::Stored));
+        assert!(matches!(
+            engine.begin(request("d2"), &policy).await,
+            Begin::Draining
+        ));
+        // A bounded drain reports what it left behind.
+        let engine = Engine::new(MemoryStore::new());
+        let Begin::Claimed(stuck) = engine.begin(request("d3"), &policy).await else {
+            panic!("not claimed")
+        };
+        let drained = engine.drain(Duration::from_millis(50)).await;
+        assert_eq!(drained.still_running, 1);
+        drop(stuck);
+        assert_eq!(engine.running(), 0);
     }
 }

@@ -3,26 +3,42 @@
 use sha2::{Digest, Sha256};
 use std::fmt;
 
-/// SHA-256 over a request's method, route, query, body media type and (canonicalised) body.
+/// SHA-256 over a request's method, concrete path, query, body media type and (canonicalised)
+/// body, tagged with the version of that recipe.
+///
+/// The path is the one the request was sent to (`/orders/1/refund`, not the route template
+/// `/orders/{id}/refund`): path parameters are part of the operation, so one key used for
+/// `/orders/1/refund` and then `/orders/2/refund` is a mismatch, never a replay. Path and
+/// query hash exactly as received, without percent or slash normalisation.
 ///
 /// JSON bodies (`application/json` or any `+json` type) are canonicalised per RFC 8785 (JCS),
 /// so key order and whitespace do not change the fingerprint; form bodies
-/// (`application/x-www-form-urlencoded`) are canonicalised by sorting their decoded pairs;
-/// other bodies, and JSON that does not parse, hash raw. The query string hashes as sent.
+/// (`application/x-www-form-urlencoded`) are canonicalised by a stable sort on the field
+/// name, which keeps the order of a repeated field's values (`a=1&a=2` differs from
+/// `a=2&a=1`); other bodies, and JSON that does not parse, hash raw.
+///
+/// # Versions
+/// Every fingerprint carries the [version](Fingerprint::version) of the recipe that made it
+/// ([`Fingerprint::VERSION`] for new ones), and stores keep it with the record. Two
+/// fingerprints of different versions cannot be compared, so [`Fingerprint::matches`] treats
+/// them as the same request: after an upgrade that changes what is hashed, retries of records
+/// written before it are matched by (scope, key) alone instead of all turning into 422s. Records
+/// written before versions existed (32 stored bytes) are version 1, which hashed the route
+/// template instead of the path.
 ///
 /// ```
 /// use idempotent_core::{Fingerprint, FingerprintInput};
 ///
 /// let a = Fingerprint::compute(&FingerprintInput {
 ///     method: "POST",
-///     route: "/v1/charges",
+///     path: "/v1/charges",
 ///     query: None,
 ///     content_type: Some("application/json; charset=utf-8"),
 ///     body: br#"{"amount": 500, "currency": "usd"}"#,
 /// });
 /// let b = Fingerprint::compute(&FingerprintInput {
 ///     method: "POST",
-///     route: "/v1/charges",
+///     path: "/v1/charges",
 ///     query: None,
 ///     content_type: Some("application/json"),
 ///     body: br#"{"currency":"usd","amount":5E2}"#,
@@ -30,15 +46,19 @@ use std::fmt;
 /// assert_eq!(a, b);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Fingerprint([u8; 32]);
+pub struct Fingerprint {
+    version: u8,
+    digest: [u8; 32],
+}
 
 /// The parts of a request that go into its [`Fingerprint`].
 #[derive(Debug, Clone, Copy)]
 pub struct FingerprintInput<'a> {
     /// HTTP method (compared case-insensitively).
     pub method: &'a str,
-    /// The matched route template (`/v1/charges/{id}`) or, without one, the path.
-    pub route: &'a str,
+    /// The request's path as received (`/v1/charges/ch_1/refunds`), without the query:
+    /// never the matched route template, and not normalised.
+    pub path: &'a str,
     /// The query string without `?`, if any.
     pub query: Option<&'a str>,
     /// The `Content-Type` header, if any (parameters such as `charset` are ignored).
@@ -60,15 +80,19 @@ pub enum BodyKind {
 }
 
 impl Fingerprint {
+    /// The version of the recipe [`Fingerprint::compute`] uses (2: the concrete path; 1 hashed
+    /// the route template).
+    pub const VERSION: u8 = 2;
+
     /// Computes the fingerprint of a request. Never fails: bodies that do not parse as their
     /// media type are hashed raw.
     pub fn compute(input: &FingerprintInput<'_>) -> Self {
         let media = media_type(input.content_type);
         let (kind, body) = canonical_body(&media, input.body);
         let mut h = Sha256::new();
-        h.update(b"idempotent-fingerprint-v1");
+        h.update(b"idempotent-fingerprint-v2");
         field(&mut h, input.method.to_ascii_uppercase().as_bytes());
-        field(&mut h, input.route.as_bytes());
+        field(&mut h, input.path.as_bytes());
         match input.query {
             Some(q) => field(&mut h, q.as_bytes()),
             None => h.update([0xff]),
@@ -80,24 +104,82 @@ impl Fingerprint {
             BodyKind::Raw => b'r',
         }]);
         field(&mut h, &body);
-        Fingerprint(h.finalize().into())
+        Fingerprint {
+            version: Self::VERSION,
+            digest: h.finalize().into(),
+        }
     }
 
-    /// Rebuilds a fingerprint from its 32 bytes (as stored).
-    pub fn from_bytes(bytes: [u8; 32]) -> Self {
-        Fingerprint(bytes)
+    /// A fingerprint from its version and digest.
+    pub fn from_parts(version: u8, digest: [u8; 32]) -> Self {
+        Fingerprint { version, digest }
+    }
+
+    /// Rebuilds a fingerprint from its stored form ([`Fingerprint::to_stored`]): a version byte
+    /// followed by the 32-byte digest, or 32 bytes alone for a version-1 record. `None` for
+    /// anything else.
+    ///
+    /// ```
+    /// use idempotent_core::{Fingerprint, FingerprintInput};
+    /// let fp = Fingerprint::compute(&FingerprintInput {
+    ///     method: "POST", path: "/v1/charges", query: None, content_type: None, body: b"",
+    /// });
+    /// assert_eq!(Fingerprint::from_stored(&fp.to_stored()), Some(fp));
+    /// assert_eq!(Fingerprint::from_stored(&[0; 32]).map(|f| f.version()), Some(1));
+    /// assert_eq!(Fingerprint::from_stored(b"short"), None);
+    /// ```
+    pub fn from_stored(bytes: &[u8]) -> Option<Self> {
+        match bytes.len() {
+            32 => Some(Fingerprint {
+                version: 1,
+                digest: bytes.try_into().ok()?,
+            }),
+            33 => Some(Fingerprint {
+                version: bytes[0],
+                digest: bytes[1..].try_into().ok()?,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The stored form: the version byte, then the digest.
+    pub fn to_stored(&self) -> [u8; 33] {
+        let mut out = [0; 33];
+        out[0] = self.version;
+        out[1..].copy_from_slice(&self.digest);
+        out
+    }
+
+    /// The recipe's version (see the type's docs).
+    pub fn version(&self) -> u8 {
+        self.version
     }
 
     /// The 32 digest bytes.
-    pub fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
+    pub fn digest(&self) -> &[u8; 32] {
+        &self.digest
+    }
+
+    /// Whether a stored record's fingerprint (`self`) and a request's belong to the same
+    /// request: equal digests, or different versions (which cannot be compared; see the
+    /// type's docs).
+    ///
+    /// ```
+    /// use idempotent_core::Fingerprint;
+    /// let a = Fingerprint::from_parts(2, [1; 32]);
+    /// assert!(a.matches(&a));
+    /// assert!(!a.matches(&Fingerprint::from_parts(2, [2; 32])));
+    /// assert!(a.matches(&Fingerprint::from_parts(1, [2; 32])), "another version: not comparable");
+    /// ```
+    pub fn matches(&self, other: &Fingerprint) -> bool {
+        self.version != other.version || self.digest == other.digest
     }
 
     /// Lower-case hex of the digest.
     pub fn to_hex(&self) -> String {
         use fmt::Write;
         let mut s = String::with_capacity(64);
-        for b in self.0 {
+        for b in self.digest {
             let _ = write!(s, "{b:02x}");
         }
         s
@@ -106,7 +188,7 @@ impl Fingerprint {
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", self.to_hex())
+        write!(f, "Fingerprint(v{}:{})", self.version, self.to_hex())
     }
 }
 
@@ -174,12 +256,14 @@ fn to_doubles(value: &mut serde_json::Value) {
     }
 }
 
-/// A form body with its pairs decoded, sorted and re-encoded.
+/// A form body with its pairs decoded, stably sorted by field name and re-encoded: field
+/// order does not matter, the order of a repeated field's values does (`a=1&a=2` is not
+/// `a=2&a=1`: many servers read repeated fields as an ordered list).
 pub fn canonical_form(body: &[u8]) -> Vec<u8> {
     let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect();
-    pairs.sort();
+    pairs.sort_by(|a, b| a.0.cmp(&b.0));
     form_urlencoded::Serializer::new(String::new())
         .extend_pairs(pairs)
         .finish()
@@ -257,7 +341,7 @@ mod tests {
     fn fp(ct: Option<&str>, body: &[u8]) -> Fingerprint {
         Fingerprint::compute(&FingerprintInput {
             method: "POST",
-            route: "/r",
+            path: "/r",
             query: None,
             content_type: ct,
             body,
@@ -270,6 +354,13 @@ mod tests {
         assert_eq!(fp(form, b"a=1&b=2"), fp(form, b"b=2&a=1"));
         assert_eq!(fp(form, b"a=%41"), fp(form, b"a=A"));
         assert_ne!(fp(form, b"a=1&b=2"), fp(form, b"a=2&b=1"));
+        // A repeated field's values keep their order; other fields move freely around them.
+        assert_ne!(
+            fp(form, b"amount=1&amount=100"),
+            fp(form, b"amount=100&amount=1")
+        );
+        assert_eq!(fp(form, b"a=1&b=x&a=2"), fp(form, b"b=x&a=1&a=2"));
+        assert_ne!(fp(form, b"a=1&b=x&a=2"), fp(form, b"b=x&a=2&a=1"));
         // Raw bodies are byte-exact.
         assert_ne!(
             fp(Some("text/plain"), b"a b"),
@@ -287,7 +378,7 @@ mod tests {
         assert_ne!(fp(Some("application/json"), b"1"), fp(form, b"1"));
         let base = FingerprintInput {
             method: "post",
-            route: "/r",
+            path: "/r",
             query: Some("x=1"),
             content_type: None,
             body: b"",
@@ -297,14 +388,16 @@ mod tests {
             ..base
         };
         assert_eq!(Fingerprint::compute(&base), Fingerprint::compute(&upper));
-        let other_route = FingerprintInput {
-            route: "/s",
-            ..base
-        };
+        let other_path = FingerprintInput { path: "/s", ..base };
         assert_ne!(
             Fingerprint::compute(&base),
-            Fingerprint::compute(&other_route)
+            Fingerprint::compute(&other_path)
         );
+        // Path parameters and encodings are part of the request, as received.
+        let order = |path| Fingerprint::compute(&FingerprintInput { path, ..base });
+        assert_ne!(order("/orders/1/refund"), order("/orders/2/refund"));
+        assert_ne!(order("/orders/1/refund"), order("/orders/%31/refund"));
+        assert_ne!(order("/orders/1/refund"), order("/orders//1/refund"));
         let no_query = FingerprintInput {
             query: None,
             ..base
@@ -319,16 +412,17 @@ mod tests {
         );
         // Length prefixes: moving bytes between fields changes the hash.
         let a = FingerprintInput {
-            route: "/ab",
+            path: "/ab",
             query: Some("c"),
             ..base
         };
         let b = FingerprintInput {
-            route: "/a",
+            path: "/a",
             query: Some("bc"),
             ..base
         };
         assert_ne!(Fingerprint::compute(&a), Fingerprint::compute(&b));
         assert_eq!(Fingerprint::compute(&base).to_hex().len(), 64);
+        assert_eq!(Fingerprint::compute(&base).version(), Fingerprint::VERSION);
     }
 }

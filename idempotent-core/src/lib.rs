@@ -13,7 +13,7 @@
 //!     scope: Scope::new("acct_1").unwrap(),
 //!     key: IdempotencyKey::parse(br#""order-42""#),
 //!     fingerprint: Fingerprint::compute(&FingerprintInput {
-//!         method: "POST", route: "/orders", query: None,
+//!         method: "POST", path: "/orders", query: None,
 //!         content_type: Some("application/json"), body: br#"{"sku":"A1"}"#,
 //!     }),
 //! };
@@ -31,9 +31,13 @@
 //!
 //! # Life of a record
 //! `claim` (atomic) → `in_progress` (lease, heartbeat-extended) → `complete` (fenced by the
-//! lease token) → `done`, replayed until its ttl passes. 5xx, panics and cancellation
-//! `release` the record instead, so a retry runs again. See [`Store`] for what each store
-//! promises.
+//! lease token) → `done`, replayed until its ttl passes. 5xx and panics `release` the record
+//! instead, so a retry runs again. A started execution is never abandoned because its caller
+//! went away: the adapters run it in a [`Detached`] future, and [`Engine::drain`] waits for
+//! the running ones at shutdown. See [`Store`] for what each store promises.
+//!
+//! The [`http`] module holds what the HTTP adapters share (header rules, capture, replays,
+//! problems, route settings) on plain types.
 //!
 //! # Features
 //! - `sqlite`, `postgres`: the SQL stores (sqlx).
@@ -42,6 +46,7 @@ mod clock;
 mod duration;
 mod engine;
 mod fingerprint;
+pub mod http;
 mod key;
 mod memory;
 mod problem;
@@ -55,8 +60,8 @@ mod sweeper;
 pub use clock::{Clock, ManualClock, SkewedClock, SystemClock};
 pub use duration::{DurationError, format_duration, parse_duration};
 pub use engine::{
-    DEFAULT_LEASE, DEFAULT_TTL, Engine, ExecuteRequest, Handled, KeyRequirement, Outcome, Policy,
-    Recorded,
+    Begin, DEFAULT_LEASE, DEFAULT_TTL, Detached, Drained, Engine, ExecuteRequest, Execution,
+    Handled, KeyRequirement, Outcome, PanicPayload, Policy, Recorded, Unprotected,
 };
 pub use fingerprint::{BodyKind, Fingerprint, FingerprintInput, canonical_form, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

@@ -148,7 +148,7 @@ impl MemoryStore {
         let mut map = self.shard(req.key);
         let fresh = |took_over| {
             let token = LeaseToken::generate();
-            let locked_until = now + req.lease;
+            let locked_until = later(now, req.lease);
             let lease = Lease {
                 token,
                 locked_until,
@@ -162,7 +162,7 @@ impl MemoryStore {
                     locked_until,
                 },
                 created_at: now,
-                expires_at: now + req.lease + req.ttl,
+                expires_at: later(now, req.lease.saturating_add(req.ttl)),
             };
             (lease, record)
         };
@@ -190,7 +190,7 @@ impl MemoryStore {
                 *rec = record;
                 Ok(ClaimOutcome::Claimed(lease))
             }
-            Some(rec) if rec.fingerprint != *req.fingerprint => Ok(ClaimOutcome::Mismatch {
+            Some(rec) if !rec.fingerprint.matches(req.fingerprint) => Ok(ClaimOutcome::Mismatch {
                 in_progress: matches!(rec.state, RecordState::InProgress { .. }),
             }),
             Some(rec) => match &rec.state {
@@ -231,6 +231,14 @@ impl MemoryStore {
     }
 }
 
+/// `t + d`, saturating far in the future instead of panicking on absurd durations.
+fn later(t: SystemTime, d: Duration) -> SystemTime {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
+    t.checked_add(d)
+        .or_else(|| t.checked_add(CENTURY))
+        .unwrap_or(t)
+}
+
 #[async_trait::async_trait]
 impl Store for MemoryStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
@@ -258,7 +266,7 @@ impl Store for MemoryStore {
                     outcome: outcome.clone(),
                     completed_at: now,
                 };
-                rec.expires_at = rec.expires_at.max(now + ttl);
+                rec.expires_at = rec.expires_at.max(later(now, ttl));
             }
         })
     }
@@ -278,7 +286,7 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
         self.fenced(key, token, |map, now| {
-            let until = now + lease;
+            let until = later(now, lease);
             if let Some(rec) = map.get_mut(key) {
                 rec.state = RecordState::InProgress {
                     token,

@@ -1,6 +1,9 @@
 //! RFC 9457 problem details for the failures the adapters answer with.
+//!
+//! Problem bodies describe what the client can do about a failure and never carry internals
+//! (database errors, table names, SQL): those go to the log (`tracing`) where they happen.
 
-use crate::{KeyError, StoreError};
+use crate::KeyError;
 use problem_details::ProblemDetails;
 use std::time::Duration;
 
@@ -99,18 +102,40 @@ impl Problem {
         )
     }
 
-    /// 503: the store failed; the handler did not run.
-    pub fn store_unavailable(error: &StoreError) -> Self {
+    /// 503: the store failed; the handler did not run. The store's error is logged where it
+    /// happened, never put in the body.
+    pub fn store_unavailable() -> Self {
         let mut p = Self::new(
             "idempotency-store-unavailable",
             503,
             "Idempotency store unavailable",
-            format!(
-                "the request was not processed because its idempotency record could not be claimed ({error}); retry later with the same key"
-            ),
+            "the request was not processed because its idempotency record could not be claimed; retry later with the same key".into(),
         );
         p.retry_after = Some(1);
         p
+    }
+
+    /// 503: the server is shutting down and starts no new work; the handler did not run.
+    pub fn shutting_down() -> Self {
+        let mut p = Self::new(
+            "idempotency-shutting-down",
+            503,
+            "Server shutting down",
+            "the server is shutting down and did not process the request; retry with the same key"
+                .into(),
+        );
+        p.retry_after = Some(1);
+        p
+    }
+
+    /// 400: the request body could not be read (malformed framing, a client that went away).
+    pub fn request_body_invalid() -> Self {
+        Self::new(
+            "idempotency-request-body-invalid",
+            400,
+            "Request body unreadable",
+            "the request body could not be read completely; nothing was processed, retry with the same key".into(),
+        )
     }
 
     /// 410: the original response was too large to store, so it cannot be replayed.
@@ -120,7 +145,7 @@ impl Problem {
             410,
             "Original response too large to replay",
             format!(
-                "the request with this key was processed (status {status}) but its {size}-byte response exceeded the route's limit and was not stored; it will not run again"
+                "the request with this key was processed (status {status}) but its response ({size} bytes so far) exceeded the route's limit and was not stored; it will not run again"
             ),
         )
     }
@@ -135,7 +160,8 @@ impl Problem {
         )
     }
 
-    /// 500: the server is misconfigured (for example the adapter's layer is missing).
+    /// 500: the server is misconfigured (for example the adapter's layer is missing). `detail`
+    /// says what to fix in the application; it must not carry internals.
     pub fn misconfigured(detail: &str) -> Self {
         Self::new(
             "idempotency-misconfigured",

@@ -126,7 +126,7 @@ impl fmt::Display for Scope {
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be used as an idempotency scope",
     label = "this parameter is named in `scope = \"…\"`, so its type must implement `ScopeValue`",
-    note = "implement `idempotent_core::ScopeValue` for `{Self}` (return the caller's stable id as text), or name a field with `scope = \"param.field\"`"
+    note = "implement `ScopeValue` for `{Self}` (it is re-exported by your adapter: `idempotent_axum::ScopeValue` or `idempotent_actix::ScopeValue`) returning the caller's stable id, or name a field with `scope = \"param.field\"`"
 )]
 pub trait ScopeValue {
     /// The scope this value stands for.

@@ -1,201 +1,191 @@
 //! What the SQL stores share: identifier checks, row decoding and the claim decision.
 
-/// The parts of a SQL store that are the same text for every database: the fenced
-/// `complete`, the `Store` impl around each store's own `claim_on`, and row decoding.
-/// (One macro rather than a generic over `sqlx::Database`, whose executor bounds would
-/// drown the statements.)
+/// The parts of a SQL store that are the same text for every database: the statement
+/// counter and accessors, the claim-shaped write, the fenced `complete`, and the `Store` impl
+/// around each store's own `claim_on`. (One macro rather than a generic over
+/// `sqlx::Database`, whose executor bounds would drown the statements.) Self-contained: the
+/// expansion names everything by path inside its own `const _` block, so a call site imports
+/// nothing for it.
 macro_rules! sql_store_common {
-    ($store:ident, $pool:ty, $db:ty, $conn:ty, $row:ty) => {
-        fn q(sql: &Arc<str>) -> sqlx::SqlStr {
-            AssertSqlSafe(Arc::clone(sql)).into_sql_str()
-        }
-
-        fn existing(row: &$row) -> Result<ExistingRow, sqlx::Error> {
-            Ok(ExistingRow {
-                fingerprint: row.try_get("fingerprint")?,
-                done: row.try_get("done")?,
-                token: row.try_get("token")?,
-                expired: row.try_get("expired")?,
-                lease_over: row.try_get("lease_over")?,
-                retry_ms: row.try_get("retry_ms")?,
-                status: row.try_get("status")?,
-                headers: row.try_get("headers")?,
-                body: row.try_get("body")?,
-                oversized: row.try_get("oversized")?,
-            })
-        }
-
-        impl $store {
-            /// The pool.
-            pub fn pool(&self) -> &$pool {
-                &self.pool
-            }
-
-            /// The table name (schema-qualified for PostgreSQL).
-            pub fn table(&self) -> &str {
-                &self.sql.table
-            }
-
-            /// Statements this store (and its clones) has sent so far.
-            pub fn statements_sent(&self) -> u64 {
-                self.sent.get()
-            }
-
-            /// Runs a claim-shaped statement (the SQLite insert, either store's take-over): binds
-            /// scope, key, fingerprint, the new token, the lease and the initial expiry (lease + ttl),
-            /// then the old token when taking over; returns the new lease end if a row was written.
-            async fn claim_write(
-                &self,
-                conn: &mut $conn,
-                sql: &Arc<str>,
-                req: &ClaimRequest<'_>,
-                token: LeaseToken,
-                old: Option<LeaseToken>,
-            ) -> Result<Option<i64>, StoreError> {
-                self.sent.bump();
-                let mut query = sqlx::query_scalar(q(sql))
-                    .bind(req.key.scope.as_str())
-                    .bind(req.key.key.as_str())
-                    .bind(req.fingerprint.as_bytes().as_slice())
-                    .bind(token.as_uuid())
-                    .bind(millis(req.lease))
-                    .bind(millis(req.lease + req.ttl));
-                if let Some(old) = old {
-                    query = query.bind(old.as_uuid());
-                }
-                query.fetch_optional(&mut *conn).await.map_err(db_error)
-            }
-
-            /// [`Store::complete`] on a connection or transaction you provide.
-            ///
-            /// # Errors
-            /// As [`Store::complete`].
-            pub async fn complete_on(
-                &self,
-                conn: &mut $conn,
-                key: &RecordKey,
-                token: LeaseToken,
-                outcome: &StoredOutcome,
-                ttl: Duration,
-            ) -> Result<(), StoreError> {
-                let c = outcome_columns(outcome);
-                self.sent.bump();
-                let done = sqlx::query(q(&self.sql.complete))
-                    .bind(key.scope.as_str())
-                    .bind(key.key.as_str())
-                    .bind(token.as_uuid())
-                    .bind(c.status)
-                    .bind(c.headers)
-                    .bind(c.body)
-                    .bind(c.oversized)
-                    .bind(millis(ttl))
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(db_error)?;
-                if done.rows_affected() == 1 {
-                    Ok(())
-                } else {
-                    Err(StoreError::StaleLease)
-                }
-            }
-
-            async fn conn(&self) -> Result<sqlx::pool::PoolConnection<$db>, StoreError> {
-                self.pool.acquire().await.map_err(db_error)
-            }
-        }
-
-        #[async_trait::async_trait]
-        impl Store for $store {
-            async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-                let mut conn = self.conn().await?;
-                self.claim_on(&mut conn, req).await
-            }
-
-            async fn complete(
-                &self,
-                key: &RecordKey,
-                token: LeaseToken,
-                outcome: &StoredOutcome,
-                ttl: Duration,
-            ) -> Result<(), StoreError> {
-                let mut conn = self.conn().await?;
-                self.complete_on(&mut conn, key, token, outcome, ttl).await
-            }
-
-            async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
-                self.sent.bump();
-                let done = sqlx::query(q(&self.sql.release))
-                    .bind(key.scope.as_str())
-                    .bind(key.key.as_str())
-                    .bind(token.as_uuid())
-                    .execute(&self.pool)
-                    .await
-                    .map_err(db_error)?;
-                if done.rows_affected() == 1 {
-                    Ok(())
-                } else {
-                    Err(StoreError::StaleLease)
-                }
-            }
-
-            async fn extend(
-                &self,
-                key: &RecordKey,
-                token: LeaseToken,
-                lease: Duration,
-            ) -> Result<SystemTime, StoreError> {
-                self.sent.bump();
-                let until: Option<i64> = sqlx::query_scalar(q(&self.sql.extend))
-                    .bind(key.scope.as_str())
-                    .bind(key.key.as_str())
-                    .bind(token.as_uuid())
-                    .bind(millis(lease))
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(db_error)?;
-                until.map(from_millis).ok_or(StoreError::StaleLease)
-            }
-
-            async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
-                self.sent.bump();
-                let done = sqlx::query(q(&self.sql.purge))
-                    .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-                    .execute(&self.pool)
-                    .await
-                    .map_err(db_error)?;
-                Ok(done.rows_affected())
-            }
-
-            async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-                self.sent.bump();
-                let row = sqlx::query(q(&self.sql.get))
-                    .bind(key.scope.as_str())
-                    .bind(key.key.as_str())
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(db_error)?;
-                row.map(|row| record(key, &row)).transpose()
-            }
-        }
-
-        fn record(key: &RecordKey, row: &$row) -> Result<Record, StoreError> {
-            let columns = || -> Result<RecordColumns, sqlx::Error> {
-                Ok(RecordColumns {
-                    fingerprint: row.try_get("fingerprint")?,
-                    done: row.try_get("done")?,
-                    token: row.try_get("token")?,
-                    locked_until: row.try_get("locked_until")?,
-                    status: row.try_get("status")?,
-                    headers: row.try_get("headers")?,
-                    body: row.try_get("body")?,
-                    oversized: row.try_get("oversized")?,
-                    created_at: row.try_get("created_at")?,
-                    completed_at: row.try_get("completed_at")?,
-                    expires_at: row.try_get("expires_at")?,
-                })
+    ($store:ident, $pool:ty, $db:ty, $conn:ty) => {
+        const _: () = {
+            use std::sync::Arc;
+            use std::time::{Duration, SystemTime};
+            use $crate::sql::{
+                build_record, db_error, existing_row, from_millis, millis, outcome_columns, q,
+                record_columns,
             };
-            build_record(key, columns().map_err(db_error)?)
-        }
+            use $crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+            use $crate::{LeaseToken, Record, RecordKey, StoredOutcome};
+
+            impl $store {
+                /// The pool.
+                pub fn pool(&self) -> &$pool {
+                    &self.pool
+                }
+
+                /// The table name (schema-qualified for PostgreSQL).
+                pub fn table(&self) -> &str {
+                    &self.sql.table
+                }
+
+                /// Statements this store (and its clones) has sent so far.
+                pub fn statements_sent(&self) -> u64 {
+                    self.sent.get()
+                }
+
+                /// Runs a claim-shaped statement (the SQLite insert, either store's take-over):
+                /// binds scope, key, fingerprint, the new token, the lease and the initial expiry
+                /// (lease + ttl), then the old token when taking over; returns the new lease end
+                /// if a row was written.
+                async fn claim_write(
+                    &self,
+                    conn: &mut $conn,
+                    sql: &Arc<str>,
+                    req: &ClaimRequest<'_>,
+                    token: LeaseToken,
+                    old: Option<LeaseToken>,
+                ) -> Result<Option<i64>, StoreError> {
+                    self.sent.bump();
+                    let fingerprint = req.fingerprint.to_stored();
+                    let mut query = sqlx::query_scalar(q(sql))
+                        .bind(req.key.scope.as_str())
+                        .bind(req.key.key.as_str())
+                        .bind(&fingerprint[..])
+                        .bind(token.as_uuid())
+                        .bind(millis(req.lease))
+                        .bind(millis(req.lease.saturating_add(req.ttl)));
+                    if let Some(old) = old {
+                        query = query.bind(old.as_uuid());
+                    }
+                    query.fetch_optional(&mut *conn).await.map_err(db_error)
+                }
+
+                /// Decodes the row a claim read and decides what to do about it.
+                fn decide_row(
+                    row: &<$db as sqlx::Database>::Row,
+                    req: &ClaimRequest<'_>,
+                ) -> Result<$crate::sql::Decision, StoreError> {
+                    $crate::sql::decide(existing_row(row).map_err(db_error)?, req.fingerprint)
+                }
+
+                /// [`Store::complete`] on a connection or transaction you provide.
+                ///
+                /// # Errors
+                /// As [`Store::complete`].
+                pub async fn complete_on(
+                    &self,
+                    conn: &mut $conn,
+                    key: &RecordKey,
+                    token: LeaseToken,
+                    outcome: &StoredOutcome,
+                    ttl: Duration,
+                ) -> Result<(), StoreError> {
+                    let c = outcome_columns(outcome);
+                    self.sent.bump();
+                    let done = sqlx::query(q(&self.sql.complete))
+                        .bind(key.scope.as_str())
+                        .bind(key.key.as_str())
+                        .bind(token.as_uuid())
+                        .bind(c.status)
+                        .bind(c.headers)
+                        .bind(c.body)
+                        .bind(c.oversized)
+                        .bind(millis(ttl))
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(db_error)?;
+                    if done.rows_affected() == 1 {
+                        Ok(())
+                    } else {
+                        Err(StoreError::StaleLease)
+                    }
+                }
+
+                async fn conn(&self) -> Result<sqlx::pool::PoolConnection<$db>, StoreError> {
+                    self.pool.acquire().await.map_err(db_error)
+                }
+            }
+
+            #[async_trait::async_trait]
+            impl Store for $store {
+                async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+                    let mut conn = self.conn().await?;
+                    self.claim_on(&mut conn, req).await
+                }
+
+                async fn complete(
+                    &self,
+                    key: &RecordKey,
+                    token: LeaseToken,
+                    outcome: &StoredOutcome,
+                    ttl: Duration,
+                ) -> Result<(), StoreError> {
+                    let mut conn = self.conn().await?;
+                    self.complete_on(&mut conn, key, token, outcome, ttl).await
+                }
+
+                async fn release(
+                    &self,
+                    key: &RecordKey,
+                    token: LeaseToken,
+                ) -> Result<(), StoreError> {
+                    self.sent.bump();
+                    let done = sqlx::query(q(&self.sql.release))
+                        .bind(key.scope.as_str())
+                        .bind(key.key.as_str())
+                        .bind(token.as_uuid())
+                        .execute(&self.pool)
+                        .await
+                        .map_err(db_error)?;
+                    if done.rows_affected() == 1 {
+                        Ok(())
+                    } else {
+                        Err(StoreError::StaleLease)
+                    }
+                }
+
+                async fn extend(
+                    &self,
+                    key: &RecordKey,
+                    token: LeaseToken,
+                    lease: Duration,
+                ) -> Result<SystemTime, StoreError> {
+                    self.sent.bump();
+                    let until: Option<i64> = sqlx::query_scalar(q(&self.sql.extend))
+                        .bind(key.scope.as_str())
+                        .bind(key.key.as_str())
+                        .bind(token.as_uuid())
+                        .bind(millis(lease))
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err(db_error)?;
+                    until.map(from_millis).ok_or(StoreError::StaleLease)
+                }
+
+                async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+                    self.sent.bump();
+                    let done = sqlx::query(q(&self.sql.purge))
+                        .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                        .execute(&self.pool)
+                        .await
+                        .map_err(db_error)?;
+                    Ok(done.rows_affected())
+                }
+
+                async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+                    self.sent.bump();
+                    let row = sqlx::query(q(&self.sql.get))
+                        .bind(key.scope.as_str())
+                        .bind(key.key.as_str())
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err(db_error)?;
+                    row.map(|row| build_record(key, record_columns(&row).map_err(db_error)?))
+                        .transpose()
+                }
+            }
+        };
     };
 }
 
@@ -208,6 +198,8 @@ use crate::store::{ClaimOutcome, StoreError};
 use crate::{
     Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
 };
+use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Row, SqlSafeStr, Type};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -265,6 +257,12 @@ impl Counter {
     }
 }
 
+/// A prepared statement's text as sqlx takes it (the text is built once, from checked
+/// identifiers, at store construction).
+pub(crate) fn q(sql: &Arc<str>) -> sqlx::SqlStr {
+    AssertSqlSafe(Arc::clone(sql)).into_sql_str()
+}
+
 /// Maps a driver error to the store error the engine understands.
 pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
     match e {
@@ -300,6 +298,58 @@ pub(crate) struct ExistingRow {
     pub(crate) oversized: Option<i64>,
 }
 
+/// Decodes the columns every claim statement reports for an existing row (any database whose
+/// driver decodes these Rust types).
+pub(crate) fn existing_row<'r, R>(row: &'r R) -> Result<ExistingRow, sqlx::Error>
+where
+    R: Row,
+    for<'n> &'n str: ColumnIndex<R>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+    uuid::Uuid: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    i32: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(ExistingRow {
+        fingerprint: row.try_get("fingerprint")?,
+        done: row.try_get("done")?,
+        token: row.try_get("token")?,
+        expired: row.try_get("expired")?,
+        lease_over: row.try_get("lease_over")?,
+        retry_ms: row.try_get("retry_ms")?,
+        status: row.try_get("status")?,
+        headers: row.try_get("headers")?,
+        body: row.try_get("body")?,
+        oversized: row.try_get("oversized")?,
+    })
+}
+
+/// Decodes a whole row as `Store::get` reads it.
+pub(crate) fn record_columns<'r, R>(row: &'r R) -> Result<RecordColumns, sqlx::Error>
+where
+    R: Row,
+    for<'n> &'n str: ColumnIndex<R>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+    uuid::Uuid: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    i32: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(RecordColumns {
+        fingerprint: row.try_get("fingerprint")?,
+        done: row.try_get("done")?,
+        token: row.try_get("token")?,
+        locked_until: row.try_get("locked_until")?,
+        status: row.try_get("status")?,
+        headers: row.try_get("headers")?,
+        body: row.try_get("body")?,
+        oversized: row.try_get("oversized")?,
+        created_at: row.try_get("created_at")?,
+        completed_at: row.try_get("completed_at")?,
+        expires_at: row.try_get("expires_at")?,
+    })
+}
+
 /// What to do about an existing row.
 #[derive(Debug)]
 pub(crate) enum Decision {
@@ -310,11 +360,16 @@ pub(crate) enum Decision {
     TakeOver(LeaseToken),
 }
 
+/// The claim's decision about a row that already exists, in the order that matters: an expired
+/// record is absent whatever its fingerprint; then another request's record is a mismatch;
+/// then a finished one replays; then a run-out lease is taken over; else it is in progress.
 pub(crate) fn decide(row: ExistingRow, fingerprint: &Fingerprint) -> Result<Decision, StoreError> {
     if row.expired {
         return Ok(Decision::TakeOver(LeaseToken::from_uuid(row.token)));
     }
-    if row.fingerprint.as_slice() != fingerprint.as_bytes() {
+    let stored = Fingerprint::from_stored(&row.fingerprint)
+        .ok_or_else(|| StoreError::Corrupt("stored fingerprint has a bad length".into()))?;
+    if !stored.matches(fingerprint) {
         return Ok(Decision::Report(ClaimOutcome::Mismatch {
             in_progress: !row.done,
         }));
@@ -383,10 +438,8 @@ pub(crate) struct RecordColumns {
 }
 
 pub(crate) fn build_record(key: &RecordKey, c: RecordColumns) -> Result<Record, StoreError> {
-    let fingerprint: [u8; 32] = c
-        .fingerprint
-        .try_into()
-        .map_err(|_| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
+    let fingerprint = Fingerprint::from_stored(&c.fingerprint)
+        .ok_or_else(|| StoreError::Corrupt("stored fingerprint has a bad length".into()))?;
     let state = if c.done {
         RecordState::Done {
             outcome: stored_outcome(c.status, c.headers, c.body, c.oversized)?,
@@ -400,7 +453,7 @@ pub(crate) fn build_record(key: &RecordKey, c: RecordColumns) -> Result<Record, 
     };
     Ok(Record {
         key: key.clone(),
-        fingerprint: Fingerprint::from_bytes(fingerprint),
+        fingerprint,
         state,
         created_at: from_millis(c.created_at),
         expires_at: from_millis(c.expires_at),
@@ -435,6 +488,116 @@ pub(crate) fn outcome_columns(outcome: &StoredOutcome) -> OutcomeColumns {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fp(byte: u8) -> Fingerprint {
+        Fingerprint::from_parts(Fingerprint::VERSION, [byte; 32])
+    }
+
+    fn row(fingerprint: Fingerprint) -> ExistingRow {
+        ExistingRow {
+            fingerprint: fingerprint.to_stored().to_vec(),
+            done: false,
+            token: uuid::Uuid::from_u128(7),
+            expired: false,
+            lease_over: false,
+            retry_ms: 1500,
+            status: None,
+            headers: None,
+            body: None,
+            oversized: None,
+        }
+    }
+
+    fn done(mut r: ExistingRow) -> ExistingRow {
+        r.done = true;
+        r.status = Some(201);
+        r.headers = Some(
+            StoredResponse::new(201, "")
+                .with_header("x", "1")
+                .encode_headers(),
+        );
+        r.body = Some(b"ok".to_vec());
+        r
+    }
+
+    #[test]
+    fn decisions() {
+        let old = LeaseToken::from_uuid(uuid::Uuid::from_u128(7));
+        let take = |r, f: &Fingerprint| match decide(r, f).unwrap() {
+            Decision::TakeOver(t) => t,
+            Decision::Report(o) => panic!("{o:?}"),
+        };
+        let report = |r, f: &Fingerprint| match decide(r, f).unwrap() {
+            Decision::Report(o) => o,
+            Decision::TakeOver(_) => panic!("take over"),
+        };
+        // Expired: absent, whatever its fingerprint or state.
+        let mut expired = done(row(fp(1)));
+        expired.expired = true;
+        assert_eq!(take(expired, &fp(2)), old);
+        // Another request: mismatch, done or in progress alike, even with a run-out lease.
+        assert_eq!(
+            report(done(row(fp(1))), &fp(2)),
+            ClaimOutcome::Mismatch { in_progress: false }
+        );
+        let mut over = row(fp(1));
+        over.lease_over = true;
+        assert_eq!(
+            report(over, &fp(2)),
+            ClaimOutcome::Mismatch { in_progress: true }
+        );
+        // Same request: replay, in progress (with the remaining lease), or take over.
+        match report(done(row(fp(1))), &fp(1)) {
+            ClaimOutcome::Replay(StoredOutcome::Response(r)) => {
+                assert_eq!((r.status, r.body.as_slice()), (201, &b"ok"[..]));
+                assert_eq!(r.headers, vec![("x".to_owned(), b"1".to_vec())]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            report(row(fp(1)), &fp(1)),
+            ClaimOutcome::InProgress {
+                retry_after: Duration::from_millis(1500)
+            }
+        );
+        let mut over = row(fp(1));
+        over.lease_over = true;
+        assert_eq!(take(over, &fp(1)), old);
+        // A record of another fingerprint version is matched by key alone.
+        let v1 = Fingerprint::from_stored(&[1; 32]).unwrap();
+        assert!(matches!(
+            report(done(row(v1)), &fp(2)),
+            ClaimOutcome::Replay(_)
+        ));
+        // Undecodable rows are corrupt, not a mismatch or a replay.
+        let mut bad = row(fp(1));
+        bad.fingerprint = vec![1, 2, 3];
+        assert!(matches!(decide(bad, &fp(1)), Err(StoreError::Corrupt(_))));
+        let mut bad = done(row(fp(1)));
+        bad.status = None;
+        assert!(matches!(decide(bad, &fp(1)), Err(StoreError::Corrupt(_))));
+    }
+
+    #[test]
+    fn outcome_columns_round_trip() {
+        for outcome in [
+            StoredOutcome::Response(
+                StoredResponse::new(201, vec![0, 255])
+                    .with_header("a", "1")
+                    .with_header("a", "2"),
+            ),
+            StoredOutcome::Oversized {
+                status: 200,
+                size: 1 << 30,
+            },
+        ] {
+            let c = outcome_columns(&outcome);
+            assert_eq!(
+                stored_outcome(Some(c.status), c.headers, c.body, c.oversized).unwrap(),
+                outcome
+            );
+        }
+    }
 
     #[test]
     fn identifiers() {

@@ -1,21 +1,26 @@
 //! The PostgreSQL store.
 
 use super::{
-    Contention, Counter, Decision, ExistingRow, MAX_CLAIM_ATTEMPTS, RecordColumns, SetupError,
-    build_record, claimed, db_error, decide, from_millis, identifier, millis, outcome_columns,
+    Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, identifier,
+    millis, q,
 };
-use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
-use crate::{LeaseToken, Record, RecordKey, StoredOutcome};
+use crate::LeaseToken;
+use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+
+/// The database clock: the start of the current statement. Not `now()`, which inside a
+/// transaction is the transaction's start (the statements also run in callers' transactions,
+/// see [`PostgresStore::claim_on`]); and stable within one statement, unlike
+/// `clock_timestamp()`.
+const NOW: &str = "statement_timestamp()";
 
 /// A store in a PostgreSQL table, on a pool you already have.
 ///
-/// All times (leases, expiry) come from the database's `now()`, so application servers with
-/// skewed clocks agree. A replay costs one statement that writes nothing; a first execution
+/// All times (leases, expiry) come from the database's clock (`statement_timestamp()`), so
+/// application servers with skewed clocks agree. A replay costs one statement that writes nothing; a first execution
 /// costs two (claim, complete). sqlx pools ping every connection they hand out unless
 /// `test_before_acquire(false)` is set, which doubles the round trips of every statement:
 /// turn it off for this pool where your network allows.
@@ -93,7 +98,7 @@ struct Statements {
 impl Statements {
     fn new(schema: &str, name: &str) -> Self {
         let t = format!("{schema}.{name}");
-        let s = |sql: &str| -> Arc<str> { sql.replace("{t}", &t).into() };
+        let s = |sql: &str| -> Arc<str> { sql.replace("{t}", &t).replace("{now}", NOW).into() };
         Statements {
             schema: schema.to_owned(),
             name: name.to_owned(),
@@ -111,8 +116,8 @@ impl Statements {
                 ins AS (
                     INSERT INTO {t} (scope, key, fingerprint, done, token, locked_until, created_at, expires_at)
                     SELECT $1, $2, $3, false, $4,
-                           now() + $5::float8 * interval '1 millisecond', now(),
-                           now() + $6::float8 * interval '1 millisecond'
+                           {now} + $5::float8 * interval '1 millisecond', {now},
+                           {now} + $6::float8 * interval '1 millisecond'
                     WHERE NOT EXISTS (SELECT 1 FROM existing)
                     ON CONFLICT (scope, key) DO NOTHING
                     RETURNING locked_until)
@@ -123,51 +128,54 @@ impl Statements {
                 FROM ins
                 UNION ALL
                 SELECT false, fingerprint, done, token,
-                       expires_at <= now(),
-                       (NOT done AND locked_until <= now()),
-                       COALESCE(GREATEST(0, extract(epoch FROM (locked_until - now())) * 1000), 0)::int8,
+                       expires_at <= {now},
+                       (NOT done AND locked_until <= {now}),
+                       COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8,
                        0::int8, status, headers, body, oversized
                 FROM existing"),
-            // The rare path: take over an expired record, or a lease that ran out (same
-            // fingerprint). Compare-and-swap on the old token closes the race between two
-            // retries taking over at once: only one UPDATE matches the old token.
+            // The rare path: take over an expired record, or a lease that ran out (the caller
+            // checked the fingerprint on the row it read). Compare-and-swap on the old token
+            // closes the race between two retries taking over at once: only one UPDATE matches
+            // the old token, and a row whose token is unchanged still has the fingerprint that
+            // was checked (every claim or take-over writes a new token); the time conditions are
+            // re-checked because the holder may have extended or completed meanwhile.
             take_over: s("UPDATE {t} SET fingerprint = $3, done = false, token = $4,
-                    locked_until = now() + $5::float8 * interval '1 millisecond',
-                    created_at = now(), completed_at = NULL,
+                    locked_until = {now} + $5::float8 * interval '1 millisecond',
+                    created_at = {now}, completed_at = NULL,
                     status = NULL, headers = NULL, body = NULL, oversized = NULL,
-                    expires_at = now() + $6::float8 * interval '1 millisecond'
+                    expires_at = {now} + $6::float8 * interval '1 millisecond'
                 WHERE scope = $1 AND key = $2 AND token = $7
-                  AND (expires_at <= now() OR (NOT done AND locked_until <= now() AND fingerprint = $3))
+                  AND (expires_at <= {now} OR (NOT done AND locked_until <= {now}))
                 RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
             // Fenced: a stale owner (its lease taken over) matches no row and cannot overwrite.
             // The claim already set expires_at to now + lease + ttl, so for a handler that
             // finishes within its lease the GREATEST leaves the indexed column unchanged and
             // the update can be HOT (no index insertions; see the fillfactor migration).
             complete: s("UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
-                    oversized = $7, completed_at = now(), locked_until = NULL,
-                    expires_at = GREATEST(expires_at, now() + $8::float8 * interval '1 millisecond')
-                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > now()"),
+                    oversized = $7, completed_at = {now}, locked_until = NULL,
+                    expires_at = GREATEST(expires_at, {now} + $8::float8 * interval '1 millisecond')
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}"),
             // Fenced like complete: a stale owner cannot delete the new owner's record.
             release: s("DELETE FROM {t}
-                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > now()"),
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}"),
             // Fenced heartbeat; keeps the record alive at least as long as its lease.
-            extend: s("UPDATE {t} SET locked_until = now() + $4::float8 * interval '1 millisecond',
-                    expires_at = GREATEST(expires_at, now() + $4::float8 * interval '1 millisecond')
-                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > now()
+            extend: s("UPDATE {t} SET locked_until = {now} + $4::float8 * interval '1 millisecond',
+                    expires_at = GREATEST(expires_at, {now} + $4::float8 * interval '1 millisecond')
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
                 RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
             // Bounded batch; SKIP LOCKED so concurrent sweepers (one per instance) and claims
             // never wait on each other; the outer re-check skips rows taken over meanwhile.
             purge: s("DELETE FROM {t} WHERE (scope, key) IN (
-                    SELECT scope, key FROM {t} WHERE expires_at <= now()
+                    SELECT scope, key FROM {t} WHERE expires_at <= {now}
                     LIMIT $1 FOR UPDATE SKIP LOCKED)
-                AND expires_at <= now()"),
+                AND expires_at <= {now}"),
             get: s("SELECT fingerprint, done, token,
                     (extract(epoch FROM locked_until) * 1000)::int8 AS locked_until,
                     status, headers, body, oversized,
                     (extract(epoch FROM created_at) * 1000)::int8 AS created_at,
                     (extract(epoch FROM completed_at) * 1000)::int8 AS completed_at,
                     (extract(epoch FROM expires_at) * 1000)::int8 AS expires_at
-                FROM {t} WHERE scope = $1 AND key = $2 AND expires_at > now()"),
+                FROM {t} WHERE scope = $1 AND key = $2 AND expires_at > {now}"),
             table: t,
         }
     }
@@ -226,27 +234,27 @@ impl PostgresStore {
         Ok(())
     }
 
-    /// [`Store::claim`] on a connection or transaction you provide.
+    /// [`Store::claim`](crate::Store::claim) on a connection or transaction you provide.
     ///
     /// # Errors
-    /// As [`Store::claim`].
+    /// As [`Store::claim`](crate::Store::claim).
     pub async fn claim_on(
         &self,
         conn: &mut PgConnection,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
         let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
-        let fp = req.fingerprint.as_bytes().as_slice();
+        let fp = req.fingerprint.to_stored();
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
             self.sent.bump();
             let row = sqlx::query(q(&self.sql.claim))
                 .bind(scope)
                 .bind(key)
-                .bind(fp)
+                .bind(&fp[..])
                 .bind(token.as_uuid())
                 .bind(millis(req.lease))
-                .bind(millis(req.lease + req.ttl))
+                .bind(millis(req.lease.saturating_add(req.ttl)))
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(db_error)?;
@@ -255,7 +263,7 @@ impl PostgresStore {
                 let until: i64 = row.try_get("locked_until_ms").map_err(db_error)?;
                 return Ok(claimed(token, until, false));
             }
-            match decide(existing(&row).map_err(db_error)?, req.fingerprint)? {
+            match Self::decide_row(&row, &req)? {
                 Decision::Report(outcome) => return Ok(outcome),
                 Decision::TakeOver(old) => {
                     let until = self
@@ -271,4 +279,4 @@ impl PostgresStore {
     }
 }
 
-sql_store_common!(PostgresStore, PgPool, sqlx::Postgres, PgConnection, PgRow);
+sql_store_common!(PostgresStore, PgPool, sqlx::Postgres, PgConnection);

@@ -1,20 +1,18 @@
 //! The SQLite store.
 
 use super::{
-    Contention, Counter, Decision, ExistingRow, MAX_CLAIM_ATTEMPTS, RecordColumns, SetupError,
-    build_record, claimed, db_error, decide, from_millis, identifier, millis, outcome_columns,
+    Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, identifier, q,
 };
-use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
-use crate::{LeaseToken, Record, RecordKey, StoredOutcome};
+use crate::LeaseToken;
+use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteRow,
 };
-use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
+use sqlx::{AssertSqlSafe, SqlSafeStr};
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 /// SQLite's clock, in integer milliseconds since the Unix epoch.
 const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
@@ -109,14 +107,15 @@ impl Statements {
                 VALUES (?1, ?2, ?3, 0, ?4, {now} + ?5, {now}, {now} + ?6)
                 ON CONFLICT (scope, key) DO NOTHING
                 RETURNING locked_until"),
-            // Rare path: take over an expired record or a run-out lease (same fingerprint);
-            // compare-and-swap on the old token so only one of two racing retries wins.
+            // Rare path: take over an expired record or a run-out lease (the caller checked the
+            // fingerprint on the row it read); compare-and-swap on the old token so only one of
+            // two racing retries wins (an unchanged token means an unchanged fingerprint).
             take_over: s("UPDATE {t} SET fingerprint = ?3, done = 0, token = ?4,
                     locked_until = {now} + ?5, created_at = {now}, completed_at = NULL,
                     status = NULL, headers = NULL, body = NULL, oversized = NULL,
                     expires_at = {now} + ?6
                 WHERE scope = ?1 AND key = ?2 AND token = ?7
-                  AND (expires_at <= {now} OR (done = 0 AND locked_until <= {now} AND fingerprint = ?3))
+                  AND (expires_at <= {now} OR (done = 0 AND locked_until <= {now}))
                 RETURNING locked_until"),
             // Fenced: a stale owner (lease taken over) matches no row and cannot overwrite.
             complete: s("UPDATE {t} SET done = 1, status = ?4, headers = ?5, body = ?6, oversized = ?7,
@@ -197,10 +196,10 @@ impl SqliteStore {
         Ok(())
     }
 
-    /// [`Store::claim`] on a connection or transaction you provide.
+    /// [`Store::claim`](crate::Store::claim) on a connection or transaction you provide.
     ///
     /// # Errors
-    /// As [`Store::claim`].
+    /// As [`Store::claim`](crate::Store::claim).
     pub async fn claim_on(
         &self,
         conn: &mut SqliteConnection,
@@ -225,7 +224,7 @@ impl SqliteStore {
                     None => continue, // a concurrent claimer inserted first: read its row
                 }
             };
-            match decide(existing(&row).map_err(db_error)?, req.fingerprint)? {
+            match Self::decide_row(&row, &req)? {
                 Decision::Report(outcome) => return Ok(outcome),
                 Decision::TakeOver(old) => {
                     let until = self
@@ -241,10 +240,4 @@ impl SqliteStore {
     }
 }
 
-sql_store_common!(
-    SqliteStore,
-    SqlitePool,
-    sqlx::Sqlite,
-    SqliteConnection,
-    SqliteRow
-);
+sql_store_common!(SqliteStore, SqlitePool, sqlx::Sqlite, SqliteConnection);

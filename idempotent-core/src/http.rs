@@ -1,0 +1,828 @@
+//! Everything about HTTP that is not a framework type, on plain types (`&str`, `&[u8]`, `u16`),
+//! so the Axum and Actix adapters share one implementation and differ only in glue.
+//!
+//! - names: [`IDEMPOTENCY_KEY`], [`IDEMPOTENT_REPLAYED`], [`PROBLEM_JSON`];
+//! - which requests are protected ([`is_safe_method`]) and the cheap checks that run before
+//!   a body is read ([`check_key`], [`check_content_length`]);
+//! - the application's settings ([`Config`], built and validated once by [`ConfigBuilder`]) and
+//!   each route's arguments resolved against them ([`Route`] → [`RoutePolicy`]);
+//! - the request's identity ([`RequestHead::fingerprint`]);
+//! - the handler's response: which headers are stored ([`is_stored_header`]) and a copy of the
+//!   body bounded by the route's limit ([`Capture`]);
+//! - what to answer: one exhaustive map from the engine's [`Begin`] to a [`Step`], and the
+//!   library's own [`Reply`]s (replays and RFC 9457 problems).
+
+use crate::engine::{Begin, Execution, Unprotected};
+use crate::{
+    DEFAULT_LEASE, DEFAULT_TTL, Engine, Fingerprint, FingerprintInput, IdempotencyKey, KeyError,
+    KeyRequirement, Policy, Problem, StoredOutcome, StoredResponse,
+};
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// The request header carrying the key (lower case, as HTTP/2 and the `http` crates spell it).
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The response header saying whether a response is a replay (`true`) or a first execution
+/// (`false`).
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// The media type of the library's error responses (RFC 9457).
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Default limit on stored responses: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE: usize = 1 << 20;
+/// Default limit on request bodies read for fingerprinting: 2 MiB.
+pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
+/// Longest ttl or lease accepted: 365 days (the attribute enforces the same bound at compile
+/// time).
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
+
+/// Whether a method is safe (GET, HEAD, OPTIONS): its requests ignore the key and run.
+///
+/// ```
+/// use idempotent_core::http::is_safe_method;
+/// assert!(is_safe_method("GET") && !is_safe_method("POST") && !is_safe_method("PATCH"));
+/// ```
+pub fn is_safe_method(method: &str) -> bool {
+    matches!(method, "GET" | "HEAD" | "OPTIONS")
+}
+
+/// Whether a response header is stored for replays. Hop-by-hop headers, `Date`,
+/// `Content-Length` (replays are framed anew), `Set-Cookie` (a replay must not hand one
+/// caller's session to a retry) and our own `Idempotent-Replayed` are not. `name` is
+/// compared case-insensitively.
+///
+/// ```
+/// use idempotent_core::http::is_stored_header;
+/// assert!(is_stored_header("content-type") && is_stored_header("Location"));
+/// assert!(!is_stored_header("Set-Cookie") && !is_stored_header("transfer-encoding"));
+/// ```
+pub fn is_stored_header(name: &str) -> bool {
+    const NEVER: [&str; 13] = [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "date",
+        "content-length",
+        "set-cookie",
+        IDEMPOTENT_REPLAYED,
+    ];
+    !NEVER.iter().any(|n| n.eq_ignore_ascii_case(name))
+}
+
+/// The checks on the key that need neither the body nor the store, run first: a malformed key
+/// is refused on every route, a missing one where the route requires it.
+///
+/// # Errors
+/// The 400 problem to answer with.
+///
+/// ```
+/// use idempotent_core::{IdempotencyKey, KeyRequirement, http::check_key};
+/// let missing = IdempotencyKey::from_header_values::<&[u8]>([]);
+/// assert_eq!(check_key(&missing, KeyRequirement::Required).unwrap_err().status, 400);
+/// assert!(check_key(&missing, KeyRequirement::Optional).is_ok());
+/// ```
+pub fn check_key(
+    key: &Result<IdempotencyKey, KeyError>,
+    requirement: KeyRequirement,
+) -> Result<(), Box<Problem>> {
+    match key {
+        Ok(_) => Ok(()),
+        Err(KeyError::Missing) if requirement == KeyRequirement::Optional => Ok(()),
+        Err(e) => Err(Box::new(Problem::key(e))),
+    }
+}
+
+/// Refuses a request whose declared `Content-Length` is over the limit before its body is
+/// read (an absent or unparsable header is left to the read itself).
+///
+/// # Errors
+/// The 413 problem.
+pub fn check_content_length(value: Option<&[u8]>, limit: usize) -> Result<(), Box<Problem>> {
+    let declared = value
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match declared {
+        Some(n) if n > limit as u64 => Err(Box::new(Problem::request_too_large(limit))),
+        _ => Ok(()),
+    }
+}
+
+/// The parts of a request that identify it, borrowed from the framework's request.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestHead<'a> {
+    /// The method (`POST`).
+    pub method: &'a str,
+    /// The path as received, with any prefix a nested router stripped put back: never the
+    /// route template, and not normalised.
+    pub path: &'a str,
+    /// The query string as sent, without `?`.
+    pub query: Option<&'a str>,
+    /// The `Content-Type` header, if it is valid text.
+    pub content_type: Option<&'a str>,
+}
+
+impl RequestHead<'_> {
+    /// The request's fingerprint over this head and `body`.
+    pub fn fingerprint(&self, body: &[u8]) -> Fingerprint {
+        Fingerprint::compute(&FingerprintInput {
+            method: self.method,
+            path: self.path,
+            query: self.query,
+            content_type: self.content_type,
+            body,
+        })
+    }
+}
+
+/// Why a configuration or a route's arguments were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A duration is zero.
+    #[error("`{what}` must be longer than zero")]
+    Zero {
+        /// Which setting.
+        what: &'static str,
+    },
+    /// A duration is longer than [`MAX_DURATION`].
+    #[error("`{what}` of {value:?} is longer than the maximum of 365 days")]
+    TooLong {
+        /// Which setting.
+        what: &'static str,
+        /// Its value.
+        value: Duration,
+    },
+    /// The ttl is shorter than the lease.
+    #[error(
+        "`ttl` ({ttl:?}) is shorter than `lease` ({lease:?}); a finished response must outlive the lease that protects its first attempt"
+    )]
+    TtlShorterThanLease {
+        /// The ttl.
+        ttl: Duration,
+        /// The lease.
+        lease: Duration,
+    },
+    /// A size limit is zero.
+    #[error("`{what}` must be at least 1 byte")]
+    ZeroSize {
+        /// Which setting.
+        what: &'static str,
+    },
+}
+
+fn check_duration(what: &'static str, value: Duration) -> Result<(), ConfigError> {
+    if value.is_zero() {
+        Err(ConfigError::Zero { what })
+    } else if value > MAX_DURATION {
+        Err(ConfigError::TooLong { what, value })
+    } else {
+        Ok(())
+    }
+}
+
+/// An application's idempotency settings: the engine (and so the store) plus the defaults that
+/// routes without their own arguments use. Built once by [`ConfigBuilder::build`], which
+/// refuses unusable values, so nothing on the request path can panic on them.
+#[derive(Debug, Clone)]
+pub struct Config {
+    engine: Engine,
+    ttl: Duration,
+    lease: Duration,
+    max_response: usize,
+    max_request: usize,
+    fail_open: bool,
+}
+
+impl Config {
+    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]).
+    pub fn new(engine: Engine) -> Self {
+        Config {
+            engine,
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            max_response: DEFAULT_MAX_RESPONSE,
+            max_request: DEFAULT_MAX_REQUEST,
+            fail_open: false,
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Default ttl.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Default lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// Default limit on stored responses.
+    pub fn max_response(&self) -> usize {
+        self.max_response
+    }
+
+    /// Limit on request bodies read for fingerprinting.
+    pub fn max_request(&self) -> usize {
+        self.max_request
+    }
+
+    /// Whether handlers run unprotected when the store fails.
+    pub fn fail_open(&self) -> bool {
+        self.fail_open
+    }
+}
+
+/// Builds a [`Config`] (or an adapter's configuration type `T`, made from one).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_core::{Engine, MemoryStore, http::{Config, ConfigBuilder, ConfigError}};
+///
+/// let engine = Engine::new(MemoryStore::new());
+/// let config: Config = ConfigBuilder::new(engine.clone()).lease(Duration::from_secs(10)).build()?;
+/// assert_eq!(config.lease(), Duration::from_secs(10));
+/// let bad = ConfigBuilder::<Config>::new(engine).ttl(Duration::MAX).build();
+/// assert!(matches!(bad, Err(ConfigError::TooLong { what: "ttl", .. })));
+/// # Ok::<(), ConfigError>(())
+/// ```
+#[derive(Debug)]
+#[must_use = "call `.build()`"]
+pub struct ConfigBuilder<T = Config> {
+    config: Config,
+    into: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T: From<Config>> ConfigBuilder<T> {
+    /// A builder over `engine`, starting from the defaults: ttl 24 h, lease 30 s, responses up
+    /// to 1 MiB stored, request bodies up to 2 MiB, fail closed.
+    pub fn new(engine: Engine) -> Self {
+        ConfigBuilder {
+            config: Config::new(engine),
+            into: std::marker::PhantomData,
+        }
+    }
+
+    /// Default ttl (how long a finished response is replayed) for routes that set none;
+    /// 1 ms to 365 days, and at least the lease.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config.ttl = ttl;
+        self
+    }
+
+    /// Default lease (how long a crashed attempt blocks retries) for routes that set none;
+    /// 1 ms to 365 days.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = lease;
+        self
+    }
+
+    /// Default limit on stored responses for routes that set none (larger ones are answered
+    /// in full but not stored; retries get a 410 problem).
+    pub fn max_response(mut self, bytes: usize) -> Self {
+        self.config.max_response = bytes;
+        self
+    }
+
+    /// Largest request body read for fingerprinting; larger requests get a 413 problem.
+    pub fn max_request(mut self, bytes: usize) -> Self {
+        self.config.max_request = bytes;
+        self
+    }
+
+    /// Run handlers unprotected when the store fails (default: refuse with 503).
+    pub fn fail_open(mut self, on: bool) -> Self {
+        self.config.fail_open = on;
+        self
+    }
+
+    /// Checks the settings once.
+    ///
+    /// # Errors
+    /// [`ConfigError`] for a zero or over-long duration, a ttl shorter than the lease, or a
+    /// zero size limit.
+    pub fn build(self) -> Result<T, ConfigError> {
+        let c = self.config;
+        check_duration("ttl", c.ttl)?;
+        check_duration("lease", c.lease)?;
+        if c.ttl < c.lease {
+            return Err(ConfigError::TtlShorterThanLease {
+                ttl: c.ttl,
+                lease: c.lease,
+            });
+        }
+        if c.max_response == 0 {
+            return Err(ConfigError::ZeroSize {
+                what: "max_response",
+            });
+        }
+        if c.max_request == 0 {
+            return Err(ConfigError::ZeroSize {
+                what: "max_request",
+            });
+        }
+        Ok(T::from(c))
+    }
+}
+
+/// One route's attribute arguments, as `#[idempotent]` writes them (a `static` per handler);
+/// `None` takes the [`Config`]'s default.
+#[derive(Debug)]
+pub struct Route {
+    name: &'static str,
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    key: KeyRequirement,
+    store_server_errors: bool,
+    max_response: Option<usize>,
+    reported: AtomicBool,
+}
+
+/// A route's arguments resolved against the application's [`Config`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutePolicy {
+    /// What the engine needs.
+    pub policy: Policy,
+    /// The limit on stored responses.
+    pub max_response: usize,
+}
+
+impl Route {
+    /// A route named `name` (the handler's name, for logs) with its arguments.
+    pub const fn new(
+        name: &'static str,
+        ttl: Option<Duration>,
+        lease: Option<Duration>,
+        key: KeyRequirement,
+        store_server_errors: bool,
+        max_response: Option<usize>,
+    ) -> Self {
+        Route {
+            name,
+            ttl,
+            lease,
+            key,
+            store_server_errors,
+            max_response,
+            reported: AtomicBool::new(false),
+        }
+    }
+
+    /// The handler's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Whether the route requires a key.
+    pub fn key(&self) -> KeyRequirement {
+        self.key
+    }
+
+    /// Resolves the arguments against `config`. The attribute checked what it could at compile
+    /// time; what depends on the configuration (a route's ttl under the configured lease) is
+    /// checked here, and the first failure per route is logged (`tracing`, error level) with
+    /// the route's name.
+    ///
+    /// # Errors
+    /// [`ConfigError`]: answer with [`Problem::misconfigured`], never run the handler.
+    pub fn resolve(&self, config: &Config) -> Result<RoutePolicy, ConfigError> {
+        let policy = Policy {
+            ttl: self.ttl.unwrap_or(config.ttl),
+            lease: self.lease.unwrap_or(config.lease),
+            store_server_errors: self.store_server_errors,
+            key: self.key,
+            fail_open: config.fail_open,
+        };
+        let checked = check_duration("ttl", policy.ttl)
+            .and_then(|()| check_duration("lease", policy.lease))
+            .and_then(|()| {
+                if policy.ttl < policy.lease {
+                    Err(ConfigError::TtlShorterThanLease {
+                        ttl: policy.ttl,
+                        lease: policy.lease,
+                    })
+                } else {
+                    Ok(())
+                }
+            });
+        match checked {
+            Ok(()) => Ok(RoutePolicy {
+                policy,
+                max_response: self.max_response.unwrap_or(config.max_response),
+            }),
+            Err(e) => {
+                if !self.reported.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        route = self.name,
+                        error = %e,
+                        "idempotency: this route's arguments do not fit the configuration; its requests are answered 500 until fixed"
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A response the library produces itself (a replay or a problem), on plain types.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u16,
+    /// Header lines in order (names lower case); repeated names appear repeatedly.
+    pub headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    /// A stored response as its replay: status, every stored header in order, the body, and
+    /// `Idempotent-Replayed: true`.
+    pub fn replay(stored: StoredResponse) -> Self {
+        let mut headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)> =
+            Vec::with_capacity(stored.headers.len() + 1);
+        headers.extend(
+            stored
+                .headers
+                .into_iter()
+                .filter(|(name, _)| !name.eq_ignore_ascii_case(IDEMPOTENT_REPLAYED))
+                .map(|(n, v)| (Cow::Owned(n), Cow::Owned(v))),
+        );
+        headers.push((Cow::Borrowed(IDEMPOTENT_REPLAYED), Cow::Borrowed(b"true")));
+        Reply {
+            status: stored.status,
+            headers,
+            body: stored.body,
+        }
+    }
+
+    /// A problem as `application/problem+json` with `Cache-Control: no-store` and, when set,
+    /// `Retry-After`.
+    pub fn problem(p: &Problem) -> Self {
+        let mut headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)> = vec![
+            (
+                Cow::Borrowed("content-type"),
+                Cow::Borrowed(PROBLEM_JSON.as_bytes()),
+            ),
+            (Cow::Borrowed("cache-control"), Cow::Borrowed(b"no-store")),
+        ];
+        if let Some(secs) = p.retry_after {
+            headers.push((
+                Cow::Borrowed("retry-after"),
+                Cow::Owned(secs.to_string().into_bytes()),
+            ));
+        }
+        Reply {
+            status: p.status,
+            headers,
+            body: p.to_json(),
+        }
+    }
+}
+
+/// The header a first execution's response carries: `Idempotent-Replayed: false`.
+pub const FIRST_EXECUTION: (&str, &str) = (IDEMPOTENT_REPLAYED, "false");
+
+/// What to do with a request after [`Engine::begin`]. Deliberately exhaustive: an adapter
+/// matches all three, with no wildcard arm for a variant it does not know.
+#[derive(Debug)]
+pub enum Step {
+    /// Run the handler under this execution, capture its response, finish the execution.
+    Execute(Execution),
+    /// Run the handler without a record (no key on an optional route, or fail-open).
+    Unprotected,
+    /// Answer with this; the handler does not run.
+    Respond(Reply),
+}
+
+impl From<Begin> for Step {
+    /// The one map from the engine's answer to the wire: exhaustive, so a new variant is a
+    /// compile error here rather than a run-time 500.
+    fn from(begin: Begin) -> Self {
+        match begin {
+            Begin::Claimed(execution) => Step::Execute(execution),
+            Begin::Replay(StoredOutcome::Response(stored)) => Step::Respond(Reply::replay(stored)),
+            Begin::Replay(StoredOutcome::Oversized { status, size }) => {
+                Step::Respond(Reply::problem(&Problem::response_not_stored(status, size)))
+            }
+            Begin::InProgress { retry_after } => {
+                Step::Respond(Reply::problem(&Problem::in_progress(retry_after)))
+            }
+            Begin::Mismatch { in_progress } => {
+                Step::Respond(Reply::problem(&Problem::mismatch(in_progress)))
+            }
+            Begin::KeyRejected(e) => Step::Respond(Reply::problem(&Problem::key(&e))),
+            Begin::Unprotected(Unprotected::NoKey | Unprotected::FailedOpen(_)) => {
+                Step::Unprotected
+            }
+            Begin::StoreUnavailable(_) => {
+                Step::Respond(Reply::problem(&Problem::store_unavailable()))
+            }
+            Begin::Draining => Step::Respond(Reply::problem(&Problem::shutting_down())),
+        }
+    }
+}
+
+/// A copy of a response for storing: its status, its storable headers, and its body up to a
+/// limit. The response itself goes to the client untouched (as it is produced, for streams);
+/// this only keeps what a replay needs, and stops keeping bytes once the body passes the limit.
+///
+/// ```
+/// use idempotent_core::{StoredOutcome, http::Capture};
+/// let mut c = Capture::new(201, [("content-type", &b"text/plain"[..]), ("date", b"x")], 5);
+/// assert!(c.push(b"hel"));
+/// assert!(c.push(b"lo"));
+/// let StoredOutcome::Response(r) = c.finish() else { unreachable!() };
+/// assert_eq!((r.body.as_slice(), r.headers.len()), (&b"hello"[..], 1));
+///
+/// let mut c = Capture::new(200, [], 3);
+/// assert!(!c.push(b"four"));
+/// assert_eq!(c.finish(), StoredOutcome::Oversized { status: 200, size: 4 });
+/// ```
+#[derive(Debug)]
+pub struct Capture {
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    limit: usize,
+    size: u64,
+}
+
+impl Capture {
+    /// Starts a copy of a response with `status` and `headers` (only the storable ones are
+    /// kept), keeping at most `limit` body bytes.
+    pub fn new<'a>(
+        status: u16,
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        limit: usize,
+    ) -> Self {
+        Capture {
+            status,
+            headers: headers
+                .into_iter()
+                .filter(|(n, _)| is_stored_header(n))
+                .map(|(n, v)| (n.to_ascii_lowercase(), v.to_vec()))
+                .collect(),
+            body: Vec::new(),
+            limit,
+            size: 0,
+        }
+    }
+
+    /// Adds the next body bytes; `false` once the body has passed the limit (the copy is
+    /// dropped then, and later bytes are only counted).
+    pub fn push(&mut self, chunk: &[u8]) -> bool {
+        self.size += chunk.len() as u64;
+        if self.is_over() {
+            self.body = Vec::new();
+            false
+        } else {
+            self.body.extend_from_slice(chunk);
+            true
+        }
+    }
+
+    /// Whether the body has passed the limit.
+    pub fn is_over(&self) -> bool {
+        self.size > self.limit as u64
+    }
+
+    /// Body bytes seen so far.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The status.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// What to store: the response, or the oversized marker once it passed the limit.
+    pub fn finish(self) -> StoredOutcome {
+        if self.is_over() {
+            StoredOutcome::Oversized {
+                status: self.status,
+                size: self.size,
+            }
+        } else {
+            StoredOutcome::Response(StoredResponse {
+                status: self.status,
+                headers: self.headers,
+                body: self.body,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_filter() {
+        for never in [
+            "Connection",
+            "keep-alive",
+            "Proxy-Authenticate",
+            "proxy-authorization",
+            "proxy-connection",
+            "TE",
+            "trailer",
+            "Transfer-Encoding",
+            "upgrade",
+            "Date",
+            "content-length",
+            "Set-Cookie",
+            "Idempotent-Replayed",
+        ] {
+            assert!(!is_stored_header(never), "{never} must not be stored");
+        }
+        for kept in [
+            "content-type",
+            "location",
+            "etag",
+            "cache-control",
+            "x-request-id",
+            "link",
+            "content-encoding",
+        ] {
+            assert!(is_stored_header(kept), "{kept} must be stored");
+        }
+        // Capture applies the filter and keeps repeats in order.
+        let c = Capture::new(
+            201,
+            [
+                ("x-a", &b"1"[..]),
+                ("set-cookie", b"s=1"),
+                ("x-a", b"2"),
+                ("date", b"now"),
+                ("idempotent-replayed", b"false"),
+                ("Content-Length", b"2"),
+            ],
+            10,
+        );
+        let StoredOutcome::Response(r) = c.finish() else {
+            panic!("oversized")
+        };
+        assert_eq!(
+            r.headers,
+            vec![
+                ("x-a".to_owned(), b"1".to_vec()),
+                ("x-a".to_owned(), b"2".to_vec())
+            ]
+        );
+    }
+
+    #[test]
+    fn replay_never_echoes_a_stored_replayed_header() {
+        let stored = StoredResponse::new(201, "b")
+            .with_header("Idempotent-Replayed", "false")
+            .with_header("x", "1")
+            .with_header("x", "2");
+        let reply = Reply::replay(stored);
+        let headers: Vec<(&str, &[u8])> = reply
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_ref(), v.as_ref()))
+            .collect();
+        assert_eq!(
+            headers,
+            vec![
+                ("x", &b"1"[..]),
+                ("x", b"2"),
+                ("idempotent-replayed", b"true")
+            ]
+        );
+        assert_eq!((reply.status, reply.body.as_slice()), (201, &b"b"[..]));
+    }
+
+    #[test]
+    fn problems_carry_their_headers() {
+        let r = Reply::problem(&Problem::in_progress(Duration::from_millis(2500)));
+        assert_eq!(r.status, 409);
+        let find = |n: &str| {
+            r.headers
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.to_vec())
+        };
+        assert_eq!(find("content-type"), Some(PROBLEM_JSON.as_bytes().to_vec()));
+        assert_eq!(find("cache-control"), Some(b"no-store".to_vec()));
+        assert_eq!(find("retry-after"), Some(b"3".to_vec()));
+        let body: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        assert_eq!(body["status"], 409);
+        assert_eq!(
+            body["type"],
+            "https://idempotent.dev/problems/idempotency-key-in-progress"
+        );
+    }
+
+    #[test]
+    fn capture_limits() {
+        let mut c = Capture::new(200, [], 4);
+        assert!(c.push(b"ab") && c.push(b"cd"));
+        assert!(!c.is_over());
+        assert!(!c.push(b"e"));
+        assert!(!c.push(b"fgh"));
+        assert_eq!(c.size(), 8);
+        assert_eq!(
+            c.finish(),
+            StoredOutcome::Oversized {
+                status: 200,
+                size: 8
+            }
+        );
+        // Exactly at the limit is stored.
+        let mut c = Capture::new(204, [], 2);
+        assert!(c.push(b"ok"));
+        assert!(matches!(c.finish(), StoredOutcome::Response(r) if r.body == b"ok"));
+    }
+
+    #[test]
+    fn cheap_checks() {
+        assert!(check_content_length(Some(b"10"), 10).is_ok());
+        assert_eq!(
+            check_content_length(Some(b"11"), 10).map_err(|p| p.status),
+            Err(413)
+        );
+        assert!(check_content_length(Some(b"junk"), 10).is_ok());
+        assert!(check_content_length(None, 10).is_ok());
+        let bad = IdempotencyKey::parse(b"");
+        assert_eq!(
+            check_key(&bad, KeyRequirement::Optional).map_err(|p| p.slug),
+            Err("idempotency-key-invalid"),
+            "a malformed key is never optional"
+        );
+        let missing = Err(KeyError::Missing);
+        assert_eq!(
+            check_key(&missing, KeyRequirement::Required).map_err(|p| p.slug),
+            Err("idempotency-key-missing")
+        );
+    }
+
+    #[test]
+    fn settings_are_checked_once() {
+        let engine = || Engine::new(crate::MemoryStore::new());
+        let build = |f: fn(ConfigBuilder) -> ConfigBuilder| f(ConfigBuilder::new(engine())).build();
+        assert!(build(|b| b).is_ok());
+        assert_eq!(
+            build(|b| b.lease(Duration::ZERO)).err(),
+            Some(ConfigError::Zero { what: "lease" })
+        );
+        assert!(matches!(
+            build(|b| b.ttl(Duration::MAX)),
+            Err(ConfigError::TooLong { what: "ttl", .. })
+        ));
+        assert!(matches!(
+            build(|b| b.ttl(Duration::from_secs(1))),
+            Err(ConfigError::TtlShorterThanLease { .. })
+        ));
+        assert_eq!(
+            build(|b| b.max_response(0)).err(),
+            Some(ConfigError::ZeroSize {
+                what: "max_response"
+            })
+        );
+        // A route's own ttl is checked against the configured lease when resolved.
+        let config = ConfigBuilder::<Config>::new(engine())
+            .lease(Duration::from_secs(300))
+            .build()
+            .expect("valid");
+        let route = Route::new(
+            "create_charge",
+            Some(Duration::from_secs(60)),
+            None,
+            KeyRequirement::Required,
+            false,
+            None,
+        );
+        assert!(matches!(
+            route.resolve(&config),
+            Err(ConfigError::TtlShorterThanLease { .. })
+        ));
+        let fine = Route::new(
+            "r",
+            None,
+            Some(Duration::from_secs(1)),
+            KeyRequirement::Optional,
+            true,
+            Some(9),
+        );
+        let p = fine.resolve(&config).expect("valid");
+        assert_eq!(p.policy.lease, Duration::from_secs(1));
+        assert_eq!(p.policy.ttl, DEFAULT_TTL);
+        assert_eq!(p.max_response, 9);
+        assert!(p.policy.store_server_errors);
+    }
+}
