@@ -5,9 +5,38 @@ use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
 use syn::{LitStr, Token};
 
-/// Every argument, for error messages.
-pub(crate) const VALID: &str =
-    "`scope`, `unscoped`, `ttl`, `lease`, `key`, `store_server_errors`, `max_response`, `crate`";
+/// What an argument takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A bare flag: `unscoped`.
+    Flag,
+    /// `name = "literal"`.
+    Value,
+}
+
+/// Every argument the attribute knows: its name, what it takes, and the example the errors
+/// show. The parser, the "expected one of" list and the hints all read this one table.
+const ARGS: [(&str, Kind, &str); 8] = [
+    ("scope", Kind::Value, "scope = \"account_id\""),
+    ("unscoped", Kind::Flag, "unscoped"),
+    ("ttl", Kind::Value, "ttl = \"24h\""),
+    ("lease", Kind::Value, "lease = \"30s\""),
+    ("key", Kind::Value, "key = \"optional\""),
+    ("store_server_errors", Kind::Flag, "store_server_errors"),
+    ("max_response", Kind::Value, "max_response = \"1MiB\""),
+    ("crate", Kind::Value, "crate = \"my_idempotent_axum\""),
+];
+
+/// Every argument, for error messages: `` `scope`, `unscoped`, … ``.
+fn valid() -> String {
+    ARGS.iter()
+        .map(|(name, _, _)| format!("`{name}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Longest ttl or lease: 365 days (the runtime configuration has the same bound).
+pub(crate) const MAX_DURATION_MS: u64 = 365 * 86_400_000;
 
 /// Whether requests must carry a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,9 +64,6 @@ pub(crate) struct Args {
     pub(crate) max_response: Option<(u64, Span)>,
     pub(crate) krate: Option<(syn::Path, Span)>,
 }
-
-/// Default lease, for the "ttl shorter than lease" check when no lease is written.
-const DEFAULT_LEASE_MS: u64 = 30_000;
 
 /// Sets `slot` once; a second time is a "duplicate argument" error (serde's `Attr::set`).
 fn set<T>(slot: &mut Option<T>, value: T, name: &str, span: Span, errors: &mut Vec<syn::Error>) {
@@ -67,56 +93,43 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
                     .replace(' ', "")
             });
         let span = syn::spanned::Spanned::span(&meta.path);
-        let flag = matches!(name.as_str(), "unscoped" | "store_server_errors");
         let has_value = meta.input.peek(Token![=]);
-        if flag {
-            if has_value {
-                let v = meta.value()?;
-                let _: syn::Expr = v.parse()?;
-                errors.push(syn::Error::new(
-                    span,
-                    format!("`{name}` takes no value; write just `{name}`"),
-                ));
-            } else if name == "unscoped" {
-                set(&mut args.unscoped, span, &name, span, &mut errors);
-            } else {
-                set(
-                    &mut args.store_server_errors,
-                    span,
-                    &name,
-                    span,
-                    &mut errors,
-                );
-            }
-            return Ok(());
-        }
-        if !matches!(
-            name.as_str(),
-            "scope" | "ttl" | "lease" | "key" | "max_response" | "crate"
-        ) {
+        let Some(&(_, kind, example)) = ARGS.iter().find(|(n, _, _)| *n == name) else {
             if has_value {
                 let _: syn::Expr = meta.value()?.parse()?;
             }
             errors.push(syn::Error::new(
                 span,
-                format!("unknown argument `{name}`; expected one of {VALID}"),
+                format!("unknown argument `{name}`; expected one of {}", valid()),
             ));
             return Ok(());
-        }
-        if !has_value {
-            let example = match name.as_str() {
-                "scope" => "scope = \"account_id\"",
-                "ttl" => "ttl = \"24h\"",
-                "lease" => "lease = \"30s\"",
-                "key" => "key = \"optional\"",
-                "max_response" => "max_response = \"1MiB\"",
-                _ => "crate = \"my_idempotent_axum\"",
-            };
-            errors.push(syn::Error::new(
-                span,
-                format!("`{name}` needs a value: `{example}`"),
-            ));
-            return Ok(());
+        };
+        match (kind, has_value) {
+            (Kind::Flag, true) => {
+                let _: syn::Expr = meta.value()?.parse()?;
+                errors.push(syn::Error::new(
+                    span,
+                    format!("`{name}` takes no value; write just `{example}`"),
+                ));
+                return Ok(());
+            }
+            (Kind::Flag, false) => {
+                let slot = if name == "unscoped" {
+                    &mut args.unscoped
+                } else {
+                    &mut args.store_server_errors
+                };
+                set(slot, span, &name, span, &mut errors);
+                return Ok(());
+            }
+            (Kind::Value, false) => {
+                errors.push(syn::Error::new(
+                    span,
+                    format!("`{name}` needs a value: `{example}`"),
+                ));
+                return Ok(());
+            }
+            (Kind::Value, true) => {}
         }
         let expr: syn::Expr = meta.value()?.parse()?;
         let lit = match &expr {
@@ -127,7 +140,7 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
             other => {
                 errors.push(syn::Error::new_spanned(
                     other,
-                    format!("`{name}` takes a string literal, as in `{name} = \"…\"`"),
+                    format!("`{name}` takes a string literal, as in `{example}`"),
                 ));
                 return Ok(());
             }
@@ -160,7 +173,7 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
             },
             _ => match lit.parse::<syn::Path>() {
                 Ok(p) => set(&mut args.krate, (p, lspan), &name, span, &mut errors),
-                Err(_) => errors.push(syn::Error::new(lspan, "`crate` must be a path, as in `crate = \"my_idempotent_axum\"`")),
+                Err(_) => errors.push(syn::Error::new(lspan, format!("`crate` must be a path, as in `{example}`"))),
             },
         }
         Ok(())
@@ -180,23 +193,19 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
             "#[idempotent] needs the caller's identity: `scope = \"param\"` naming the parameter that identifies the caller, or `unscoped` if every caller shares one namespace",
         ));
     }
-    if let Some((ttl, tspan)) = args.ttl {
-        let lease = args.lease.map_or(DEFAULT_LEASE_MS, |(l, _)| l);
-        if ttl < lease {
-            let which = if args.lease.is_some() {
-                "`lease`"
-            } else {
-                "the default lease"
-            };
-            errors.push(syn::Error::new(
-                tspan,
-                format!(
-                    "`ttl` ({}) is shorter than {which} ({}); a finished response must outlive the lease that protects its first attempt",
-                    fmt_ms(ttl),
-                    fmt_ms(lease)
-                ),
-            ));
-        }
+    // Checked here only when both are written: a default lease belongs to the runtime
+    // configuration, which resolves the route against it (and refuses it there).
+    if let (Some((ttl, tspan)), Some((lease, _))) = (args.ttl, args.lease)
+        && ttl < lease
+    {
+        errors.push(syn::Error::new(
+            tspan,
+            format!(
+                "`ttl` ({}) is shorter than `lease` ({}); a finished response must outlive the lease that protects its first attempt",
+                fmt_ms(ttl),
+                fmt_ms(lease)
+            ),
+        ));
     }
     (args, errors)
 }
@@ -253,6 +262,11 @@ pub(crate) fn parse_duration_ms(s: &str) -> Result<u64, String> {
             "the duration `{s}` is zero; it must be at least 1ms"
         ));
     }
+    if ms > MAX_DURATION_MS {
+        return Err(format!(
+            "the duration `{s}` is longer than the maximum of `365d`"
+        ));
+    }
     Ok(ms)
 }
 
@@ -260,17 +274,17 @@ fn duration(lit: &LitStr) -> Result<u64, syn::Error> {
     parse_duration_ms(&lit.value()).map_err(|m| syn::Error::new(lit.span(), m))
 }
 
-/// `<n>`, `<n>B`, `<n>KiB`, `<n>MiB` or `<n>GiB`, not zero.
+/// `<n>` (bytes), `<n>KiB`, `<n>MiB` or `<n>GiB`, not zero.
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
     let malformed = || {
         format!(
-            "`{s}` is not a size; write a whole number of bytes, optionally with `KiB`, `MiB` or `GiB`, as in `1MiB`"
+            "`{s}` is not a size; write a whole number of bytes, or one with `KiB`, `MiB` or `GiB`, as in `1MiB`"
         )
     };
     let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (digits, unit) = s.split_at(end);
     let per: u64 = match unit {
-        "" | "B" => 1,
+        "" => 1,
         "KiB" => 1 << 10,
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
@@ -359,7 +373,7 @@ mod tests {
         assert!(e.iter().any(|m| m == "duplicate argument `scope`"));
         assert_eq!(
             errs(quote!(ttl = 24))[0],
-            "`ttl` takes a string literal, as in `ttl = \"…\"`"
+            "`ttl` takes a string literal, as in `ttl = \"24h\"`"
         );
         assert_eq!(
             errs(quote!(scope = "a", ttl))[0],
@@ -367,9 +381,9 @@ mod tests {
         );
         assert!(errs(quote!(scope = "a", unscoped))[0].contains("mutually exclusive"));
         assert!(errs(quote!(ttl = "1h"))[0].contains("needs the caller's identity"));
-        assert!(
-            errs(quote!(unscoped, ttl = "10s"))[0].contains("shorter than the default lease (30s)")
-        );
+        // No assumed default lease: a lone short ttl is checked against the configuration
+        // at run time, not here.
+        assert!(errs(quote!(unscoped, ttl = "10s")).is_empty());
         assert!(
             errs(quote!(unscoped, ttl = "1m", lease = "2m"))[0]
                 .contains("shorter than `lease` (2m)")
@@ -387,6 +401,16 @@ mod tests {
         assert_eq!(parse_duration_ms("500ms"), Ok(500));
         assert!(parse_duration_ms("1.5h").is_err());
         assert!(parse_duration_ms("99999999999999999999d").is_err());
+        assert_eq!(parse_duration_ms("365d"), Ok(MAX_DURATION_MS));
+        assert!(
+            parse_duration_ms("366d")
+                .unwrap_err()
+                .contains("maximum of `365d`")
+        );
+        assert!(
+            parse_size("1B").is_err(),
+            "units agree with the docs: bytes are bare"
+        );
         assert_eq!(parse_size("1MiB"), Ok(1 << 20));
         assert_eq!(parse_size("100"), Ok(100));
         assert!(parse_size("0").is_err());

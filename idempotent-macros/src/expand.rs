@@ -82,13 +82,17 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
     let ItemFn {
         attrs,
         vis,
-        modifiers: _,
         sig,
         block,
+        ..
     } = func;
+    // Inner attributes (`#![allow(..)]` at the top of the body) stay at the top of the body.
+    let (inner, outer): (Vec<_>, Vec<_>) = attrs
+        .into_iter()
+        .partition(|attr| matches!(attr.style, syn::AttrStyle::Inner(_)));
     let ctx = format_ident!("__idempotent_ctx", span = Span::mixed_site());
     let scope_var = format_ident!("__idempotent_scope", span = Span::mixed_site());
-    let args_var = format_ident!("__idempotent_args", span = Span::mixed_site());
+    let route = format_ident!("__IDEMPOTENT_ROUTE", span = Span::mixed_site());
 
     let scope_expr = match &a.scope {
         Some((path, span)) => {
@@ -116,9 +120,11 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
     };
     let ttl = opt_ms(a.ttl);
     let lease = opt_ms(a.lease);
-    let key = match a.key.map(|(k, _)| k) {
-        Some(KeyReq::Optional) => quote!(#p::Key::Optional),
-        _ => quote!(#p::Key::Required),
+    let required = !matches!(a.key, Some((KeyReq::Optional, _)));
+    let key = if required {
+        quote!(#p::Key::Required)
+    } else {
+        quote!(#p::Key::Optional)
     };
     let store_5xx = a.store_server_errors.is_some();
     let max_response = match a.max_response {
@@ -128,47 +134,101 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
         }
         None => quote!(::core::option::Option::None),
     };
+    let name = sig.ident.to_string();
 
     // The fake return edge (tracing's): fixes the async block's output type to the declared
-    // return type, so `?` and type errors land in user code. Not possible for `impl Trait`.
+    // return type, so `?` and type errors land in user code. `impl Trait` cannot be written
+    // in a `let`, so it becomes `_` there (`Result<impl IntoResponse, E>` still anchors `E`).
     let anchor = match &sig.output {
-        ReturnType::Type(_, ty) if !matches!(**ty, Type::ImplTrait(_)) => {
-            let fake = format_ident!("__idempotent_fake_return", span = Span::mixed_site());
-            quote! {
-                #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::let_unit_value)]
-                if false {
-                    let #fake: #ty = loop {};
-                    return #fake;
+        ReturnType::Type(_, ty) => match infer_impl_trait((**ty).clone()) {
+            Type::Infer(_) => quote!(),
+            ty => {
+                let fake = format_ident!("__idempotent_fake_return", span = Span::mixed_site());
+                quote! {
+                    #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::let_unit_value)]
+                    if false {
+                        let #fake: #ty = loop {};
+                        return #fake;
+                    }
                 }
             }
-        }
-        _ => quote!(),
+        },
+        ReturnType::Default => quote!(),
     };
 
-    let mut new_sig = sig.clone();
+    let mut new_sig = sig;
     new_sig
         .inputs
-        .insert(0, syn::parse_quote!(#ctx: #p::Context));
-    new_sig.output = syn::parse_quote!(-> #p::Response);
+        .insert(0, syn::parse_quote!(#ctx: #p::Context<#required>));
+    new_sig.output = syn::parse_quote!(-> #p::Output);
     let stmts = &block.stmts;
 
     quote! {
-        #(#attrs)*
+        #(#outer)*
         #vis #new_sig {
+            #(#inner)*
+            static #route: #p::Route = #p::Route::new(
+                #name, #ttl, #lease, #key, #store_5xx, #max_response,
+            );
             let #scope_var = #scope_expr;
-            let #args_var = #p::RouteArgs {
-                ttl: #ttl,
-                lease: #lease,
-                key: #key,
-                store_server_errors: #store_5xx,
-                max_response: #max_response,
-            };
-            #p::run(#ctx, #scope_var, #args_var, async move {
+            #p::run(#ctx, &#route, #scope_var, async move {
                 #anchor
                 #(#stmts)*
             })
             .await
         }
+    }
+}
+
+/// Replaces every `impl Trait` in a type with `_`, so the type can annotate a `let`.
+fn infer_impl_trait(ty: Type) -> Type {
+    let infer = |span| {
+        Type::Infer(syn::TypeInfer {
+            attrs: Vec::new(),
+            underscore_token: syn::Token![_](span),
+        })
+    };
+    match ty {
+        Type::ImplTrait(t) => infer(syn::spanned::Spanned::span(&t)),
+        Type::Path(mut t) => {
+            for seg in &mut t.path.segments {
+                if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
+                    for arg in &mut args.args {
+                        if let syn::GenericArgument::Type(inner) = arg {
+                            *inner = infer_impl_trait(inner.clone());
+                        }
+                    }
+                }
+            }
+            Type::Path(t)
+        }
+        Type::Tuple(mut t) => {
+            for elem in &mut t.elems {
+                *elem = infer_impl_trait(elem.clone());
+            }
+            Type::Tuple(t)
+        }
+        Type::Reference(mut t) => {
+            *t.elem = infer_impl_trait((*t.elem).clone());
+            Type::Reference(t)
+        }
+        Type::Array(mut t) => {
+            *t.elem = infer_impl_trait((*t.elem).clone());
+            Type::Array(t)
+        }
+        Type::Slice(mut t) => {
+            *t.elem = infer_impl_trait((*t.elem).clone());
+            Type::Slice(t)
+        }
+        Type::Paren(mut t) => {
+            *t.elem = infer_impl_trait((*t.elem).clone());
+            Type::Paren(t)
+        }
+        Type::Group(mut t) => {
+            *t.elem = infer_impl_trait((*t.elem).clone());
+            Type::Group(t)
+        }
+        other => other,
     }
 }
 
@@ -219,8 +279,12 @@ mod tests {
         );
         assert!(
             out.contains(
-                "pub async fn h (__idempotent_ctx : :: idempotent_axum :: __private :: Context"
+                "pub async fn h (__idempotent_ctx : :: idempotent_axum :: __private :: Context < true >"
             ),
+            "{out}"
+        );
+        assert!(
+            out.contains(":: idempotent_axum :: __private :: Route :: new (\"h\" ,"),
             "{out}"
         );
         let custom = expand_str(
@@ -233,6 +297,39 @@ mod tests {
             custom.contains("my_axum :: __private :: unscoped ()"),
             "{custom}"
         );
+    }
+
+    #[test]
+    fn impl_trait_in_the_return_type_anchors_what_it_can() {
+        let out = expand_str(
+            quote!(unscoped, key = "optional"),
+            quote!(
+                async fn h() -> Result<impl IntoResponse, MyError> {
+                    #![allow(unused_variables)]
+                    Ok(())
+                }
+            ),
+        );
+        assert!(
+            out.contains("let __idempotent_fake_return : Result < _ , MyError >"),
+            "{out}"
+        );
+        assert!(out.contains("Context < false >"), "{out}");
+        // The inner attribute is the body's first item, not an outer attribute of the fn.
+        let body = out
+            .split_once("-> :: idempotent_axum :: __private :: Output {")
+            .map(|x| x.1);
+        assert!(
+            body.is_some_and(|b| b.trim_start().starts_with("# ! [allow (unused_variables)]")),
+            "{out}"
+        );
+        let plain = expand_str(
+            quote!(unscoped),
+            quote!(
+                async fn h() -> impl IntoResponse {}
+            ),
+        );
+        assert!(!plain.contains("__idempotent_fake_return"), "{plain}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The `#[idempotent]` attribute. Use it through an adapter crate (`idempotent-axum`), which
-//! re-exports it as `idempotent` and documents its arguments; generated code reaches the
-//! runtime only through that crate's `#[doc(hidden)] __private` module.
+//! re-exports it as `idempotent` with these docs; generated code reaches the runtime only
+//! through that crate's `#[doc(hidden)] __private` module.
 //!
 //! Stages, one per file: `args` (typed arguments with spans) → `signature` (the handler's
 //! shape and the names its parameters bind) → `expand` (code generation). Everything below
@@ -12,7 +12,109 @@ mod args;
 mod expand;
 mod signature;
 
-/// `#[idempotent(...)]` for Axum handlers (re-exported by `idempotent-axum` as `idempotent`).
+/// Makes an async handler safe to retry: claim → execute → store → replay per
+/// (scope, `Idempotency-Key`).
+///
+/// ```
+/// use axum::{Json, http::StatusCode};
+/// use idempotent_axum::idempotent;
+/// # use axum::{extract::FromRequestParts, http::request::Parts};
+/// # struct Account(String);
+/// # impl<S: Send + Sync> FromRequestParts<S> for Account {
+/// #     type Rejection = StatusCode;
+/// #     async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+/// #         Ok(Account("acct_1".into()))
+/// #     }
+/// # }
+///
+/// #[idempotent(scope = "account", ttl = "24h")]
+/// async fn create_charge(Account(account): Account, Json(amount): Json<u64>) -> (StatusCode, String) {
+///     (StatusCode::CREATED, format!("charged {amount} to {account}"))
+/// }
+/// ```
+///
+/// # Arguments
+///
+/// | argument | meaning | default |
+/// |---|---|---|
+/// | `scope = "param"` / `"param.field"` | the caller: a binding of the handler's parameters (patterns such as `Account(id): Account` bind `id`) whose type implements `ScopeValue`; take it from your authentication's output | required, or `unscoped` |
+/// | `unscoped` | every caller shares one namespace (say so explicitly) | |
+/// | `ttl = "24h"` | how long a finished response is replayed (a floor) | the configuration's (24 h) |
+/// | `lease = "30s"` | how long a crashed attempt blocks retries (heartbeat-extended while the handler runs) | the configuration's (30 s) |
+/// | `key = "required"` / `"optional"` | whether requests without a key are refused (400) or run unprotected | `required` |
+/// | `store_server_errors` | store and replay 5xx too (Stripe style) instead of releasing the key | off |
+/// | `max_response = "1MiB"` | larger responses are sent but not stored; retries get a 410 problem | the configuration's (1 MiB) |
+/// | `crate = "path"` | where the adapter crate is, if renamed | `::idempotent_axum` |
+///
+/// Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`, from 1 ms to 365 days; sizes are
+/// `<n>` (bytes), `<n>KiB`, `<n>MiB` or `<n>GiB`. An argument written here overrides the
+/// configuration's default for this route only.
+///
+/// # Checked at compile time
+/// Unknown or duplicate arguments, malformed, zero or over-long durations and sizes, a scope
+/// that names no parameter (the error lists the parameters), `scope` together with `unscoped`
+/// or neither, a `ttl` shorter than a `lease` written next to it, and a function that is not
+/// a free `async fn`. All errors are reported together, next to the unchanged function. A
+/// `ttl` shorter than the *configured* lease can only be seen at run time: the route then
+/// answers 500 and logs its name, once.
+///
+/// A scope whose type does not implement `ScopeValue` is refused too:
+///
+/// ```compile_fail
+/// use axum::extract::Path;
+/// use idempotent_axum::idempotent;
+///
+/// #[idempotent(scope = "ratio")]
+/// async fn handler(Path(ratio): Path<f64>) {} // error: `f64` cannot be used as an idempotency scope
+/// ```
+///
+/// # Handler shapes and other attributes
+/// Any handler axum accepts: `impl IntoResponse`, concrete types, `Result<T, E>` with any
+/// `E: IntoResponse`, `Result<impl IntoResponse, E>`, state, path, query, header and custom
+/// extractors, inner attributes such as `#![allow(..)]`. With other attribute macros, order
+/// matters where they read the signature:
+/// - `#[idempotent]` above `#[axum::debug_handler]` (debug_handler then checks the generated
+///   handler); below it, debug_handler would check a signature that no longer exists.
+/// - `#[tracing::instrument]` works above or below; below `#[idempotent]` it records the hidden
+///   context (which shows method and path, never the key or body), so use `skip_all` or
+///   `skip(..)` there as for any extractor that is not `Debug`.
+///
+/// # Equivalent code
+/// The attribute keeps the function's name, visibility, attributes and body, and rewrites
+/// its signature and body. This handler:
+///
+/// ```text
+/// #[idempotent(scope = "account", ttl = "24h")]
+/// async fn create_charge(Account(account): Account, Json(req): Json<NewCharge>) -> Result<Created, ApiError> {
+///     /* body */
+/// }
+/// ```
+///
+/// becomes, in effect:
+///
+/// ```text
+/// async fn create_charge(
+///     ctx: idempotent_axum::__private::Context<true>, // key required
+///     Account(account): Account,
+///     Json(req): Json<NewCharge>,
+/// ) -> axum::response::Response {
+///     static ROUTE: Route = Route::new("create_charge", Some(Duration::from_millis(86_400_000)),
+///                                      None, Key::Required, false, None);
+///     let scope = scope_of(&account); // type-checked against `ScopeValue`
+///     run(ctx, &ROUTE, scope, async move {
+///         /* body, its output anchored to `Result<Created, ApiError>` */
+///     }).await
+/// }
+/// ```
+///
+/// The hidden `Context` extractor runs before yours: it refuses a missing or malformed key
+/// (400) and a body over the limit (413) before reading anything else, then reads the body for
+/// the fingerprint and leaves it for your body extractor. Your extractors run next (a
+/// rejection answers as usual, and nothing is claimed). `run` then computes the fingerprint
+/// (method, the path as received, query, media type, body), claims the record and either
+/// replays the stored response, answers a problem (409 in progress, 422 mismatch, 503 store
+/// unavailable), or runs the body, detached from the connection so a client that goes away
+/// does not stop it, and stores its response.
 #[proc_macro_attribute]
 pub fn idempotent_axum(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::expand(args.into(), item.into(), expand::Framework::Axum).into()
