@@ -1,0 +1,200 @@
+//! Not a stable API: the code `#[idempotent]` generates calls these, and only these.
+
+use crate::config::Idempotency;
+use crate::layer::BodySlot;
+use crate::response::{finish, problem, reply};
+use axum::body::Bytes;
+use axum::extract::{FromRequestParts, OriginalUri};
+use axum::http::{HeaderValue, Method, Uri, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use idempotent_core::http::{
+    IDEMPOTENCY_KEY, RequestHead, Step, check_content_length, check_key, is_safe_method,
+};
+use idempotent_core::{
+    Detached, ExecuteRequest, IdempotencyKey, KeyError, KeyRequirement, Problem, Scope, ScopeError,
+    ScopeValue,
+};
+use std::future::Future;
+
+pub use ::core::time::Duration;
+pub use axum::response::Response as Output;
+pub use idempotent_core::KeyRequirement as Key;
+pub use idempotent_core::http::Route;
+
+/// What the request carries for idempotency, read before the handler's own extractors: the
+/// configuration, the request's identity, its key, and its body. `REQUIRED` is whether the
+/// route requires a key, so a missing or malformed key is refused before the body is read.
+pub struct Context<const REQUIRED: bool> {
+    config: Idempotency,
+    method: Method,
+    uri: Uri,
+    content_type: Option<HeaderValue>,
+    key: Result<IdempotencyKey, KeyError>,
+    body: Bytes,
+}
+
+impl<const REQUIRED: bool> std::fmt::Debug for Context<REQUIRED> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key or the body: this shows up in `#[tracing::instrument]` fields.
+        f.debug_struct("Context")
+            .field("method", &self.method)
+            .field("path", &self.uri.path())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUIRED> {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
+        let Some(config) = parts.extensions.get::<Idempotency>().cloned() else {
+            return Err(problem(&Problem::misconfigured(
+                "this route uses #[idempotent] but the router has no idempotency layer; add `.layer(idempotency.layer())`",
+            )));
+        };
+        let uri = parts
+            .extensions
+            .get::<OriginalUri>()
+            .map_or_else(|| parts.uri.clone(), |o| o.0.clone());
+        let mut ctx = Context {
+            config,
+            method: parts.method.clone(),
+            uri,
+            content_type: parts.headers.get(header::CONTENT_TYPE).cloned(),
+            key: Err(KeyError::Missing),
+            body: Bytes::new(),
+        };
+        if is_safe_method(ctx.method.as_str()) {
+            return Ok(ctx);
+        }
+        // Cheap rejections first: the key, then the declared length, before reading a byte.
+        ctx.key = IdempotencyKey::from_header_values(
+            parts
+                .headers
+                .get_all(IDEMPOTENCY_KEY)
+                .iter()
+                .map(HeaderValue::as_bytes),
+        );
+        let requirement = if REQUIRED {
+            KeyRequirement::Required
+        } else {
+            KeyRequirement::Optional
+        };
+        check_key(&ctx.key, requirement).map_err(|p| problem(&p))?;
+        let limit = ctx.config.config.max_request();
+        check_content_length(
+            parts
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .map(HeaderValue::as_bytes),
+            limit,
+        )
+        .map_err(|p| problem(&p))?;
+        if ctx.key.is_err() {
+            // No key on an optional route: the request runs unprotected, so its body is left
+            // for the handler and never fingerprinted.
+            return Ok(ctx);
+        }
+        let Some(slot) = parts.extensions.get::<BodySlot>().cloned() else {
+            return Err(problem(&Problem::misconfigured(
+                "the idempotency layer must wrap the route (add `.layer(idempotency.layer())` to its router)",
+            )));
+        };
+        let Some(body) = slot.take_for_reading() else {
+            return Err(problem(&Problem::misconfigured(
+                "the request body was already read before the idempotency context",
+            )));
+        };
+        match axum::body::to_bytes(body, limit).await {
+            Ok(bytes) => {
+                slot.put_read(bytes.clone());
+                ctx.body = bytes;
+                Ok(ctx)
+            }
+            Err(error) => {
+                slot.put_read(Bytes::new());
+                let too_large = std::error::Error::source(&error)
+                    .is_some_and(|e| e.is::<http_body_util::LengthLimitError>());
+                Err(problem(&if too_large {
+                    Problem::request_too_large(limit)
+                } else {
+                    Problem::request_body_invalid()
+                }))
+            }
+        }
+    }
+}
+
+/// The scope of a handler parameter (type-checks it against [`ScopeValue`]).
+pub fn scope_of<T: ScopeValue + ?Sized>(value: &T) -> Result<Scope, ScopeError> {
+    value.to_scope()
+}
+
+/// The unscoped namespace.
+pub fn unscoped() -> Result<Scope, ScopeError> {
+    Ok(Scope::unscoped())
+}
+
+/// Claim → execute → store → replay, around the handler's body. Once the key is claimed the
+/// execution is detached from the request: if the client goes away, it still runs to the end
+/// and its outcome is stored.
+pub async fn run<const REQUIRED: bool, F, R>(
+    ctx: Context<REQUIRED>,
+    route: &'static Route,
+    scope: Result<Scope, ScopeError>,
+    handler: F,
+) -> Response
+where
+    F: Future<Output = R> + Send + 'static,
+    R: IntoResponse,
+{
+    if is_safe_method(ctx.method.as_str()) || ctx.key.is_err() {
+        // Safe methods ignore the key; a missing key got here only where it is optional.
+        return handler.await.into_response();
+    }
+    let config = &ctx.config.config;
+    let resolved = match route.resolve(config) {
+        Ok(resolved) => resolved,
+        Err(_) => {
+            return problem(&Problem::misconfigured(
+                "this route's idempotency arguments do not fit the server's configuration; see the server log",
+            ));
+        }
+    };
+    let scope = match scope {
+        Ok(scope) => scope,
+        Err(e) => return problem(&Problem::scope(&e)),
+    };
+    let head = RequestHead {
+        method: ctx.method.as_str(),
+        path: ctx.uri.path(),
+        query: ctx.uri.query(),
+        content_type: ctx.content_type.as_ref().and_then(|v| v.to_str().ok()),
+    };
+    let request = ExecuteRequest {
+        scope,
+        fingerprint: head.fingerprint(&ctx.body),
+        key: ctx.key,
+    };
+    match Step::from(config.engine().begin(request, &resolved.policy).await) {
+        Step::Respond(r) => reply(r),
+        Step::Unprotected => handler.await.into_response(),
+        Step::Execute(mut execution) => {
+            let limit = resolved.max_response;
+            Detached::new(async move {
+                let response = execution
+                    .run(handler)
+                    .await
+                    .map(IntoResponse::into_response);
+                match response {
+                    Ok(response) => finish(execution, response, limit).await,
+                    Err(panic) => {
+                        execution.release().await;
+                        std::panic::resume_unwind(panic)
+                    }
+                }
+            })
+            .await
+        }
+    }
+}
