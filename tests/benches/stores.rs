@@ -19,7 +19,7 @@ fn next_key() -> String {
 fn fp() -> Fingerprint {
     Fingerprint::compute(&FingerprintInput {
         method: "POST",
-        route: "/v1/charges",
+        path: "/v1/charges",
         query: None,
         content_type: Some("application/json"),
         body: br#"{"amount":500}"#,

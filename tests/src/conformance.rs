@@ -17,7 +17,7 @@ const TTL: Duration = Duration::from_secs(3600);
 pub fn fp(label: &str) -> Fingerprint {
     Fingerprint::compute(&FingerprintInput {
         method: "POST",
-        route: "/conformance",
+        path: "/conformance",
         query: None,
         content_type: Some("text/plain"),
         body: label.as_bytes(),
@@ -428,4 +428,40 @@ pub async fn concurrent_claims_one_winner(f: &impl Fixture) {
         }
     }
     assert_eq!((won, busy), (1, 63));
+}
+
+/// A record written under another fingerprint version (an older release hashed other parts
+/// of the request) is matched by (scope, key) alone: an upgrade must not turn every retry of
+/// it into a mismatch. The stored fingerprint keeps its version.
+pub async fn older_fingerprint_versions_match_by_key(f: &impl Fixture) {
+    let store = f.fresh().await;
+    let key = unique_key("versions");
+    let old = Fingerprint::from_parts(1, *fp("a").digest());
+    let lease = claimed(claim(&*store, &key, &old, f.lease(), TTL).await);
+    let outcome = response("v1");
+    store
+        .complete(&key, lease.token, &outcome, TTL)
+        .await
+        .expect("complete");
+    assert_eq!(
+        store
+            .get(&key)
+            .await
+            .expect("get")
+            .expect("record")
+            .fingerprint,
+        old
+    );
+    // The current version of (what may be) the same request: replayed, not refused.
+    assert_eq!(
+        claim(&*store, &key, &fp("b"), f.lease(), TTL).await,
+        ClaimOutcome::Replay(outcome)
+    );
+    // Within one version the digest still decides.
+    let key2 = unique_key("versions2");
+    claimed(claim(&*store, &key2, &fp("a"), f.lease(), TTL).await);
+    assert_eq!(
+        claim(&*store, &key2, &fp("b"), f.lease(), TTL).await,
+        ClaimOutcome::Mismatch { in_progress: true }
+    );
 }

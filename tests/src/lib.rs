@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub mod conformance;
+pub mod faults;
 pub mod fixtures;
 
 /// A store under test, as the conformance suite drives it.
@@ -26,6 +27,24 @@ pub trait Fixture: Send + Sync + 'static {
     async fn cleanup(&self) {}
 }
 
+/// Checks that `listed` names exactly the public cases of `src/conformance.rs`.
+///
+/// # Panics
+/// When a case is missing from the list, or the list names something that is not a case.
+pub fn assert_all_cases_registered(listed: &[&str]) {
+    let source = include_str!("conformance.rs");
+    let mut defined: Vec<&str> = source
+        .lines()
+        .filter_map(|l| l.strip_prefix("pub async fn "))
+        .filter_map(|l| l.split('(').next())
+        .collect();
+    let mut listed = listed.to_vec();
+    defined.sort_unstable();
+    listed.sort_unstable();
+    assert!(!defined.is_empty(), "no cases found in conformance.rs");
+    assert_eq!(defined, listed, "conformance cases defined vs registered");
+}
+
 /// Stamps out the conformance suite as tests: `conformance_suite!(memory, fixture_expr);`
 /// optionally followed by attributes for every test (such as `#[ignore = "…"]`).
 #[macro_export]
@@ -34,12 +53,22 @@ macro_rules! conformance_suite {
         mod $name {
             #[allow(unused_imports)]
             use super::*;
-            $crate::conformance_suite!(@cases $fixture, [$(#[$attr])*],
+            $crate::conformance_suite!(@list $fixture, [$(#[$attr])*],
                 new_claim, replay_returns_stored_outcome, in_progress_reports_retry_after,
                 mismatch_done, mismatch_in_progress, lease_takeover, lease_takeover_needs_same_fingerprint,
                 fencing_after_takeover, ttl_expiry_reclaims, scope_isolation, purge_in_batches,
                 release_frees_key, extend_keeps_lease, stale_token_on_absent_record,
-                oversized_marker_round_trips, concurrent_claims_one_winner, headers_and_binary_body_round_trip);
+                oversized_marker_round_trips, concurrent_claims_one_winner,
+                headers_and_binary_body_round_trip, older_fingerprint_versions_match_by_key);
+        }
+    };
+    // The one list: every case becomes a test, and a last test checks the list against the
+    // cases `conformance.rs` defines, so a new case cannot be forgotten.
+    (@list $fixture:expr, [$($attrs:tt)*], $($case:ident),* $(,)?) => {
+        $crate::conformance_suite!(@cases $fixture, [$($attrs)*], $($case),*);
+        #[test]
+        fn every_case_is_registered() {
+            $crate::assert_all_cases_registered(&[$(stringify!($case)),*]);
         }
     };
     (@cases $fixture:expr, [$($attrs:tt)*], ) => {};

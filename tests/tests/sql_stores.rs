@@ -288,17 +288,57 @@ fn sqlite_two_processes_race_one_winner_per_key() {
     assert!(p1 > 0 && p1 < 1000, "p1 won {p1} of 1000");
 }
 
+fn epoch_ms(t: SystemTime) -> i64 {
+    i64::try_from(t.duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap()
+}
+
 #[tokio::test]
 #[cfg_attr(
     not(pg),
     ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
 )]
 async fn postgres_leases_follow_the_database_clock() {
-    // Two instances (pools). Leases are stamped and compared with the database's now(); the
-    // engine reads no local clock on this path, so a skewed server clock cannot matter.
+    // Skew the database clock for real, as the store sees it: a schema whose
+    // `statement_timestamp()` and `now()` run an hour ahead, first on the search path of the
+    // store's connections (PostgreSQL resolves unqualified functions through the search path
+    // when `pg_catalog` is listed after it). If leases were stamped or compared with this
+    // process's clock, they would be an hour off.
+    let skew = unique_table("skew");
+    let admin = pg_pool(1).await;
+    for fun in ["statement_timestamp", "now", "clock_timestamp"] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA IF NOT EXISTS {skew};
+             CREATE FUNCTION {skew}.{fun}() RETURNS timestamptz LANGUAGE sql STABLE
+                 AS $$ SELECT pg_catalog.{fun}() + interval '1 hour' $$;"
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
+    let skewed = || async {
+        let options: sqlx::postgres::PgConnectOptions = database_url().parse().unwrap();
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .test_before_acquire(false)
+            .connect_with(options.options([("search_path", format!("{skew},pg_catalog,public"))]))
+            .await
+            .unwrap()
+    };
+    // Two instances (pools) on the skewed database.
     let table = unique_table("clock");
-    let a = pg_store(pg_pool(2).await, &table).await;
-    let b = pg_store(pg_pool(2).await, &table).await;
+    let a = pg_store(skewed().await, &table).await;
+    let b = pg_store(skewed().await, &table).await;
+    let db_now: i64 =
+        sqlx::query_scalar("SELECT (extract(epoch FROM statement_timestamp()) * 1000)::int8")
+            .fetch_one(a.pool())
+            .await
+            .unwrap();
+    let local_now = epoch_ms(SystemTime::now());
+    assert!(
+        (db_now - local_now - 3_600_000).abs() < 60_000,
+        "the skew is in place: db {db_now} vs local {local_now}"
+    );
+
     let key = unique_key("clock");
     let lease = Duration::from_millis(1500);
     let req = ClaimRequest {
@@ -307,22 +347,17 @@ async fn postgres_leases_follow_the_database_clock() {
         lease,
         ttl: Duration::from_secs(60),
     };
-    let db_now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::int8")
-        .fetch_one(a.pool())
-        .await
-        .unwrap();
     let ClaimOutcome::Claimed(l) = a.claim(req).await.unwrap() else {
         panic!("not claimed")
     };
-    let until = l
-        .locked_until
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64;
+    let until = epoch_ms(l.locked_until);
     assert!(
-        (until - (db_now + 1500)).abs() < 500,
-        "lease end {until} vs db now {db_now}"
+        (until - (db_now + 1500)).abs() < 1000,
+        "lease end {until} is stamped in database time ({db_now} + 1500), not local time ({local_now} + 1500)"
     );
+    let record = b.get(&key).await.unwrap().expect("record");
+    assert!((epoch_ms(record.expires_at) - (db_now + 61_500)).abs() < 1000);
+    // The other instance compares in database time too: busy, for at most the lease.
     match b.claim(req).await.unwrap() {
         ClaimOutcome::InProgress { retry_after } => assert!(retry_after <= lease),
         other => panic!("{other:?}"),
@@ -336,6 +371,74 @@ async fn postgres_leases_follow_the_database_clock() {
         })
     ));
     pg_drop(a.pool(), &table).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {skew} CASCADE")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+/// A `complete` that meets SQLite's write lock held past the busy timeout fails; the engine
+/// retries it within the lease, and stores the outcome once the lock is gone. If the lock
+/// outlasts the retries, the record stays in progress: a retry gets "in progress", never a
+/// second execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_complete_waits_out_a_held_write_lock() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let options = SqliteConnectOptions::new()
+        .filename(dir.path().join("locked.db"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_millis(100));
+    let pool = SqlitePoolOptions::new()
+        .test_before_acquire(false)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = SqliteStore::builder(pool.clone()).build().unwrap();
+    store.migrate().await.unwrap();
+    let engine = Engine::new(store.clone());
+    let outcome = || StoredOutcome::from(StoredResponse::new(201, "ok"));
+
+    for (lease_ms, hold_ms, stored) in [(4000, 600, true), (600, 2000, false)] {
+        let policy = Policy {
+            lease: Duration::from_millis(lease_ms),
+            ..Policy::default()
+        };
+        let key = unique_key("locked");
+        let Begin::Claimed(execution) = engine.begin(request(&key), &policy).await else {
+            panic!("not claimed")
+        };
+        // Another writer takes the database's write lock and holds it.
+        let mut blocker = pool.acquire().await.unwrap();
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut *blocker)
+            .await
+            .unwrap();
+        let holder = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(hold_ms)).await;
+            sqlx::query("COMMIT").execute(&mut *blocker).await.unwrap();
+        });
+        let recorded = execution.finish(outcome()).await;
+        if stored {
+            assert!(matches!(recorded, Recorded::Stored), "{recorded:?}");
+            assert!(matches!(
+                engine.begin(request(&key), &policy).await,
+                Begin::Replay(_)
+            ));
+        } else {
+            assert!(
+                matches!(recorded, Recorded::Failed(StoreError::Unavailable(_))),
+                "{recorded:?}"
+            );
+            // Readers are not blocked in WAL mode: the retry sees the attempt in progress.
+            assert!(matches!(
+                engine.begin(request(&key), &policy).await,
+                Begin::InProgress { .. }
+            ));
+        }
+        holder.await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -363,7 +466,7 @@ async fn postgres_killed_connection_mid_claim_is_unavailable_not_a_duplicate() {
     )))
     .bind(key.scope.as_str())
     .bind(key.key.as_str())
-    .bind(fp("k").as_bytes().as_slice())
+    .bind(fp("k").to_stored().to_vec())
     .execute(&mut *blocker)
     .await
     .unwrap();

@@ -27,7 +27,7 @@ async fn main() {
 
     let fp = Fingerprint::compute(&FingerprintInput {
         method: "POST",
-        route: "/race",
+        path: "/race",
         query: None,
         content_type: None,
         body: b"same",

@@ -1,0 +1,117 @@
+//! A store wrapper that counts every call and fails the ones a test asks it to.
+
+use idempotent_core::{
+    ClaimOutcome, ClaimRequest, LeaseToken, Record, RecordKey, Store, StoreError, StoredOutcome,
+};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
+
+/// Wraps a real store; counts claims, completes, releases and extends, and makes the next
+/// `fail_completes` completes fail with [`StoreError::Unavailable`] before they reach the
+/// store (`usize::MAX`: all of them). [`FaultyStore::injected`] says how many it failed.
+pub struct FaultyStore {
+    inner: Arc<dyn Store>,
+    fail_completes: AtomicUsize,
+    injected: AtomicUsize,
+    claims: AtomicUsize,
+    completes: AtomicUsize,
+    releases: AtomicUsize,
+}
+
+/// The injected failure.
+#[derive(Debug, thiserror::Error)]
+#[error("injected failure")]
+pub struct Injected;
+
+impl FaultyStore {
+    /// Wraps `inner`, failing nothing yet.
+    pub fn new(inner: impl Store) -> Arc<Self> {
+        Arc::new(FaultyStore {
+            inner: Arc::new(inner),
+            fail_completes: AtomicUsize::new(0),
+            injected: AtomicUsize::new(0),
+            claims: AtomicUsize::new(0),
+            completes: AtomicUsize::new(0),
+            releases: AtomicUsize::new(0),
+        })
+    }
+
+    /// Fails the next `n` completes (`usize::MAX`: every one from now on).
+    pub fn fail_next_completes(&self, n: usize) {
+        self.fail_completes.store(n, Ordering::SeqCst);
+    }
+
+    /// Failures injected so far.
+    pub fn injected(&self) -> usize {
+        self.injected.load(Ordering::SeqCst)
+    }
+
+    /// Claims that reached this store.
+    pub fn claims(&self) -> usize {
+        self.claims.load(Ordering::SeqCst)
+    }
+
+    /// Completes attempted (failed ones included).
+    pub fn completes(&self) -> usize {
+        self.completes.load(Ordering::SeqCst)
+    }
+
+    /// Releases attempted.
+    pub fn releases(&self) -> usize {
+        self.releases.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for FaultyStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(req).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.completes.fetch_add(1, Ordering::SeqCst);
+        let fail = self
+            .fail_completes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
+                0 => None,
+                usize::MAX => Some(usize::MAX),
+                n => Some(n - 1),
+            })
+            .is_ok();
+        if fail {
+            self.injected.fetch_add(1, Ordering::SeqCst);
+            return Err(StoreError::unavailable(Injected));
+        }
+        self.inner.complete(key, token, outcome, ttl).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(key, token).await
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        self.inner.extend(key, token, lease).await
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+}

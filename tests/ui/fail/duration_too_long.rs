@@ -1,0 +1,6 @@
+use idempotent_axum::idempotent;
+
+#[idempotent(unscoped, ttl = "400d")]
+async fn handler() {}
+
+fn main() {}
