@@ -132,15 +132,95 @@ impl NewCharge {
     }
 }
 
+fn now_secs() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+fn new_id(prefix: &str) -> String {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}_{}", &id[..24])
+}
+
+/// A refund of (part of) a charge.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Refund {
+    /// `re_` + 24 hex characters.
+    pub id: String,
+    /// Always `"refund"`.
+    pub object: &'static str,
+    /// The refunded charge.
+    pub charge: String,
+    /// Amount refunded, > 0 and at most the charge's amount.
+    pub amount: i64,
+    /// Creation time, Unix seconds.
+    pub created: i64,
+}
+
+/// A validated request to refund a charge: `{"amount": 100}`, `amount=100`, or an empty body
+/// for the whole amount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewRefund {
+    /// The amount, or `None` for the charge's whole amount.
+    pub amount: Option<i64>,
+}
+
+impl NewRefund {
+    /// Parses and validates a refund body (see the type's docs).
+    ///
+    /// # Errors
+    /// [`InvalidCharge`] describing the problem.
+    pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, InvalidCharge> {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(NewRefund { amount: None });
+        }
+        let media = content_type
+            .and_then(|c| c.split(';').next())
+            .map(|m| m.trim().to_ascii_lowercase())
+            .unwrap_or_default();
+        let amount = match media.as_str() {
+            "application/json" => {
+                let v: serde_json::Value =
+                    serde_json::from_slice(body).map_err(|_| InvalidCharge::Malformed("JSON"))?;
+                let obj = v.as_object().ok_or(InvalidCharge::Malformed("JSON"))?;
+                match obj.get("amount") {
+                    None => None,
+                    Some(a) => Some(a.as_i64().ok_or(InvalidCharge::Amount)?),
+                }
+            }
+            "application/x-www-form-urlencoded" => form_urlencoded::parse(body)
+                .find(|(k, _)| k == "amount")
+                .map(|(_, v)| v.parse::<i64>().map_err(|_| InvalidCharge::Amount))
+                .transpose()?,
+            _ => return Err(InvalidCharge::UnsupportedMediaType),
+        };
+        if amount.is_some_and(|a| a <= 0) {
+            return Err(InvalidCharge::Amount);
+        }
+        Ok(NewRefund { amount })
+    }
+}
+
+impl Refund {
+    /// A new refund of `amount` on `charge` (fresh id, created now).
+    pub fn new(charge: &str, amount: i64) -> Self {
+        Refund {
+            id: new_id("re"),
+            object: "refund",
+            charge: charge.to_owned(),
+            amount,
+            created: now_secs(),
+        }
+    }
+}
+
 impl Charge {
     /// A new charge for `account` (fresh id, created now).
     pub fn new(account: &str, req: NewCharge) -> Self {
-        let created = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-        let id = uuid::Uuid::new_v4().simple().to_string();
+        let created = now_secs();
         Charge {
-            id: format!("ch_{}", &id[..24]),
+            id: new_id("ch"),
             object: "charge",
             account: account.to_owned(),
             amount: req.amount,
@@ -151,11 +231,11 @@ impl Charge {
     }
 }
 
-/// Where charges are written: the same database as the idempotency store.
+/// Where charges and refunds are written: the same database as the idempotency store.
 #[derive(Debug, Clone)]
 pub enum Charges {
-    /// In-process list (`--database memory`).
-    Memory(Arc<Mutex<Vec<Charge>>>),
+    /// In-process lists (`--database memory`).
+    Memory(Arc<Mutex<MemoryTables>>),
     /// A SQLite table.
     Sqlite(sqlx::SqlitePool),
     /// A PostgreSQL table.
@@ -167,7 +247,27 @@ pub enum Charges {
 #[error("charges database error: {0}")]
 pub struct DbError(#[from] sqlx::Error);
 
+/// The in-process tables of `--database memory`.
+#[derive(Debug, Default)]
+pub struct MemoryTables {
+    /// Charges, oldest first.
+    pub charges: Vec<Charge>,
+    /// Refunds, oldest first.
+    pub refunds: Vec<Refund>,
+}
+
 type Row = (String, String, i64, String, String, i64);
+type RefundRow = (String, String, i64, i64);
+
+fn refund_from_row((id, charge, amount, created): RefundRow) -> Refund {
+    Refund {
+        id,
+        object: "refund",
+        charge,
+        amount,
+        created,
+    }
+}
 
 fn from_row((id, account, amount, currency, customer, created): Row) -> Charge {
     Charge {
@@ -188,9 +288,11 @@ impl Charges {
     /// [`DbError`] when the database fails.
     pub async fn insert(&self, c: &Charge) -> Result<(), DbError> {
         match self {
-            Charges::Memory(list) => {
-                list.lock()
+            Charges::Memory(tables) => {
+                tables
+                    .lock()
                     .unwrap_or_else(|e| e.into_inner())
+                    .charges
                     .push(c.clone());
                 Ok(())
             }
@@ -217,9 +319,10 @@ impl Charges {
     /// [`DbError`] when the database fails.
     pub async fn list(&self, account: &str) -> Result<Vec<Charge>, DbError> {
         match self {
-            Charges::Memory(list) => Ok(list
+            Charges::Memory(tables) => Ok(tables
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
+                .charges
                 .iter()
                 .filter(|c| c.account == account)
                 .cloned()
@@ -237,6 +340,110 @@ impl Charges {
                     .fetch_all(pool)
                     .await?;
                 Ok(rows.into_iter().map(from_row).collect())
+            }
+        }
+    }
+}
+
+impl Charges {
+    /// The account's charge `id`, if it exists.
+    ///
+    /// # Errors
+    /// [`DbError`] when the database fails.
+    pub async fn get(&self, account: &str, id: &str) -> Result<Option<Charge>, DbError> {
+        match self {
+            Charges::Memory(tables) => Ok(tables
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .charges
+                .iter()
+                .find(|c| c.account == account && c.id == id)
+                .cloned()),
+            Charges::Sqlite(pool) => {
+                let row: Option<Row> = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = ?1 AND id = ?2")
+                    .bind(account).bind(id)
+                    .fetch_optional(pool)
+                    .await?;
+                Ok(row.map(from_row))
+            }
+            Charges::Postgres(pool) => {
+                let row: Option<Row> = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = $1 AND id = $2")
+                    .bind(account).bind(id)
+                    .fetch_optional(pool)
+                    .await?;
+                Ok(row.map(from_row))
+            }
+        }
+    }
+
+    /// Writes a refund.
+    ///
+    /// # Errors
+    /// [`DbError`] when the database fails.
+    pub async fn insert_refund(&self, r: &Refund) -> Result<(), DbError> {
+        match self {
+            Charges::Memory(tables) => {
+                tables
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .refunds
+                    .push(r.clone());
+                Ok(())
+            }
+            Charges::Sqlite(pool) => {
+                sqlx::query(
+                    "INSERT INTO refunds (id, charge, amount, created) VALUES (?1, ?2, ?3, ?4)",
+                )
+                .bind(&r.id)
+                .bind(&r.charge)
+                .bind(r.amount)
+                .bind(r.created)
+                .execute(pool)
+                .await?;
+                Ok(())
+            }
+            Charges::Postgres(pool) => {
+                sqlx::query(
+                    "INSERT INTO refunds (id, charge, amount, created) VALUES ($1, $2, $3, $4)",
+                )
+                .bind(&r.id)
+                .bind(&r.charge)
+                .bind(r.amount)
+                .bind(r.created)
+                .execute(pool)
+                .await?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The refunds of charge `charge`, oldest first.
+    ///
+    /// # Errors
+    /// [`DbError`] when the database fails.
+    pub async fn refunds(&self, charge: &str) -> Result<Vec<Refund>, DbError> {
+        match self {
+            Charges::Memory(tables) => Ok(tables
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .refunds
+                .iter()
+                .filter(|r| r.charge == charge)
+                .cloned()
+                .collect()),
+            Charges::Sqlite(pool) => {
+                let rows: Vec<RefundRow> = sqlx::query_as("SELECT id, charge, amount, created FROM refunds WHERE charge = ?1 ORDER BY seq")
+                    .bind(charge)
+                    .fetch_all(pool)
+                    .await?;
+                Ok(rows.into_iter().map(refund_from_row).collect())
+            }
+            Charges::Postgres(pool) => {
+                let rows: Vec<RefundRow> = sqlx::query_as("SELECT id, charge, amount, created FROM refunds WHERE charge = $1 ORDER BY seq")
+                    .bind(charge)
+                    .fetch_all(pool)
+                    .await?;
+                Ok(rows.into_iter().map(refund_from_row).collect())
             }
         }
     }
@@ -277,7 +484,11 @@ pub async fn open(url: &str) -> Result<(Arc<dyn Store>, Charges), OpenError> {
             "CREATE TABLE IF NOT EXISTS charges (
                 seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, account TEXT NOT NULL,
                 amount INTEGER NOT NULL, currency TEXT NOT NULL, customer TEXT NOT NULL, created INTEGER NOT NULL);
-             CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);",
+             CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
+             CREATE TABLE IF NOT EXISTS refunds (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, charge TEXT NOT NULL,
+                amount INTEGER NOT NULL, created INTEGER NOT NULL);
+             CREATE INDEX IF NOT EXISTS refunds_charge ON refunds (charge, seq);",
         )
         .execute(store.pool())
         .await?;
@@ -297,7 +508,11 @@ pub async fn open(url: &str) -> Result<(Arc<dyn Store>, Charges), OpenError> {
             "CREATE TABLE IF NOT EXISTS charges (
                 seq bigserial PRIMARY KEY, id text NOT NULL UNIQUE, account text NOT NULL,
                 amount bigint NOT NULL, currency text NOT NULL, customer text NOT NULL, created bigint NOT NULL);
-             CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);",
+             CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
+             CREATE TABLE IF NOT EXISTS refunds (
+                seq bigserial PRIMARY KEY, id text NOT NULL UNIQUE, charge text NOT NULL,
+                amount bigint NOT NULL, created bigint NOT NULL);
+             CREATE INDEX IF NOT EXISTS refunds_charge ON refunds (charge, seq);",
         )
         .execute(&pool)
         .await?;
@@ -375,6 +590,15 @@ mod tests {
         assert_eq!(
             NewCharge::parse(Some("text/plain"), b""),
             Err(InvalidCharge::UnsupportedMediaType)
+        );
+        assert_eq!(NewRefund::parse(None, b""), Ok(NewRefund { amount: None }));
+        assert_eq!(
+            NewRefund::parse(json, br#"{"amount": 100}"#),
+            Ok(NewRefund { amount: Some(100) })
+        );
+        assert_eq!(
+            NewRefund::parse(form, b"amount=-1"),
+            Err(InvalidCharge::Amount)
         );
         assert_eq!(parse_delay("0ms"), Ok(Duration::ZERO));
         assert_eq!(parse_delay("5s"), Ok(Duration::from_secs(5)));

@@ -75,6 +75,38 @@ impl Api {
             .header("content-type", "application/x-www-form-urlencoded")
             .body(body.to_owned())
     }
+    fn refund(&self, account: &str, key: &str, charge: &str) -> reqwest::RequestBuilder {
+        self.client
+            .post(format!("{}/v1/charges/{charge}/refunds", self.base))
+            .bearer_auth(account)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(r#"{"amount": 100}"#)
+    }
+    async fn refunds(&self, account: &str, charge: &str) -> usize {
+        let list: Value = self
+            .client
+            .get(format!("{}/v1/charges/{charge}/refunds", self.base))
+            .bearer_auth(account)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        list["data"].as_array().unwrap().len()
+    }
+    /// Retries while the answer is 409, as a client honouring `Retry-After` would (faster).
+    async fn until_not_busy(&self, req: impl Fn() -> reqwest::RequestBuilder) -> reqwest::Response {
+        for _ in 0..100 {
+            let res = req().send().await.unwrap();
+            if res.status() != 409 {
+                return res;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("still in progress after 10 s");
+    }
     async fn count(&self, account: &str) -> usize {
         let list: Value = self
             .client
@@ -236,6 +268,40 @@ async fn contract(database: &str) {
     }
     assert!(created >= 100);
     assert_eq!(api.count(&racer).await, 100);
+
+    // The charge in the path is part of the request: one key for two charges' refunds is a
+    // 422 for the second, never a replay of the first.
+    let a: Value = api
+        .json(&acct, &key(), CHARGE)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let b: Value = api
+        .json(&acct, &key(), CHARGE)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let (a, b) = (a["id"].as_str().unwrap(), b["id"].as_str().unwrap());
+    let k5 = key();
+    let refund = api.refund(&acct, &k5, a).send().await.unwrap();
+    assert_eq!(refund.status(), 201);
+    let refund_body = refund.bytes().await.unwrap();
+    let other = api.refund(&acct, &k5, b).send().await.unwrap();
+    assert_eq!(other.status(), 422);
+    assert_eq!(other.headers()["content-type"], "application/problem+json");
+    let again = api.refund(&acct, &k5, a).send().await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.bytes().await.unwrap(), refund_body);
+    assert_eq!(
+        (api.refunds(&acct, a).await, api.refunds(&acct, b).await),
+        (1, 0)
+    );
     drop(server);
 
     // 409 while the first attempt is still with the "payment provider".
@@ -258,16 +324,65 @@ async fn contract(database: &str) {
     assert_eq!(first.status(), 201);
     let after = api.json(&acct, &k4, CHARGE).send().await.unwrap();
     assert_eq!(after.headers()["idempotent-replayed"], "true");
+
+    // The client times out while the provider is slow, then retries: 409 while the first
+    // attempt runs, then its stored response. Exactly one charge.
+    let timer = account();
+    let k6 = key();
+    let gone = api
+        .json(&timer, &k6, CHARGE)
+        .timeout(Duration::from_millis(500))
+        .send()
+        .await
+        .expect_err("the client gave up");
+    assert!(gone.is_timeout(), "the timeout fired: {gone}");
+    let busy = api.json(&timer, &k6, CHARGE).send().await.unwrap();
+    assert_eq!(busy.status(), 409);
+    assert!(busy.headers().contains_key("retry-after"));
+    let done = api.until_not_busy(|| api.json(&timer, &k6, CHARGE)).await;
+    assert_eq!(done.status(), 201);
+    assert_eq!(done.headers()["idempotent-replayed"], "true");
+    assert_eq!(api.count(&timer).await, 1, "exactly one charge");
+}
+
+/// SIGTERM while a charge whose client left is still with the provider: the server drains
+/// (finishes and stores it) before exiting, and the retry against a restarted server gets the
+/// stored response. Exactly one charge.
+async fn drains_on_shutdown(database: &str) {
+    let acct = account();
+    let k = key();
+    let mut slow = start(database, &["--work-delay", "2s"]);
+    let api = Api::new(&slow);
+    let gone = api
+        .json(&acct, &k, CHARGE)
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await
+        .expect_err("the client gave up");
+    assert!(gone.is_timeout(), "{gone}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &slow.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let exit = tokio::task::spawn_blocking(move || slow.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(exit.success(), "clean exit after draining: {exit:?}");
+    let again = start(database, &[]);
+    let api = Api::new(&again);
+    let replay = api.json(&acct, &k, CHARGE).send().await.unwrap();
+    assert_eq!(replay.status(), 201);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(api.count(&acct).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_on_sqlite() {
     let dir = tempfile::tempdir().unwrap();
-    contract(&format!(
-        "sqlite://{}",
-        dir.path().join("charges.db").display()
-    ))
-    .await;
+    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    contract(&url).await;
+    drains_on_shutdown(&url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -276,7 +391,9 @@ async fn charges_on_sqlite() {
     ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
 )]
 async fn charges_on_postgres() {
-    contract(&std::env::var("DATABASE_URL").unwrap()).await;
+    let url = std::env::var("DATABASE_URL").unwrap();
+    contract(&url).await;
+    drains_on_shutdown(&url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -298,4 +415,22 @@ fn bad_flags_fail_clearly() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+    // A lease longer than the default ttl is refused at start-up, not per request.
+    let out = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--database",
+            "memory",
+            "--lease",
+            "2d",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("invalid configuration"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

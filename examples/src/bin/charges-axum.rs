@@ -3,14 +3,14 @@
 //! `cargo run -p idempotent-examples --bin charges-axum -- --help`
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
 use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Parser;
 use idempotent_axum::{Idempotency, Sweeper, idempotent};
-use idempotent_examples::charges::{self, Charge, Charges, NewCharge};
+use idempotent_examples::charges::{self, Charge, Charges, NewCharge, NewRefund, Refund};
 use serde_json::json;
 use std::io::Write;
 use std::time::Duration;
@@ -59,7 +59,11 @@ fn api_problem(status: StatusCode, slug: &str, title: &str, detail: String) -> R
         .into_response()
 }
 
-/// The caller, from `Authorization: Bearer <account>`; the idempotency scope.
+/// The authenticated caller, from `Authorization: Bearer <account>`; the idempotency scope.
+///
+/// (A real service verifies the token here and takes the account it was issued to. The scope
+/// must be such an authenticated identity, never a value the client picks freely, or one
+/// client could replay another's stored responses.)
 struct Account(String);
 
 impl<S: Send + Sync> FromRequestParts<S> for Account {
@@ -111,6 +115,33 @@ impl<S: Send + Sync> FromRequest<S> for ChargeBody {
     }
 }
 
+/// A validated refund request (JSON, form, or an empty body for the whole amount).
+struct RefundBody(NewRefund);
+
+impl<S: Send + Sync> FromRequest<S> for RefundBody {
+    type Rejection = Response;
+    async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
+        let content_type = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        NewRefund::parse(content_type.as_deref(), &bytes)
+            .map(RefundBody)
+            .map_err(|e| {
+                api_problem(
+                    StatusCode::BAD_REQUEST,
+                    "invalid-request",
+                    "Invalid refund request",
+                    e.to_string(),
+                )
+            })
+    }
+}
+
 /// A failure inside the handler: 500 (so the key is released and a retry runs again).
 struct ApiError(String);
 
@@ -141,6 +172,74 @@ async fn create_charge(
         tokio::time::sleep(app.work_delay).await;
     }
     Ok((StatusCode::CREATED, Json(charge)))
+}
+
+/// `POST /v1/charges/{charge}/refunds`: the charge in the path is part of the request, so one
+/// key used to refund two charges is a 422 for the second, never a replay of the first.
+#[idempotent(scope = "account")]
+async fn create_refund(
+    State(app): State<AppState>,
+    Account(account): Account,
+    Path(charge_id): Path<String>,
+    RefundBody(req): RefundBody,
+) -> Result<Response, ApiError> {
+    let Some(charge) = app
+        .charges
+        .get(&account, &charge_id)
+        .await
+        .map_err(|e| ApiError(e.to_string()))?
+    else {
+        return Ok(api_problem(
+            StatusCode::NOT_FOUND,
+            "no-such-charge",
+            "No such charge",
+            format!("this account has no charge `{charge_id}`"),
+        ));
+    };
+    let amount = req.amount.unwrap_or(charge.amount);
+    if amount > charge.amount {
+        return Ok(api_problem(
+            StatusCode::BAD_REQUEST,
+            "invalid-request",
+            "Invalid refund request",
+            format!("`amount` exceeds the charge's {}", charge.amount),
+        ));
+    }
+    let refund = Refund::new(&charge.id, amount);
+    app.charges
+        .insert_refund(&refund)
+        .await
+        .map_err(|e| ApiError(e.to_string()))?;
+    if !app.work_delay.is_zero() {
+        tokio::time::sleep(app.work_delay).await;
+    }
+    Ok((StatusCode::CREATED, Json(refund)).into_response())
+}
+
+async fn list_refunds(
+    State(app): State<AppState>,
+    Account(account): Account,
+    Path(charge_id): Path<String>,
+) -> Result<Response, ApiError> {
+    let found = app
+        .charges
+        .get(&account, &charge_id)
+        .await
+        .map_err(|e| ApiError(e.to_string()))?;
+    if found.is_none() {
+        return Ok(api_problem(
+            StatusCode::NOT_FOUND,
+            "no-such-charge",
+            "No such charge",
+            format!("this account has no charge `{charge_id}`"),
+        ));
+    }
+    let data = app
+        .charges
+        .refunds(&charge_id)
+        .await
+        .map_err(|e| ApiError(e.to_string()))?;
+    Ok(Json(json!({"object": "list", "data": data})).into_response())
 }
 
 async fn list_charges(
@@ -180,6 +279,9 @@ async fn shutdown_signal() {
     }
 }
 
+/// How long shutdown waits for running executions.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
@@ -194,11 +296,24 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let sweeper = Sweeper::spawn(store.clone(), Duration::from_secs(60), 1_000);
     let idempotency =
-        Idempotency::from_engine(idempotent_axum::Engine::from_arc(store)).lease(args.lease);
+        match Idempotency::builder_from_engine(idempotent_axum::Engine::from_arc(store.clone()))
+            .lease(args.lease)
+            .build()
+        {
+            Ok(idempotency) => idempotency,
+            Err(e) => {
+                eprintln!("charges-axum: invalid configuration: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
+        };
+    let sweeper = Sweeper::spawn(store, Duration::from_secs(60), 1_000);
     let app = Router::new()
         .route("/v1/charges", post(create_charge).get(list_charges))
+        .route(
+            "/v1/charges/{charge}/refunds",
+            post(create_refund).get(list_refunds),
+        )
         .route("/healthz", get(healthz))
         .layer(idempotency.layer())
         .with_state(AppState {
@@ -225,6 +340,14 @@ async fn main() -> std::process::ExitCode {
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await;
+    // Handlers whose clients went away are still running: let them store their responses.
+    let drained = idempotency.drain(DRAIN_TIMEOUT).await;
+    if drained.still_running > 0 {
+        eprintln!(
+            "charges-axum: {} executions still running after {DRAIN_TIMEOUT:?}; their keys stay in progress until their leases end",
+            drained.still_running
+        );
+    }
     sweeper.shutdown().await;
     match served {
         Ok(()) => std::process::ExitCode::SUCCESS,
