@@ -34,24 +34,40 @@ struct NewCharge {
     customer: String,
 }
 
-fn created(account: &str, amount: u64, currency: &str, customer: &str) -> (StatusCode, Json<serde_json::Value>) {
+fn created(
+    account: &str,
+    amount: u64,
+    currency: &str,
+    customer: &str,
+) -> (StatusCode, Json<serde_json::Value>) {
     (
         StatusCode::CREATED,
-        Json(serde_json::json!({"id": "ch_1", "account": account, "amount": amount, "currency": currency, "customer": customer})),
+        Json(
+            serde_json::json!({"id": "ch_1", "account": account, "amount": amount, "currency": currency, "customer": customer}),
+        ),
     )
 }
 
 #[idempotent(scope = "account")]
-async fn with_json(Account(account): Account, Json(c): Json<NewCharge>) -> (StatusCode, Json<serde_json::Value>) {
+async fn with_json(
+    Account(account): Account,
+    Json(c): Json<NewCharge>,
+) -> (StatusCode, Json<serde_json::Value>) {
     created(&account, c.amount, &c.currency, &c.customer)
 }
 
 #[idempotent(scope = "account")]
-async fn with_bytes(Account(account): Account, body: Bytes) -> (StatusCode, Json<serde_json::Value>) {
+async fn with_bytes(
+    Account(account): Account,
+    body: Bytes,
+) -> (StatusCode, Json<serde_json::Value>) {
     created(&account, body.len() as u64, "usd", "cus_1")
 }
 
-async fn bare(Account(account): Account, Json(c): Json<NewCharge>) -> (StatusCode, Json<serde_json::Value>) {
+async fn bare(
+    Account(account): Account,
+    Json(c): Json<NewCharge>,
+) -> (StatusCode, Json<serde_json::Value>) {
     created(&account, c.amount, &c.currency, &c.customer)
 }
 
@@ -60,7 +76,10 @@ const BODY: &str = r#"{"amount": 500, "currency": "usd", "customer": "cus_123"}"
 fn request(path: &str) -> Request<Body> {
     Request::post(path)
         .header("authorization", "Bearer acct_1")
-        .header("idempotency-key", format!("8e03978e-40d5-43e8-bc93{}", path.replace('/', "-")))
+        .header(
+            "idempotency-key",
+            format!("8e03978e-40d5-43e8-bc93{}", path.replace('/', "-")),
+        )
         .header("content-type", "application/json")
         .body(Body::from(BODY))
         .expect("request")
@@ -81,7 +100,9 @@ fn benches(c: &mut Criterion) {
         async move {
             let res = app.oneshot(request(path)).await.expect("infallible");
             let status = res.status();
-            let body = axum::body::to_bytes(res.into_body(), usize::MAX).await.expect("body");
+            let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+                .await
+                .expect("body");
             assert!(status.is_success(), "{status} {body:?}");
             body
         }
@@ -94,7 +115,9 @@ fn benches(c: &mut Criterion) {
     let mut group = c.benchmark_group("axum_replay");
     group.bench_function("json_extractor", |b| b.to_async(&rt).iter(|| send("/json")));
     group.bench_function("raw_body", |b| b.to_async(&rt).iter(|| send("/bytes")));
-    group.bench_function("bare_handler_no_attribute", |b| b.to_async(&rt).iter(|| send("/bare")));
+    group.bench_function("bare_handler_no_attribute", |b| {
+        b.to_async(&rt).iter(|| send("/bare"))
+    });
     group.finish();
 }
 

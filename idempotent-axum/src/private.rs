@@ -4,7 +4,7 @@ use crate::config::Idempotency;
 use crate::layer::BodySlot;
 use crate::response::{finish, problem, reply};
 use axum::body::Bytes;
-use axum::extract::{FromRequestParts, OriginalUri};
+use axum::extract::{FromRequestParts, MatchedPath, OriginalUri};
 use axum::http::{HeaderValue, Method, Uri, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use idempotent_core::http::{
@@ -28,6 +28,7 @@ pub struct Context<const REQUIRED: bool> {
     config: Idempotency,
     method: Method,
     uri: Uri,
+    route: Option<MatchedPath>,
     content_type: Option<HeaderValue>,
     key: Result<IdempotencyKey, KeyError>,
     body: Bytes,
@@ -48,9 +49,9 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Response> {
         let Some(config) = parts.extensions.get::<Idempotency>().cloned() else {
-            return Err(problem(&Problem::misconfigured(
-                "this route uses #[idempotent] but the router has no idempotency layer; add `.layer(idempotency.layer())`",
-            )));
+            return Err(misconfigured(
+                "a route uses #[idempotent] but its router has no idempotency layer; add `.layer(idempotency.layer())`",
+            ));
         };
         let uri = parts
             .extensions
@@ -60,6 +61,7 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
             config,
             method: parts.method.clone(),
             uri,
+            route: parts.extensions.get::<MatchedPath>().cloned(),
             content_type: parts.headers.get(header::CONTENT_TYPE).cloned(),
             key: Err(KeyError::Missing),
             body: Bytes::new(),
@@ -81,6 +83,11 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
             KeyRequirement::Optional
         };
         check_key(&ctx.key, requirement).map_err(|p| problem(&p))?;
+        if ctx.key.is_err() {
+            // No key on an optional route: the request runs unprotected, so its body is left
+            // for the handler (and its own limits) and never fingerprinted.
+            return Ok(ctx);
+        }
         let limit = ctx.config.config.max_request();
         check_content_length(
             parts
@@ -90,20 +97,15 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
             limit,
         )
         .map_err(|p| problem(&p))?;
-        if ctx.key.is_err() {
-            // No key on an optional route: the request runs unprotected, so its body is left
-            // for the handler and never fingerprinted.
-            return Ok(ctx);
-        }
         let Some(slot) = parts.extensions.get::<BodySlot>().cloned() else {
-            return Err(problem(&Problem::misconfigured(
-                "the idempotency layer must wrap the route (add `.layer(idempotency.layer())` to its router)",
-            )));
+            return Err(misconfigured(
+                "the idempotency layer must wrap the route: add `.layer(idempotency.layer())` to its router",
+            ));
         };
         let Some(body) = slot.take_for_reading() else {
-            return Err(problem(&Problem::misconfigured(
-                "the request body was already read before the idempotency context",
-            )));
+            return Err(misconfigured(
+                "the request body was read before the idempotency context (is the context extracted twice?)",
+            ));
         };
         match axum::body::to_bytes(body, limit).await {
             Ok(bytes) => {
@@ -135,9 +137,15 @@ pub fn unscoped() -> Result<Scope, ScopeError> {
     Ok(Scope::unscoped())
 }
 
-/// Claim → execute → store → replay, around the handler's body. Once the key is claimed the
-/// execution is detached from the request: if the client goes away, it still runs to the end
-/// and its outcome is stored.
+/// The 500 problem for a server-side setup error; what to fix goes to the log, not the client.
+fn misconfigured(what: &str) -> Response {
+    tracing::error!("idempotency misconfigured: {what}");
+    problem(&Problem::misconfigured())
+}
+
+/// Claim → execute → store → replay, around the handler's body. The claim and everything
+/// after it run detached from the request: if the client goes away (even while the claim is
+/// in flight), the execution still runs to the end and its outcome is stored.
 pub async fn run<const REQUIRED: bool, F, R>(
     ctx: Context<REQUIRED>,
     route: &'static Route,
@@ -153,13 +161,9 @@ where
         return handler.await.into_response();
     }
     let config = &ctx.config.config;
-    let resolved = match route.resolve(config) {
-        Ok(resolved) => resolved,
-        Err(_) => {
-            return problem(&Problem::misconfigured(
-                "this route's idempotency arguments do not fit the server's configuration; see the server log",
-            ));
-        }
+    let Ok(resolved) = route.resolve(config) else {
+        // `resolve` logged what does not fit, naming the route.
+        return problem(&Problem::misconfigured());
     };
     let scope = match scope {
         Ok(scope) => scope,
@@ -170,31 +174,32 @@ where
         path: ctx.uri.path(),
         query: ctx.uri.query(),
         content_type: ctx.content_type.as_ref().and_then(|v| v.to_str().ok()),
+        route: ctx.route.as_ref().map(MatchedPath::as_str),
     };
     let request = ExecuteRequest {
         scope,
         fingerprint: head.fingerprint(&ctx.body),
         key: ctx.key,
     };
-    match Step::from(config.engine().begin(request, &resolved.policy).await) {
-        Step::Respond(r) => reply(r),
-        Step::Unprotected => handler.await.into_response(),
-        Step::Execute(mut execution) => {
-            let limit = resolved.max_response;
-            Detached::new(async move {
+    let engine = config.engine().clone();
+    Detached::new(async move {
+        match Step::from(engine.begin(request, &resolved.policy).await) {
+            Step::Respond(r) => reply(r),
+            Step::Unprotected => handler.await.into_response(),
+            Step::Execute(mut execution) => {
                 let response = execution
                     .run(handler)
                     .await
                     .map(IntoResponse::into_response);
                 match response {
-                    Ok(response) => finish(execution, response, limit).await,
+                    Ok(response) => finish(execution, response, resolved.max_response).await,
                     Err(panic) => {
                         execution.release().await;
                         std::panic::resume_unwind(panic)
                     }
                 }
-            })
-            .await
+            }
         }
-    }
+    })
+    .await
 }

@@ -6,8 +6,8 @@ use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
-use idempotent_core::http::{Capture, FIRST_EXECUTION, Reply};
-use idempotent_core::{Execution, Problem, StoredOutcome};
+use idempotent_core::http::{Capture, FIRST_EXECUTION, Recorder, Reply, ResponsePlan};
+use idempotent_core::{Execution, Problem, Recorded, StoredOutcome};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
@@ -43,91 +43,85 @@ pub(crate) fn reply(r: Reply) -> Response {
     res
 }
 
-/// Finishes a claimed execution with the handler's response and returns what the client gets.
-///
-/// - A status the route does not store (5xx, 408/409/425/429): the key is released first, the
-///   response goes out untouched.
-/// - A body of known size within the limit (the usual JSON response, already in memory): read
-///   whole, stored, then sent, so a client that got it can retry and get the replay.
-/// - A body known to be over the limit: the oversized marker is stored, the body streams.
-/// - A body of unknown size (a stream): it streams to the client as produced while a copy of
-///   at most `limit + 1` bytes is kept ([`TeeBody`]); see there for the ends it can take.
-pub(crate) async fn finish(mut execution: Execution, response: Response, limit: usize) -> Response {
+/// Finishes a claimed execution with the handler's response and returns what the client gets,
+/// following the core's [`ResponsePlan`]; a streamed body goes through a [`TeeBody`].
+pub(crate) async fn finish(execution: Execution, response: Response, limit: usize) -> Response {
     let (mut parts, body) = response.into_parts();
     let status = parts.status.as_u16();
-    if !execution.policy().stores(status) {
-        execution.release().await;
-        return Response::from_parts(parts, body);
-    }
-    let mut capture = Capture::new(
-        status,
-        parts
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_bytes())),
-        limit,
-    );
+    let plan = ResponsePlan::new(execution.policy(), status, body.size_hint().exact(), limit);
+    let capture = || {
+        Capture::new(
+            status,
+            parts
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_bytes())),
+            limit,
+        )
+    };
+    let body = match plan {
+        ResponsePlan::Release => {
+            execution.release().await;
+            return Response::from_parts(parts, body);
+        }
+        ResponsePlan::Collect => {
+            let mut recorder = Recorder::new(execution, capture());
+            match recorder.run(body.collect()).await {
+                Ok(Ok(collected)) => {
+                    let bytes = collected.to_bytes();
+                    recorder.data(&bytes);
+                    recorder.end().await;
+                    Body::from(bytes)
+                }
+                Ok(Err(error)) => {
+                    recorder.fail(&error).await;
+                    return problem(&Problem::response_failed());
+                }
+                Err(panic) => {
+                    recorder.fail(&"the response body panicked").await;
+                    std::panic::resume_unwind(panic)
+                }
+            }
+        }
+        ResponsePlan::Oversized { size } => {
+            execution
+                .finish(StoredOutcome::Oversized { status, size })
+                .await;
+            body
+        }
+        ResponsePlan::Stream => Body::new(TeeBody {
+            inner: body,
+            state: Tee::Recording(Box::new(Recorder::streaming(execution, capture()))),
+        }),
+    };
     parts.headers.insert(
         FIRST_EXECUTION.0,
         HeaderValue::from_static(FIRST_EXECUTION.1),
     );
-    match body.size_hint().exact() {
-        Some(size) if size <= limit as u64 => match execution.run(body.collect()).await {
-            Ok(Ok(collected)) => {
-                let bytes = collected.to_bytes();
-                capture.push(&bytes);
-                execution.finish(capture.finish()).await;
-                Response::from_parts(parts, Body::from(bytes))
-            }
-            Ok(Err(error)) => {
-                tracing::error!(error = %error, "idempotency: the handler's response body failed; the key is released");
-                execution.release().await;
-                body_failed()
-            }
-            Err(panic) => {
-                execution.release().await;
-                std::panic::resume_unwind(panic)
-            }
-        },
-        Some(size) => {
-            execution
-                .finish(StoredOutcome::Oversized { status, size })
-                .await;
-            Response::from_parts(parts, body)
-        }
-        None => Response::from_parts(
-            parts,
-            Body::new(TeeBody {
-                inner: body,
-                state: Tee::Capturing(Box::new((capture, execution))),
-            }),
-        ),
-    }
+    Response::from_parts(parts, body)
 }
 
-fn body_failed() -> Response {
-    problem(&Problem::misconfigured(
-        "the handler's response body failed before it could be sent; nothing was stored, retry with the same key",
-    ))
-}
-
-/// The handler's streamed body on its way to the client, copied up to the route's limit.
-///
-/// - It ends within the limit: the copy is stored before the end of the stream is passed on.
-/// - It passes the limit: the oversized marker is stored (in a task) and the rest streams
-///   through uncopied; a later error leaves the marker (the handler ran).
-/// - It fails before either: nothing is stored and the key is released.
-/// - The client goes away first (this body is dropped): the rest is read in a task, as far as
-///   the limit, and stored the same way, so a retry gets the replay, never a second run.
+/// The handler's streamed body on its way to the client, fed to a [`Recorder`] frame by frame
+/// (see there for the ends it can take). Spawned work (storing the marker, releasing, reading
+/// on after the client left) runs on the current runtime.
 pub(crate) struct TeeBody {
     inner: Body,
     state: Tee,
 }
 
 enum Tee {
-    Capturing(Box<(Capture, Execution)>),
-    Finishing(Pin<Box<dyn Future<Output = ()> + Send>>),
+    Recording(Box<Recorder>),
+    Finishing(Pin<Box<dyn Future<Output = Recorded> + Send>>),
     Passthrough,
+}
+
+impl TeeBody {
+    fn take_recorder(&mut self) -> Recorder {
+        match std::mem::replace(&mut self.state, Tee::Passthrough) {
+            Tee::Recording(recorder) => *recorder,
+            _ => unreachable!("only called while recording"),
+        }
+    }
 }
 
 impl HttpBody for TeeBody {
@@ -147,48 +141,24 @@ impl HttpBody for TeeBody {
                     this.state = Tee::Passthrough;
                     return Poll::Ready(None);
                 }
-                Tee::Capturing(tee) => {
-                    tee.1.poll_heartbeat(cx);
-                    let frame = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
-                    match frame {
+                Tee::Recording(recorder) => {
+                    match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
                         Some(Ok(frame)) => {
-                            let within = frame.data_ref().is_none_or(|data| tee.0.push(data));
+                            let within = frame.data_ref().is_none_or(|data| recorder.data(data));
                             if !within {
-                                let Tee::Capturing(tee) =
-                                    std::mem::replace(&mut this.state, Tee::Passthrough)
-                                else {
-                                    unreachable!("matched above")
-                                };
-                                let (capture, execution) = *tee;
-                                spawn(async move {
-                                    execution.finish(capture.finish()).await;
-                                });
+                                spawn(this.take_recorder().over_limit());
                             }
                             return Poll::Ready(Some(Ok(frame)));
                         }
                         Some(Err(error)) => {
-                            tracing::error!(error = %error, "idempotency: the handler's response stream failed before it could be stored; the key is released");
-                            let Tee::Capturing(tee) =
-                                std::mem::replace(&mut this.state, Tee::Passthrough)
-                            else {
-                                unreachable!("matched above")
-                            };
-                            let (_, execution) = *tee;
-                            spawn(async move {
-                                execution.release().await;
-                            });
+                            let recorder = this.take_recorder();
+                            let reason = error.to_string();
+                            spawn(async move { recorder.fail(&reason).await });
                             return Poll::Ready(Some(Err(error)));
                         }
                         None => {
-                            let Tee::Capturing(tee) =
-                                std::mem::replace(&mut this.state, Tee::Passthrough)
-                            else {
-                                unreachable!("matched above")
-                            };
-                            let (capture, execution) = *tee;
-                            this.state = Tee::Finishing(Box::pin(async move {
-                                execution.finish(capture.finish()).await;
-                            }));
+                            // Stored before the end of the stream is passed on.
+                            this.state = Tee::Finishing(Box::pin(this.take_recorder().end()));
                         }
                     }
                 }
@@ -209,41 +179,12 @@ impl Drop for TeeBody {
     fn drop(&mut self) {
         match std::mem::replace(&mut self.state, Tee::Passthrough) {
             Tee::Passthrough => {}
-            Tee::Finishing(store) => {
-                // The client has every byte; storing them must not be cut short.
-                spawn(store);
-            }
-            Tee::Capturing(tee) => {
-                // The client went away mid-stream: read on, so the outcome is stored.
-                let (mut capture, mut execution) = *tee;
-                let mut body = std::mem::take(&mut self.inner);
-                spawn(async move {
-                    let drained = execution
-                        .run(async {
-                            while let Some(frame) = body.frame().await {
-                                let frame = frame?;
-                                if let Some(data) = frame.data_ref()
-                                    && !capture.push(data)
-                                {
-                                    break;
-                                }
-                            }
-                            Ok::<(), axum::Error>(())
-                        })
-                        .await;
-                    match drained {
-                        Ok(Ok(())) => {
-                            execution.finish(capture.finish()).await;
-                        }
-                        Ok(Err(error)) => {
-                            tracing::error!(error = %error, "idempotency: the handler's response stream failed after its client left; the key is released");
-                            execution.release().await;
-                        }
-                        Err(_panic) => {
-                            execution.release().await;
-                        }
-                    }
-                });
+            // The client has every byte; storing them must not be cut short.
+            Tee::Finishing(store) => spawn(store),
+            // The client went away mid-stream: read on, so the outcome is stored.
+            Tee::Recording(recorder) => {
+                let rest = std::mem::take(&mut self.inner).into_data_stream();
+                spawn(recorder.abandon(rest));
             }
         }
     }
@@ -251,7 +192,7 @@ impl Drop for TeeBody {
 
 /// Spawns the rest of an execution's work onto the current runtime; outside one (a runtime
 /// shutting down) the record stays in progress until its lease ends.
-fn spawn(work: impl Future<Output = ()> + Send + 'static) {
+fn spawn(work: impl Future<Output = Recorded> + Send + 'static) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => drop(runtime.spawn(work)),
         Err(_) => tracing::warn!(

@@ -40,6 +40,9 @@ pub struct Policy {
     pub key: KeyRequirement,
     /// Run the handler unprotected when the store fails, instead of refusing the request.
     pub fail_open: bool,
+    /// The route's name for logs (the handler's name under `#[idempotent]`; low cardinality,
+    /// never a concrete path).
+    pub route: &'static str,
 }
 
 impl Default for Policy {
@@ -50,6 +53,7 @@ impl Default for Policy {
             store_server_errors: false,
             key: KeyRequirement::Required,
             fail_open: false,
+            route: "",
         }
     }
 }
@@ -278,14 +282,14 @@ impl Engine {
         &self.inner.store
     }
 
-    /// Executions claimed and not yet finished.
+    /// Executions claimed (or being claimed) and not yet finished.
     pub fn running(&self) -> usize {
-        self.inner.flight.running.load(Ordering::Acquire)
+        self.inner.flight.running.load(Ordering::SeqCst)
     }
 
     /// Whether [`Engine::drain`] has been called.
     pub fn is_draining(&self) -> bool {
-        self.inner.flight.draining.load(Ordering::Acquire)
+        self.inner.flight.draining.load(Ordering::SeqCst)
     }
 
     /// Stops new executions ([`Begin::Draining`] from then on) and waits until the running
@@ -302,18 +306,18 @@ impl Engine {
     /// ```
     pub async fn drain(&self, timeout: Duration) -> Drained {
         let flight = &self.inner.flight;
-        flight.draining.store(true, Ordering::Release);
+        flight.draining.store(true, Ordering::SeqCst);
         let all_done = async {
             loop {
                 let idle = flight.idle.notified();
-                if flight.running.load(Ordering::Acquire) == 0 {
+                if flight.running.load(Ordering::SeqCst) == 0 {
                     return;
                 }
                 idle.await;
             }
         };
         let _ = tokio::time::timeout(timeout, all_done).await;
-        let still_running = flight.running.load(Ordering::Acquire);
+        let still_running = flight.running.load(Ordering::SeqCst);
         if still_running > 0 {
             tracing::warn!(
                 still_running,
@@ -336,6 +340,9 @@ impl Engine {
             }
             Err(e) => return Begin::KeyRejected(e),
         };
+        // Counted before the claim, so a drain that starts meanwhile either sees this request
+        // (and waits for it) or this request sees the drain (and backs out).
+        let slot = InFlight::enter(Arc::clone(&self.inner));
         if self.is_draining() {
             return Begin::Draining;
         }
@@ -354,21 +361,24 @@ impl Engine {
             Ok(ClaimOutcome::Claimed(lease)) => {
                 if lease.took_over {
                     tracing::info!(
+                        route = policy.route,
                         "idempotency: took over a record whose lease or ttl had run out"
                     );
                 }
-                Begin::Claimed(Execution::new(
-                    Arc::clone(&self.inner),
+                Begin::Claimed(Execution {
+                    slot,
                     key,
-                    lease.token,
-                    *policy,
-                ))
+                    token: lease.token,
+                    policy: *policy,
+                    heartbeat: Heartbeat::default(),
+                    finished: false,
+                })
             }
             Ok(ClaimOutcome::Replay(outcome)) => Begin::Replay(outcome),
             Ok(ClaimOutcome::InProgress { retry_after }) => Begin::InProgress { retry_after },
             Ok(ClaimOutcome::Mismatch { in_progress }) => Begin::Mismatch { in_progress },
             Err(error) => {
-                tracing::error!(error = %error, "idempotency: claim failed");
+                tracing::error!(route = policy.route, error = %error, "idempotency: claim failed");
                 if policy.fail_open {
                     Begin::Unprotected(Unprotected::FailedOpen(error))
                 } else {
@@ -435,7 +445,7 @@ pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 /// stops its heartbeat and leaves the record in progress until the lease runs out (logged):
 /// that is what a crash does too, and it never lets a retry run while the work may be done.
 pub struct Execution {
-    engine: Arc<Inner>,
+    slot: InFlight,
     key: RecordKey,
     token: LeaseToken,
     policy: Policy,
@@ -453,18 +463,6 @@ impl std::fmt::Debug for Execution {
 }
 
 impl Execution {
-    fn new(engine: Arc<Inner>, key: RecordKey, token: LeaseToken, policy: Policy) -> Self {
-        engine.flight.running.fetch_add(1, Ordering::AcqRel);
-        Execution {
-            engine,
-            key,
-            token,
-            policy,
-            heartbeat: Heartbeat::default(),
-            finished: false,
-        }
-    }
-
     /// The route's policy this execution runs under.
     pub fn policy(&self) -> &Policy {
         &self.policy
@@ -506,15 +504,31 @@ impl Execution {
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(half)));
         if timer.as_mut().poll(cx).is_ready() {
-            self.heartbeat.timer = None;
-            let task = tokio::spawn(heartbeat(
-                Arc::clone(&self.engine.store),
-                self.key.clone(),
-                self.token,
-                self.policy.lease,
-            ));
-            self.heartbeat.task = Some(AbortOnDrop(task));
+            self.start_heartbeat(Duration::ZERO);
         }
+    }
+
+    /// Starts the heartbeat task now (its first extension after half the lease), for work
+    /// whose progress does not depend on this execution being polled: a response body the
+    /// client may stop reading for a while. No-op if it runs already.
+    pub fn keep_alive(&mut self) {
+        self.start_heartbeat(self.policy.lease / 2);
+    }
+
+    fn start_heartbeat(&mut self, first_after: Duration) {
+        if self.heartbeat.task.is_some() || self.finished {
+            return;
+        }
+        self.heartbeat.timer = None;
+        let task = tokio::spawn(heartbeat(
+            Arc::clone(&self.slot.engine.store),
+            self.key.clone(),
+            self.token,
+            self.policy.lease,
+            first_after,
+            self.policy.route,
+        ));
+        self.heartbeat.task = Some(AbortOnDrop(task));
     }
 
     /// Finishes with the handler's outcome: stores it if the policy stores its status, else
@@ -540,17 +554,17 @@ impl Execution {
     }
 
     async fn complete(&mut self, outcome: &StoredOutcome) -> Recorded {
-        let (store, key, token, ttl) = (&self.engine.store, &self.key, self.token, self.policy.ttl);
-        match retry_within(self.policy.lease, || {
-            store.complete(key, token, outcome, ttl)
-        })
-        .await
-        {
+        let store = Arc::clone(&self.slot.engine.store);
+        let (key, token, ttl) = (self.key.clone(), self.token, self.policy.ttl);
+        let result = self
+            .fenced_write(|| store.complete(&key, token, outcome, ttl))
+            .await;
+        match result {
             Ok(()) => Recorded::Stored,
-            Err((error, attempts)) => {
+            Err(error) => {
                 tracing::error!(
+                    route = self.policy.route,
                     error = %error,
-                    attempts,
                     status = outcome.status(),
                     "idempotency: the outcome could not be stored; the record stays in progress until its lease ends, then a retry runs the handler again"
                 );
@@ -560,16 +574,55 @@ impl Execution {
     }
 
     async fn release_now(&mut self) -> Recorded {
-        let (store, key, token) = (&self.engine.store, &self.key, self.token);
-        match retry_within(self.policy.lease, || store.release(key, token)).await {
+        let store = Arc::clone(&self.slot.engine.store);
+        let (key, token) = (self.key.clone(), self.token);
+        match self.fenced_write(|| store.release(&key, token)).await {
             Ok(()) => Recorded::Released,
-            Err((error, attempts)) => {
+            Err(error) => {
                 tracing::error!(
+                    route = self.policy.route,
                     error = %error,
-                    attempts,
                     "idempotency: the key could not be released; the record stays in progress until its lease ends"
                 );
                 Recorded::Failed(error)
+            }
+        }
+    }
+
+    /// Runs a fenced store write, retrying transient failures with exponential backoff for at
+    /// most half the lease (the other half is the margin before a retry could take over); the
+    /// heartbeat is started at the first failure, so the lease does not lapse while it retries.
+    /// A stale lease is final.
+    async fn fenced_write<F, Fut>(&mut self, mut call: F) -> Result<(), StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<(), StoreError>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.policy.lease / 2;
+        let mut backoff = Duration::from_millis(10);
+        let mut attempts = 0_u32;
+        loop {
+            attempts += 1;
+            match call().await {
+                Ok(()) => return Ok(()),
+                Err(StoreError::StaleLease) if attempts > 1 => {
+                    tracing::warn!(
+                        route = self.policy.route,
+                        attempts,
+                        "idempotency: fence refused a retried write: the lease was taken over, or an earlier attempt was applied before its answer was lost"
+                    );
+                    return Err(StoreError::StaleLease);
+                }
+                Err(e @ StoreError::StaleLease) => return Err(e),
+                Err(e) => {
+                    if tokio::time::Instant::now() + backoff >= deadline {
+                        return Err(e);
+                    }
+                    self.keep_alive();
+                    tracing::warn!(route = self.policy.route, error = %e, attempts, "idempotency: store write failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
             }
         }
     }
@@ -584,46 +637,31 @@ impl Drop for Execution {
     fn drop(&mut self) {
         if !self.finished {
             tracing::warn!(
+                route = self.policy.route,
                 "idempotency: an execution was dropped before its outcome was stored; its record stays in progress until its lease ends"
             );
-        }
-        let flight = &self.engine.flight;
-        if flight.running.fetch_sub(1, Ordering::AcqRel) == 1 {
-            flight.idle.notify_waiters();
         }
     }
 }
 
-/// Retries a fenced store write after transient failures, with exponential backoff, for at
-/// most half the lease (the other half is the margin before a retry could take over). A stale
-/// lease is final. Returns the last error and the number of attempts.
-async fn retry_within<F, Fut>(lease: Duration, mut call: F) -> Result<(), (StoreError, u32)>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), StoreError>>,
-{
-    let deadline = tokio::time::Instant::now() + lease / 2;
-    let mut backoff = Duration::from_millis(10);
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        match call().await {
-            Ok(()) => return Ok(()),
-            Err(StoreError::StaleLease) if attempts > 1 => {
-                // An earlier attempt may have been applied before its answer was lost; the
-                // record is no longer ours either way.
-                return Err((StoreError::StaleLease, attempts));
-            }
-            Err(e @ StoreError::StaleLease) => return Err((e, attempts)),
-            Err(e) => {
-                let now = tokio::time::Instant::now();
-                if now + backoff >= deadline {
-                    return Err((e, attempts));
-                }
-                tracing::warn!(error = %e, attempts, "idempotency: store write failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-            }
+/// One request counted towards [`Engine::drain`] from before its claim until its execution
+/// finishes (or the claim found nothing to run).
+struct InFlight {
+    engine: Arc<Inner>,
+}
+
+impl InFlight {
+    fn enter(engine: Arc<Inner>) -> Self {
+        engine.flight.running.fetch_add(1, Ordering::SeqCst);
+        InFlight { engine }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let flight = &self.engine.flight;
+        if flight.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+            flight.idle.notify_waiters();
         }
     }
 }
@@ -644,19 +682,30 @@ impl Drop for AbortOnDrop {
     }
 }
 
-async fn heartbeat(store: Arc<dyn Store>, key: RecordKey, token: LeaseToken, lease: Duration) {
+async fn heartbeat(
+    store: Arc<dyn Store>,
+    key: RecordKey,
+    token: LeaseToken,
+    lease: Duration,
+    first_after: Duration,
+    route: &'static str,
+) {
     let half = lease / 2;
+    tokio::time::sleep(first_after).await;
     loop {
         match store.extend(&key, token, lease).await {
             Ok(_) => tokio::time::sleep(half).await,
             // Someone took over: stop; `complete` will report the stale lease.
             Err(StoreError::StaleLease) => {
-                tracing::warn!("idempotency: the lease was taken over while the handler ran");
+                tracing::warn!(
+                    route,
+                    "idempotency: the lease was taken over while the handler ran"
+                );
                 return;
             }
             // A passing store error: try again sooner, the lease still has half to run.
             Err(error) => {
-                tracing::warn!(error = %error, "idempotency: heartbeat failed; retrying");
+                tracing::warn!(route, error = %error, "idempotency: heartbeat failed; retrying");
                 tokio::time::sleep(half / 4).await;
             }
         }

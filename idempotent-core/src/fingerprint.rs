@@ -19,36 +19,34 @@ use std::fmt;
 ///
 /// # Versions
 /// Every fingerprint carries the [version](Fingerprint::version) of the recipe that made it
-/// ([`Fingerprint::VERSION`] for new ones), and stores keep it with the record. Two
-/// fingerprints of different versions cannot be compared, so [`Fingerprint::matches`] treats
-/// them as the same request: after an upgrade that changes what is hashed, retries of records
-/// written before it are matched by (scope, key) alone instead of all turning into 422s. Records
-/// written before versions existed (32 stored bytes) are version 1, which hashed the route
-/// template instead of the path.
-///
-/// ```
-/// use idempotent_core::{Fingerprint, FingerprintInput};
-///
-/// let a = Fingerprint::compute(&FingerprintInput {
-///     method: "POST",
-///     path: "/v1/charges",
-///     query: None,
-///     content_type: Some("application/json; charset=utf-8"),
-///     body: br#"{"amount": 500, "currency": "usd"}"#,
-/// });
-/// let b = Fingerprint::compute(&FingerprintInput {
-///     method: "POST",
-///     path: "/v1/charges",
-///     query: None,
-///     content_type: Some("application/json"),
-///     body: br#"{"currency":"usd","amount":5E2}"#,
-/// });
-/// assert_eq!(a, b);
-/// ```
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+/// ([`Fingerprint::VERSION`] for new ones), and stores keep it with the record. A stored
+/// fingerprint is compared under its own version: a request fingerprinted with
+/// [`Fingerprint::compute_with_route`] also carries its version-1 digest (which hashed the
+/// route template instead of the path), so records written before the upgrade still replay
+/// for the same request and still refuse a different one. A stored version the server cannot
+/// recompute (a newer release's) is never assumed to match: it is a mismatch (422).
+#[derive(Clone, Copy)]
 pub struct Fingerprint {
     version: u8,
     digest: [u8; 32],
+    /// The same request under version 1, when the route template was known.
+    v1: Option<[u8; 32]>,
+}
+
+/// Equal when version and digest are: the version-1 companion is not part of the identity.
+impl PartialEq for Fingerprint {
+    fn eq(&self, other: &Self) -> bool {
+        self.version == other.version && self.digest == other.digest
+    }
+}
+
+impl Eq for Fingerprint {}
+
+impl std::hash::Hash for Fingerprint {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.version.hash(state);
+        self.digest.hash(state);
+    }
 }
 
 /// The parts of a request that go into its [`Fingerprint`].
@@ -88,31 +86,64 @@ impl Fingerprint {
     /// media type are hashed raw.
     pub fn compute(input: &FingerprintInput<'_>) -> Self {
         let media = media_type(input.content_type);
-        let (kind, body) = canonical_body(&media, input.body);
-        let mut h = Sha256::new();
-        h.update(b"idempotent-fingerprint-v2");
-        field(&mut h, input.method.to_ascii_uppercase().as_bytes());
-        field(&mut h, input.path.as_bytes());
-        match input.query {
-            Some(q) => field(&mut h, q.as_bytes()),
-            None => h.update([0xff]),
-        }
-        field(&mut h, media.as_bytes());
-        h.update([match kind {
-            BodyKind::Json => b'j',
-            BodyKind::Form => b'f',
-            BodyKind::Raw => b'r',
-        }]);
-        field(&mut h, &body);
+        let (kind, body) = canonical_body(&media, input.body, canonical_form);
         Fingerprint {
             version: Self::VERSION,
-            digest: h.finalize().into(),
+            digest: digest(
+                b"idempotent-fingerprint-v2",
+                input,
+                input.path,
+                &media,
+                kind,
+                &body,
+            ),
+            v1: None,
         }
+    }
+
+    /// [`Fingerprint::compute`], plus the request's version-1 digest over `route`, the matched
+    /// route template (`/v1/charges/{id}`), so that records written by version 1 are compared
+    /// as version 1 compared them instead of being refused after an upgrade.
+    ///
+    /// ```
+    /// use idempotent_core::{Fingerprint, FingerprintInput};
+    /// let input = FingerprintInput {
+    ///     method: "POST", path: "/orders/1/refund", query: None, content_type: None, body: b"",
+    /// };
+    /// let request = Fingerprint::compute_with_route(&input, "/orders/{id}/refund");
+    /// assert_eq!(request, Fingerprint::compute(&input));
+    /// let stored_by_v1 = request.legacy().expect("version 1 digest");
+    /// assert_eq!(stored_by_v1.version(), 1);
+    /// assert!(request.matches_stored(&stored_by_v1));
+    /// ```
+    pub fn compute_with_route(input: &FingerprintInput<'_>, route: &str) -> Self {
+        let mut fp = Self::compute(input);
+        let media = media_type(input.content_type);
+        let (kind, body) = canonical_body(&media, input.body, canonical_form_v1);
+        fp.v1 = Some(digest(
+            b"idempotent-fingerprint-v1",
+            input,
+            route,
+            &media,
+            kind,
+            &body,
+        ));
+        fp
+    }
+
+    /// The request's version-1 fingerprint, when it was computed
+    /// ([`Fingerprint::compute_with_route`]).
+    pub fn legacy(&self) -> Option<Fingerprint> {
+        self.v1.map(|digest| Fingerprint::from_parts(1, digest))
     }
 
     /// A fingerprint from its version and digest.
     pub fn from_parts(version: u8, digest: [u8; 32]) -> Self {
-        Fingerprint { version, digest }
+        Fingerprint {
+            version,
+            digest,
+            v1: None,
+        }
     }
 
     /// Rebuilds a fingerprint from its stored form ([`Fingerprint::to_stored`]): a version byte
@@ -130,14 +161,11 @@ impl Fingerprint {
     /// ```
     pub fn from_stored(bytes: &[u8]) -> Option<Self> {
         match bytes.len() {
-            32 => Some(Fingerprint {
-                version: 1,
-                digest: bytes.try_into().ok()?,
-            }),
-            33 => Some(Fingerprint {
-                version: bytes[0],
-                digest: bytes[1..].try_into().ok()?,
-            }),
+            32 => Some(Fingerprint::from_parts(1, bytes.try_into().ok()?)),
+            33 => Some(Fingerprint::from_parts(
+                bytes[0],
+                bytes[1..].try_into().ok()?,
+            )),
             _ => None,
         }
     }
@@ -160,19 +188,27 @@ impl Fingerprint {
         &self.digest
     }
 
-    /// Whether a stored record's fingerprint (`self`) and a request's belong to the same
-    /// request: equal digests, or different versions (which cannot be compared; see the
-    /// type's docs).
+    /// Whether a record whose stored fingerprint is `stored` belongs to this request: compared
+    /// under the stored version (this version's digest, or the version-1 digest when this
+    /// request carries one); a version this request cannot be compared under is not a match.
     ///
     /// ```
     /// use idempotent_core::Fingerprint;
-    /// let a = Fingerprint::from_parts(2, [1; 32]);
-    /// assert!(a.matches(&a));
-    /// assert!(!a.matches(&Fingerprint::from_parts(2, [2; 32])));
-    /// assert!(a.matches(&Fingerprint::from_parts(1, [2; 32])), "another version: not comparable");
+    /// let request = Fingerprint::from_parts(2, [1; 32]);
+    /// assert!(request.matches_stored(&Fingerprint::from_parts(2, [1; 32])));
+    /// assert!(!request.matches_stored(&Fingerprint::from_parts(2, [2; 32])));
+    /// // No version-1 digest to compare with, or a version this release does not know.
+    /// assert!(!request.matches_stored(&Fingerprint::from_parts(1, [1; 32])));
+    /// assert!(!request.matches_stored(&Fingerprint::from_parts(9, [1; 32])));
     /// ```
-    pub fn matches(&self, other: &Fingerprint) -> bool {
-        self.version != other.version || self.digest == other.digest
+    pub fn matches_stored(&self, stored: &Fingerprint) -> bool {
+        if stored.version == self.version {
+            stored.digest == self.digest
+        } else if stored.version == 1 {
+            self.v1 == Some(stored.digest)
+        } else {
+            false
+        }
     }
 
     /// Lower-case hex of the digest.
@@ -198,6 +234,34 @@ impl fmt::Display for Fingerprint {
     }
 }
 
+/// SHA-256 over the tagged, length-prefixed fields (`path` is the path as received, or the
+/// route template for version 1).
+fn digest(
+    tag: &[u8],
+    input: &FingerprintInput<'_>,
+    path: &str,
+    media: &str,
+    kind: BodyKind,
+    body: &[u8],
+) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(tag);
+    field(&mut h, input.method.to_ascii_uppercase().as_bytes());
+    field(&mut h, path.as_bytes());
+    match input.query {
+        Some(q) => field(&mut h, q.as_bytes()),
+        None => h.update([0xff]),
+    }
+    field(&mut h, media.as_bytes());
+    h.update([match kind {
+        BodyKind::Json => b'j',
+        BodyKind::Form => b'f',
+        BodyKind::Raw => b'r',
+    }]);
+    field(&mut h, body);
+    h.finalize().into()
+}
+
 fn field(h: &mut Sha256, bytes: &[u8]) {
     h.update((bytes.len() as u64).to_be_bytes());
     h.update(bytes);
@@ -215,13 +279,13 @@ fn is_json(media: &str) -> bool {
     media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
 }
 
-fn canonical_body(media: &str, body: &[u8]) -> (BodyKind, Vec<u8>) {
+fn canonical_body(media: &str, body: &[u8], form: fn(&[u8]) -> Vec<u8>) -> (BodyKind, Vec<u8>) {
     if is_json(media) {
         if let Some(canon) = canonical_json(body) {
             return (BodyKind::Json, canon);
         }
     } else if media == "application/x-www-form-urlencoded" {
-        return (BodyKind::Form, canonical_form(body));
+        return (BodyKind::Form, form(body));
     }
     (BodyKind::Raw, body.to_vec())
 }
@@ -258,12 +322,50 @@ fn to_doubles(value: &mut serde_json::Value) {
 
 /// A form body with its pairs decoded, stably sorted by field name and re-encoded: field
 /// order does not matter, the order of a repeated field's values does (`a=1&a=2` is not
-/// `a=2&a=1`: many servers read repeated fields as an ordered list).
+/// `a=2&a=1`: many servers read repeated fields as an ordered list). Names and values are
+/// compared as the bytes they decode to, so bodies that differ only in bytes that are not
+/// UTF-8 stay different; empty segments (`a=1&&b=2`) are dropped.
 pub fn canonical_form(body: &[u8]) -> Vec<u8> {
+    let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = body
+        .split(|b| *b == b'&')
+        .filter(|segment| !segment.is_empty())
+        .map(|segment| {
+            let (name, value) = match segment.iter().position(|b| *b == b'=') {
+                Some(i) => (&segment[..i], &segment[i + 1..]),
+                None => (segment, &b""[..]),
+            };
+            (form_decode(name), form_decode(value))
+        })
+        .collect();
+    pairs.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = Vec::with_capacity(body.len());
+    for (i, (name, value)) in pairs.iter().enumerate() {
+        if i > 0 {
+            out.push(b'&');
+        }
+        out.extend(form_urlencoded::byte_serialize(name).flat_map(str::bytes));
+        out.push(b'=');
+        out.extend(form_urlencoded::byte_serialize(value).flat_map(str::bytes));
+    }
+    out
+}
+
+/// `application/x-www-form-urlencoded` decoding to bytes: `+` is a space, `%XX` a byte.
+fn form_decode(input: &[u8]) -> Vec<u8> {
+    let plus_as_space: Vec<u8> = input
+        .iter()
+        .map(|b| if *b == b'+' { b' ' } else { *b })
+        .collect();
+    percent_encoding::percent_decode(&plus_as_space).collect()
+}
+
+/// Version 1's form canonicalisation (decoded as text, every pair sorted), kept only to compare
+/// records written by version 1.
+fn canonical_form_v1(body: &[u8]) -> Vec<u8> {
     let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect();
-    pairs.sort_by(|a, b| a.0.cmp(&b.0));
+    pairs.sort();
     form_urlencoded::Serializer::new(String::new())
         .extend_pairs(pairs)
         .finish()
@@ -361,6 +463,11 @@ mod tests {
         );
         assert_eq!(fp(form, b"a=1&b=x&a=2"), fp(form, b"b=x&a=1&a=2"));
         assert_ne!(fp(form, b"a=1&b=x&a=2"), fp(form, b"b=x&a=2&a=1"));
+        // Bytes that are not UTF-8 are compared as bytes, not replaced.
+        assert_ne!(fp(form, b"sig=%FF%00"), fp(form, b"sig=%FE%00"));
+        assert_ne!(fp(form, b"\xff=1"), fp(form, b"\xfe=1"));
+        assert_eq!(fp(form, b"a=%41+b"), fp(form, b"a=A%20b"));
+        assert_eq!(fp(form, b"a=1&&b=2&"), fp(form, b"b=2&a=1"));
         // Raw bodies are byte-exact.
         assert_ne!(
             fp(Some("text/plain"), b"a b"),
@@ -424,5 +531,37 @@ mod tests {
         assert_ne!(Fingerprint::compute(&a), Fingerprint::compute(&b));
         assert_eq!(Fingerprint::compute(&base).to_hex().len(), 64);
         assert_eq!(Fingerprint::compute(&base).version(), Fingerprint::VERSION);
+    }
+
+    /// Version 1 hashed the route template; a request carries that digest so version-1
+    /// records are compared as version 1 compared them.
+    #[test]
+    fn version_one_records_are_compared_as_version_one() {
+        let input = |path| FingerprintInput {
+            method: "POST",
+            path,
+            query: None,
+            content_type: Some("application/x-www-form-urlencoded"),
+            body: b"b=2&a=1",
+        };
+        let one =
+            Fingerprint::compute_with_route(&input("/orders/1/refund"), "/orders/{id}/refund");
+        let two =
+            Fingerprint::compute_with_route(&input("/orders/2/refund"), "/orders/{id}/refund");
+        let stored = one.legacy().expect("v1");
+        assert!(one.matches_stored(&stored));
+        // Version 1 could not tell these apart; it is compared as it was.
+        assert!(two.matches_stored(&stored));
+        // Another template or body is another request under version 1 too.
+        let other = Fingerprint::compute_with_route(&input("/orders/1/refund"), "/orders/{id}");
+        assert!(!other.matches_stored(&stored));
+        // Without the route, a version-1 record cannot be compared: not a match.
+        assert!(!Fingerprint::compute(&input("/orders/1/refund")).matches_stored(&stored));
+        // The version-1 digest is exactly what version 1 computed (its recipe, pinned).
+        assert_eq!(
+            stored.to_hex(),
+            "23d4f03f13b797318d4b5899dc0a797eea2bce648e746a4cbf414a3e1cba86c5",
+            "computed by version 1's recipe (commit 41e9ea1)"
+        );
     }
 }

@@ -7,15 +7,16 @@
 //! - the application's settings ([`Config`], built and validated once by [`ConfigBuilder`]) and
 //!   each route's arguments resolved against them ([`Route`] → [`RoutePolicy`]);
 //! - the request's identity ([`RequestHead::fingerprint`]);
-//! - the handler's response: which headers are stored ([`is_stored_header`]) and a copy of the
-//!   body bounded by the route's limit ([`Capture`]);
+//! - the handler's response: which headers are stored ([`is_stored_header`]), a copy of the
+//!   body bounded by the route's limit ([`Capture`]), how it is recorded ([`ResponsePlan`]) and
+//!   the rules for a streamed body ([`Recorder`]);
 //! - what to answer: one exhaustive map from the engine's [`Begin`] to a [`Step`], and the
 //!   library's own [`Reply`]s (replays and RFC 9457 problems).
 
 use crate::engine::{Begin, Execution, Unprotected};
 use crate::{
     DEFAULT_LEASE, DEFAULT_TTL, Engine, Fingerprint, FingerprintInput, IdempotencyKey, KeyError,
-    KeyRequirement, Policy, Problem, StoredOutcome, StoredResponse,
+    KeyRequirement, Policy, Problem, Recorded, StoredOutcome, StoredResponse,
 };
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,9 +34,13 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 pub const DEFAULT_MAX_RESPONSE: usize = 1 << 20;
 /// Default limit on request bodies read for fingerprinting: 2 MiB.
 pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
-/// Longest ttl or lease accepted: 365 days (the attribute enforces the same bound at compile
+/// Longest ttl or lease accepted: 365 days (the attribute enforces the same bounds at compile
 /// time).
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
+/// Shortest ttl or lease accepted: 100 ms. Stores keep time in milliseconds and a heartbeat
+/// extends a lease every half lease; a lease much shorter than that could lapse under a
+/// running handler and let a retry take over.
+pub const MIN_DURATION: Duration = Duration::from_millis(100);
 
 /// Whether a method is safe (GET, HEAD, OPTIONS): its requests ignore the key and run.
 ///
@@ -126,18 +131,25 @@ pub struct RequestHead<'a> {
     pub query: Option<&'a str>,
     /// The `Content-Type` header, if it is valid text.
     pub content_type: Option<&'a str>,
+    /// The matched route template (`/orders/{id}/refund`), when the framework knows it: only
+    /// to compare records written by fingerprint version 1 (see [`Fingerprint`]).
+    pub route: Option<&'a str>,
 }
 
 impl RequestHead<'_> {
     /// The request's fingerprint over this head and `body`.
     pub fn fingerprint(&self, body: &[u8]) -> Fingerprint {
-        Fingerprint::compute(&FingerprintInput {
+        let input = FingerprintInput {
             method: self.method,
             path: self.path,
             query: self.query,
             content_type: self.content_type,
             body,
-        })
+        };
+        match self.route {
+            Some(route) => Fingerprint::compute_with_route(&input, route),
+            None => Fingerprint::compute(&input),
+        }
     }
 }
 
@@ -145,11 +157,13 @@ impl RequestHead<'_> {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// A duration is zero.
-    #[error("`{what}` must be longer than zero")]
-    Zero {
+    /// A duration is shorter than [`MIN_DURATION`].
+    #[error("`{what}` of {value:?} is shorter than the minimum of 100ms")]
+    TooShort {
         /// Which setting.
         what: &'static str,
+        /// Its value.
+        value: Duration,
     },
     /// A duration is longer than [`MAX_DURATION`].
     #[error("`{what}` of {value:?} is longer than the maximum of 365 days")]
@@ -178,8 +192,8 @@ pub enum ConfigError {
 }
 
 fn check_duration(what: &'static str, value: Duration) -> Result<(), ConfigError> {
-    if value.is_zero() {
-        Err(ConfigError::Zero { what })
+    if value < MIN_DURATION {
+        Err(ConfigError::TooShort { what, value })
     } else if value > MAX_DURATION {
         Err(ConfigError::TooLong { what, value })
     } else {
@@ -275,14 +289,14 @@ impl<T: From<Config>> ConfigBuilder<T> {
     }
 
     /// Default ttl (how long a finished response is replayed) for routes that set none;
-    /// 1 ms to 365 days, and at least the lease.
+    /// 100 ms to 365 days, and at least the lease.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
         self
     }
 
     /// Default lease (how long a crashed attempt blocks retries) for routes that set none;
-    /// 1 ms to 365 days.
+    /// 100 ms to 365 days.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.lease = lease;
         self
@@ -310,8 +324,8 @@ impl<T: From<Config>> ConfigBuilder<T> {
     /// Checks the settings once.
     ///
     /// # Errors
-    /// [`ConfigError`] for a zero or over-long duration, a ttl shorter than the lease, or a
-    /// zero size limit.
+    /// [`ConfigError`] for a duration out of bounds, a ttl shorter than the lease, or a zero
+    /// size limit.
     pub fn build(self) -> Result<T, ConfigError> {
         let c = self.config;
         check_duration("ttl", c.ttl)?;
@@ -403,6 +417,7 @@ impl Route {
             store_server_errors: self.store_server_errors,
             key: self.key,
             fail_open: config.fail_open,
+            route: self.name,
         };
         let checked = check_duration("ttl", policy.ttl)
             .and_then(|()| check_duration("lease", policy.lease))
@@ -530,6 +545,163 @@ impl From<Begin> for Step {
                 Step::Respond(Reply::problem(&Problem::store_unavailable()))
             }
             Begin::Draining => Step::Respond(Reply::problem(&Problem::shutting_down())),
+        }
+    }
+}
+
+/// How a claimed execution's response is recorded, decided from its status and declared size
+/// (the same rules for every adapter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponsePlan {
+    /// The route does not store this status (5xx, 408/409/425/429): release the key, then send
+    /// the response untouched.
+    Release,
+    /// The body's size is known and within the limit (a JSON response already in memory):
+    /// read it whole, store it, then send it, so a client that got the response can retry and
+    /// get the replay.
+    Collect,
+    /// The body is known to be over the limit: store the oversized marker, then stream it.
+    Oversized {
+        /// The declared size.
+        size: u64,
+    },
+    /// The size is unknown (a stream): send it as it is produced through a [`Recorder`].
+    Stream,
+}
+
+impl ResponsePlan {
+    /// The plan for a response with `status` and, if known, an exact body size.
+    ///
+    /// ```
+    /// use idempotent_core::{Policy, http::ResponsePlan};
+    /// let p = Policy::default();
+    /// assert_eq!(ResponsePlan::new(&p, 503, Some(10), 100), ResponsePlan::Release);
+    /// assert_eq!(ResponsePlan::new(&p, 201, Some(10), 100), ResponsePlan::Collect);
+    /// assert_eq!(ResponsePlan::new(&p, 200, Some(101), 100), ResponsePlan::Oversized { size: 101 });
+    /// assert_eq!(ResponsePlan::new(&p, 200, None, 100), ResponsePlan::Stream);
+    /// ```
+    pub fn new(policy: &Policy, status: u16, exact_size: Option<u64>, limit: usize) -> Self {
+        if !policy.stores(status) {
+            return ResponsePlan::Release;
+        }
+        match exact_size {
+            Some(size) if size <= limit as u64 => ResponsePlan::Collect,
+            Some(size) => ResponsePlan::Oversized { size },
+            None => ResponsePlan::Stream,
+        }
+    }
+}
+
+/// Records a response body as it goes to the client: owns the claimed [`Execution`] and a
+/// bounded [`Capture`], and finishes the execution the way the body ends. An adapter feeds it
+/// from its framework's body type; the rules are here:
+///
+/// - it ends within the limit ([`Recorder::end`]): the copy is stored;
+/// - it passes the limit ([`Recorder::data`] returns `false`, then [`Recorder::over_limit`]):
+///   the oversized marker is stored, the rest goes through uncopied, and a later error leaves
+///   the marker (the handler ran);
+/// - it fails before either ([`Recorder::fail`]): nothing is stored, the key is released;
+/// - the client goes away first ([`Recorder::abandon`]): the rest is read on the server, so
+///   the outcome is stored and a retry gets the replay, never a second run. That read is
+///   bounded by the route's lease in time and by the limit in bytes; a stream still going after
+///   that is stored as the oversized marker (retries get 410) and dropped.
+#[derive(Debug)]
+pub struct Recorder {
+    capture: Capture,
+    execution: Execution,
+}
+
+impl Recorder {
+    /// A recorder for a body read whole before it is sent ([`ResponsePlan::Collect`]).
+    pub fn new(execution: Execution, capture: Capture) -> Self {
+        Recorder { capture, execution }
+    }
+
+    /// A recorder for a body streamed to the client ([`ResponsePlan::Stream`]): the lease is
+    /// kept alive by its own task from now on, since a client that stops reading for a while
+    /// stops the body being polled.
+    pub fn streaming(mut execution: Execution, capture: Capture) -> Self {
+        execution.keep_alive();
+        Recorder { capture, execution }
+    }
+
+    /// Runs `fut` (reading the body) under the execution: the lease stays alive and a panic is
+    /// caught (see [`Execution::run`]).
+    ///
+    /// # Errors
+    /// The panic's payload, if `fut` panicked.
+    pub async fn run<F: std::future::Future>(
+        &mut self,
+        fut: F,
+    ) -> Result<F::Output, crate::PanicPayload> {
+        self.execution.run(fut).await
+    }
+
+    /// The next bytes of the body; `false` once it has passed the limit: call
+    /// [`Recorder::over_limit`] then.
+    pub fn data(&mut self, chunk: &[u8]) -> bool {
+        self.capture.push(chunk)
+    }
+
+    /// The body passed the limit: stores the oversized marker.
+    pub async fn over_limit(self) -> Recorded {
+        let marker = StoredOutcome::Oversized {
+            status: self.capture.status(),
+            size: self.capture.size(),
+        };
+        self.execution.finish(marker).await
+    }
+
+    /// The body ended: stores the copy (or the marker, if it passed the limit).
+    pub async fn end(self) -> Recorded {
+        self.execution.finish(self.capture.finish()).await
+    }
+
+    /// The body failed before it could be stored: releases the key.
+    pub async fn fail(self, error: &(dyn std::fmt::Display + Sync)) -> Recorded {
+        tracing::error!(
+            route = self.execution.policy().route,
+            error = %error,
+            "idempotency: the handler's response body failed before it could be stored; the key is released"
+        );
+        self.execution.release().await
+    }
+
+    /// The client went away before the end: reads the `rest` of the body (bounded, see the
+    /// type's docs) and finishes as it ends.
+    pub async fn abandon<S, B, E>(mut self, rest: S) -> Recorded
+    where
+        S: futures_util::Stream<Item = Result<B, E>>,
+        B: AsRef<[u8]>,
+        E: std::fmt::Display,
+    {
+        use futures_util::StreamExt;
+        let bound = self.execution.policy().lease;
+        let capture = &mut self.capture;
+        let read = async {
+            let mut rest = std::pin::pin!(rest);
+            while let Some(chunk) = rest.next().await {
+                if !capture.push(chunk?.as_ref()) {
+                    break;
+                }
+            }
+            Ok::<(), E>(())
+        };
+        let read = self.execution.run(tokio::time::timeout(bound, read)).await;
+        match read {
+            Ok(Ok(Ok(()))) => self.end().await,
+            Ok(Ok(Err(error))) => {
+                let reason = error.to_string();
+                self.fail(&reason).await
+            }
+            Ok(Err(_elapsed)) => {
+                tracing::warn!(
+                    route = self.execution.policy().route,
+                    "idempotency: a streamed response whose client left did not end within the lease; stored as not replayable"
+                );
+                self.over_limit().await
+            }
+            Err(_panic) => self.execution.release().await,
         }
     }
 }
@@ -776,10 +948,14 @@ mod tests {
         let engine = || Engine::new(crate::MemoryStore::new());
         let build = |f: fn(ConfigBuilder) -> ConfigBuilder| f(ConfigBuilder::new(engine())).build();
         assert!(build(|b| b).is_ok());
-        assert_eq!(
-            build(|b| b.lease(Duration::ZERO)).err(),
-            Some(ConfigError::Zero { what: "lease" })
-        );
+        assert!(matches!(
+            build(|b| b.lease(Duration::ZERO)),
+            Err(ConfigError::TooShort { what: "lease", .. })
+        ));
+        assert!(matches!(
+            build(|b| b.lease(Duration::from_micros(500))),
+            Err(ConfigError::TooShort { what: "lease", .. })
+        ));
         assert!(matches!(
             build(|b| b.ttl(Duration::MAX)),
             Err(ConfigError::TooLong { what: "ttl", .. })
@@ -822,6 +998,7 @@ mod tests {
         let p = fine.resolve(&config).expect("valid");
         assert_eq!(p.policy.lease, Duration::from_secs(1));
         assert_eq!(p.policy.ttl, DEFAULT_TTL);
+        assert_eq!(p.policy.route, "r");
         assert_eq!(p.max_response, 9);
         assert!(p.policy.store_server_errors);
     }

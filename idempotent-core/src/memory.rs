@@ -1,7 +1,10 @@
 //! The in-memory store: the embedded default for one process.
 
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
-use crate::{Clock, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, SystemClock};
+use crate::{
+    Clock, Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome,
+    SystemClock,
+};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -156,7 +159,11 @@ impl MemoryStore {
             };
             let record = Record {
                 key: req.key.clone(),
-                fingerprint: *req.fingerprint,
+                // As a SQL store keeps it: version and digest.
+                fingerprint: Fingerprint::from_parts(
+                    req.fingerprint.version(),
+                    *req.fingerprint.digest(),
+                ),
                 state: RecordState::InProgress {
                     token,
                     locked_until,
@@ -190,9 +197,11 @@ impl MemoryStore {
                 *rec = record;
                 Ok(ClaimOutcome::Claimed(lease))
             }
-            Some(rec) if !rec.fingerprint.matches(req.fingerprint) => Ok(ClaimOutcome::Mismatch {
-                in_progress: matches!(rec.state, RecordState::InProgress { .. }),
-            }),
+            Some(rec) if !req.fingerprint.matches_stored(&rec.fingerprint) => {
+                Ok(ClaimOutcome::Mismatch {
+                    in_progress: matches!(rec.state, RecordState::InProgress { .. }),
+                })
+            }
             Some(rec) => match &rec.state {
                 RecordState::Done { outcome, .. } => Ok(ClaimOutcome::Replay(outcome.clone())),
                 RecordState::InProgress { locked_until, .. } if *locked_until > now => {

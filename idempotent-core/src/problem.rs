@@ -138,14 +138,15 @@ impl Problem {
         )
     }
 
-    /// 410: the original response was too large to store, so it cannot be replayed.
+    /// 410: the original response was not stored (too large, or a stream that had not ended
+    /// when its client left), so it cannot be replayed; the handler will not run again.
     pub fn response_not_stored(status: u16, size: u64) -> Self {
         Self::new(
             "idempotency-response-not-stored",
             410,
-            "Original response too large to replay",
+            "Original response not replayable",
             format!(
-                "the request with this key was processed (status {status}) but its response ({size} bytes so far) exceeded the route's limit and was not stored; it will not run again"
+                "the request with this key was processed (status {status}) but its response ({size} bytes) was not stored: it exceeded the route's limit, or was still streaming when its client left; it will not run again"
             ),
         )
     }
@@ -160,14 +161,26 @@ impl Problem {
         )
     }
 
-    /// 500: the server is misconfigured (for example the adapter's layer is missing). `detail`
-    /// says what to fix in the application; it must not carry internals.
-    pub fn misconfigured(detail: &str) -> Self {
+    /// 500: the server is misconfigured (the adapter's layer is missing, a route's arguments
+    /// do not fit the configuration). The client is told nothing about the server's wiring:
+    /// log what to fix where it is found.
+    pub fn misconfigured() -> Self {
         Self::new(
             "idempotency-misconfigured",
             500,
             "Idempotency misconfigured on the server",
-            detail.to_owned(),
+            "the server's idempotency setup is incomplete or inconsistent, so nothing was processed; the details are in the server's log".into(),
+        )
+    }
+
+    /// 500: the handler's response failed before it could be sent (its body returned an
+    /// error); nothing was stored and the key was released.
+    pub fn response_failed() -> Self {
+        Self::new(
+            "idempotency-response-failed",
+            500,
+            "Response failed",
+            "the response failed before it could be sent; nothing was stored, retry with the same key".into(),
         )
     }
 

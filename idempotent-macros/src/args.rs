@@ -37,6 +37,8 @@ fn valid() -> String {
 
 /// Longest ttl or lease: 365 days (the runtime configuration has the same bound).
 pub(crate) const MAX_DURATION_MS: u64 = 365 * 86_400_000;
+/// Shortest ttl or lease: 100 ms (the runtime configuration has the same bound).
+pub(crate) const MIN_DURATION_MS: u64 = 100;
 
 /// Whether requests must carry a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,7 +231,8 @@ fn scope_path(lit: &LitStr) -> Result<ScopePath, syn::Error> {
     Ok(ScopePath { param, fields })
 }
 
-/// The same grammar as `idempotent_core::parse_duration`: `<n>ms|s|m|h|d`, not zero.
+/// The same grammar as `idempotent_core::parse_duration`: `<n>ms|s|m|h|d`, from 100 ms to 365
+/// days (the bounds of the runtime configuration).
 pub(crate) fn parse_duration_ms(s: &str) -> Result<u64, String> {
     let malformed = || {
         format!(
@@ -260,6 +263,11 @@ pub(crate) fn parse_duration_ms(s: &str) -> Result<u64, String> {
     if ms == 0 {
         return Err(format!(
             "the duration `{s}` is zero; it must be at least 1ms"
+        ));
+    }
+    if ms < MIN_DURATION_MS {
+        return Err(format!(
+            "the duration `{s}` is shorter than the minimum of `100ms`"
         ));
     }
     if ms > MAX_DURATION_MS {
@@ -399,6 +407,12 @@ mod tests {
     #[test]
     fn grammars() {
         assert_eq!(parse_duration_ms("500ms"), Ok(500));
+        assert_eq!(parse_duration_ms("100ms"), Ok(100));
+        assert!(
+            parse_duration_ms("99ms")
+                .unwrap_err()
+                .contains("minimum of `100ms`")
+        );
         assert!(parse_duration_ms("1.5h").is_err());
         assert!(parse_duration_ms("99999999999999999999d").is_err());
         assert_eq!(parse_duration_ms("365d"), Ok(MAX_DURATION_MS));

@@ -46,12 +46,12 @@ mod signature;
 /// | `max_response = "1MiB"` | larger responses are sent but not stored; retries get a 410 problem | the configuration's (1 MiB) |
 /// | `crate = "path"` | where the adapter crate is, if renamed | `::idempotent_axum` |
 ///
-/// Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`, from 1 ms to 365 days; sizes are
+/// Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`, from 100 ms to 365 days; sizes are
 /// `<n>` (bytes), `<n>KiB`, `<n>MiB` or `<n>GiB`. An argument written here overrides the
 /// configuration's default for this route only.
 ///
 /// # Checked at compile time
-/// Unknown or duplicate arguments, malformed, zero or over-long durations and sizes, a scope
+/// Unknown or duplicate arguments, malformed or out-of-bounds durations, zero sizes, a scope
 /// that names no parameter (the error lists the parameters), `scope` together with `unscoped`
 /// or neither, a `ttl` shorter than a `lease` written next to it, and a function that is not
 /// a free `async fn`. All errors are reported together, next to the unchanged function. A

@@ -430,13 +430,24 @@ pub async fn concurrent_claims_one_winner(f: &impl Fixture) {
     assert_eq!((won, busy), (1, 63));
 }
 
-/// A record written under another fingerprint version (an older release hashed other parts
-/// of the request) is matched by (scope, key) alone: an upgrade must not turn every retry of
-/// it into a mismatch. The stored fingerprint keeps its version.
-pub async fn older_fingerprint_versions_match_by_key(f: &impl Fixture) {
+/// A record written under another fingerprint version (an older release hashed the route
+/// template instead of the path) is compared under that version: the same request replays,
+/// another request is a mismatch, and a version the request cannot be compared under is a
+/// mismatch too (never a replay). The stored fingerprint keeps its version.
+pub async fn older_fingerprint_versions_compare_under_their_version(f: &impl Fixture) {
     let store = f.fresh().await;
+    let input = |path, body: &'static [u8]| FingerprintInput {
+        method: "POST",
+        path,
+        query: None,
+        content_type: Some("application/json"),
+        body,
+    };
+    let route = "/orders/{id}/refund";
+    let request = |path, body| Fingerprint::compute_with_route(&input(path, body), route);
+    // Written by version 1 for order 1's refund.
     let key = unique_key("versions");
-    let old = Fingerprint::from_parts(1, *fp("a").digest());
+    let old = request("/orders/1/refund", b"{}").legacy().expect("v1");
     let lease = claimed(claim(&*store, &key, &old, f.lease(), TTL).await);
     let outcome = response("v1");
     store
@@ -452,16 +463,47 @@ pub async fn older_fingerprint_versions_match_by_key(f: &impl Fixture) {
             .fingerprint,
         old
     );
-    // The current version of (what may be) the same request: replayed, not refused.
+    // The same request, fingerprinted by this version: replayed, not refused.
     assert_eq!(
-        claim(&*store, &key, &fp("b"), f.lease(), TTL).await,
+        claim(
+            &*store,
+            &key,
+            &request("/orders/1/refund", b"{ }"),
+            f.lease(),
+            TTL
+        )
+        .await,
         ClaimOutcome::Replay(outcome)
     );
-    // Within one version the digest still decides.
-    let key2 = unique_key("versions2");
-    claimed(claim(&*store, &key2, &fp("a"), f.lease(), TTL).await);
+    // Another body under the same key: a mismatch, as version 1 said.
     assert_eq!(
-        claim(&*store, &key2, &fp("b"), f.lease(), TTL).await,
+        claim(
+            &*store,
+            &key,
+            &request("/orders/1/refund", b"[1]"),
+            f.lease(),
+            TTL
+        )
+        .await,
+        ClaimOutcome::Mismatch { in_progress: false }
+    );
+    // A request without a version-1 digest, or a version it does not know: never a replay.
+    assert_eq!(
+        claim(
+            &*store,
+            &key,
+            &Fingerprint::compute(&input("/orders/1/refund", b"{}")),
+            f.lease(),
+            TTL
+        )
+        .await,
+        ClaimOutcome::Mismatch { in_progress: false }
+    );
+    let key2 = unique_key("versions2");
+    let future = Fingerprint::from_parts(9, *fp("a").digest());
+    claimed(claim(&*store, &key2, &future, f.lease(), TTL).await);
+    assert_eq!(
+        claim(&*store, &key2, &fp("a"), f.lease(), TTL).await,
         ClaimOutcome::Mismatch { in_progress: true }
     );
 }

@@ -7,11 +7,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
-/// Wraps a real store; counts claims, completes, releases and extends, and makes the next
-/// `fail_completes` completes fail with [`StoreError::Unavailable`] before they reach the
-/// store (`usize::MAX`: all of them). [`FaultyStore::injected`] says how many it failed.
+/// Wraps a real store; counts claims, completes and releases, can delay the answer of claims,
+/// and makes the next `fail_completes` completes fail with [`StoreError::Unavailable`] before
+/// they reach the store (`usize::MAX`: all of them). [`FaultyStore::injected`] says how many
+/// it failed.
 pub struct FaultyStore {
     inner: Arc<dyn Store>,
+    claim_delay_ms: AtomicUsize,
     fail_completes: AtomicUsize,
     injected: AtomicUsize,
     claims: AtomicUsize,
@@ -29,6 +31,7 @@ impl FaultyStore {
     pub fn new(inner: impl Store) -> Arc<Self> {
         Arc::new(FaultyStore {
             inner: Arc::new(inner),
+            claim_delay_ms: AtomicUsize::new(0),
             fail_completes: AtomicUsize::new(0),
             injected: AtomicUsize::new(0),
             claims: AtomicUsize::new(0),
@@ -40,6 +43,15 @@ impl FaultyStore {
     /// Fails the next `n` completes (`usize::MAX`: every one from now on).
     pub fn fail_next_completes(&self, n: usize) {
         self.fail_completes.store(n, Ordering::SeqCst);
+    }
+
+    /// Makes every claim answer `delay` after the real store has applied it (a slow network
+    /// between a committed claim and its answer).
+    pub fn delay_claims(&self, delay: Duration) {
+        self.claim_delay_ms.store(
+            usize::try_from(delay.as_millis()).unwrap_or(usize::MAX),
+            Ordering::SeqCst,
+        );
     }
 
     /// Failures injected so far.
@@ -67,7 +79,12 @@ impl FaultyStore {
 impl Store for FaultyStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         self.claims.fetch_add(1, Ordering::SeqCst);
-        self.inner.claim(req).await
+        let outcome = self.inner.claim(req).await;
+        let delay = self.claim_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay as u64)).await;
+        }
+        outcome
     }
 
     async fn complete(

@@ -169,6 +169,17 @@ async fn stream_gate(State(app): State<App>) -> Body {
     Body::from_stream(futures_util::StreamExt::chain(first, rest))
 }
 
+/// A stream that never ends (an event stream), with a short lease.
+#[idempotent(unscoped, lease = "300ms")]
+async fn stream_endless(State(app): State<App>) -> Body {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    let first = futures_util::stream::iter([Ok::<_, std::io::Error>("tick;")]);
+    Body::from_stream(futures_util::StreamExt::chain(
+        first,
+        futures_util::stream::pending(),
+    ))
+}
+
 /// Its ttl is shorter than the lease the tests' configuration sets for the misconfiguration
 /// test: the route must answer 500, never panic or run unprotected.
 #[idempotent(unscoped, ttl = "1m")]
@@ -199,6 +210,7 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/stream/fails-early", post(stream_fails_early))
         .route("/stream/fails-late", post(stream_fails_late))
         .route("/stream/gate", post(stream_gate))
+        .route("/stream/endless", post(stream_endless))
         .route("/short-ttl", post(short_ttl))
         .layer(idempotency.layer())
         .with_state(app.clone())
@@ -869,6 +881,16 @@ async fn oversized_responses_optional_keys_and_request_limits() {
         "idempotency-key-invalid",
     )
     .await;
+    // Without a key the optional route runs unprotected: its body is the handler's business,
+    // not refused by our limit.
+    assert_eq!(
+        post("/optional", None, "y".repeat(2048))
+            .await
+            .unwrap()
+            .status(),
+        204
+    );
+    assert_eq!(s.runs(), 4);
     // Bodies over the limit are refused before anything else.
     problem(
         post("/optional", Some("opt-2"), "y".repeat(2048))
@@ -878,7 +900,7 @@ async fn oversized_responses_optional_keys_and_request_limits() {
         "idempotency-request-too-large",
     )
     .await;
-    assert_eq!(s.runs(), 3);
+    assert_eq!(s.runs(), 4);
 }
 
 #[tokio::test]
@@ -980,6 +1002,75 @@ async fn cheap_rejections_come_first() {
     assert_eq!((store.claims(), s.runs()), (0, 0));
 }
 
+/// A chunked body (no declared length) that passes the limit while it is read: 413.
+#[tokio::test]
+async fn chunked_bodies_over_the_limit_are_413() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let s = serve(
+        Idempotency::builder(store.clone())
+            .max_request(1024)
+            .build()
+            .unwrap(),
+    )
+    .await;
+    let chunk = "x".repeat(600);
+    let request = format!(
+        "{}258\r\n{chunk}\r\n258\r\n{chunk}\r\n0\r\n\r\n",
+        head("idempotency-key: k1\r\n", "transfer-encoding: chunked\r\n")
+    );
+    let answer = raw(s.addr, request.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("idempotency-request-too-large"), "{answer}");
+    assert_eq!((store.claims(), s.runs()), (0, 0));
+}
+
+/// The client gives up while the claim is on its way (committed, answer not yet back): the
+/// handler still runs once and its response is stored, instead of the key sitting claimed and
+/// unused until its lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_gone_during_the_claim_still_runs_the_handler() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let s = serve(Idempotency::new(store.clone())).await;
+    store.delay_claims(Duration::from_millis(300));
+    let k = key();
+    let gone = s
+        .post("/v1/charges", "acct_a", Some(&k), r#"{"amount": 1}"#)
+        .timeout(Duration::from_millis(100))
+        .send()
+        .await;
+    assert!(gone.unwrap_err().is_timeout());
+    store.delay_claims(Duration::ZERO);
+    let replay = s
+        .until_not_busy(|| s.post("/v1/charges", "acct_a", Some(&k), r#"{"amount": 1}"#))
+        .await;
+    assert_eq!(replay.status(), 201);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(s.runs(), 1);
+}
+
+/// An endless stream whose client left is read on for at most the route's lease, then stored
+/// as not replayable (410) and dropped: the key does not stay in progress for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_stream_whose_client_left_is_bounded() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let s = serve(idempotency.clone()).await;
+    let k = key();
+    let mut res = s
+        .raw_post("/stream/endless", &k, "text/plain", "")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.chunk().await.unwrap().unwrap(), "tick;");
+    drop(res);
+    let gone = s
+        .until_not_busy(|| s.raw_post("/stream/endless", &k, "text/plain", ""))
+        .await;
+    problem(gone, 410, "idempotency-response-not-stored").await;
+    assert_eq!(s.runs(), 1);
+    let drained = idempotency.drain(Duration::from_secs(5)).await;
+    assert_eq!(drained.still_running, 0);
+}
+
 /// A body that cannot be read is a 400, not a 413; a client that disconnects mid-upload
 /// causes no claim and no handler run.
 #[tokio::test]
@@ -1023,10 +1114,10 @@ async fn configuration_errors_never_panic() {
         build(|b| b.ttl(Duration::MAX)),
         Some(ConfigError::TooLong { what: "ttl", .. })
     ));
-    assert_eq!(
+    assert!(matches!(
         build(|b| b.lease(Duration::ZERO)),
-        Some(ConfigError::Zero { what: "lease" })
-    );
+        Some(ConfigError::TooShort { what: "lease", .. })
+    ));
     assert!(matches!(
         build(|b| b.ttl(Duration::from_secs(5))),
         Some(ConfigError::TtlShorterThanLease { .. })

@@ -4,27 +4,43 @@
 #![deny(unused_qualifications, unused_results, clippy::pedantic)]
 
 use axum::Router;
-use axum::extract::Path;
-use axum::http::StatusCode;
+use axum::extract::{FromRequestParts, Path};
+use axum::http::{StatusCode, request::Parts};
 use axum::routing::post;
 use idempotent_axum::{Idempotency, MemoryStore, idempotent};
+
+/// The authenticated caller (here: a trusted header set by an auth proxy).
+struct Account(u64);
+
+impl<S: Send + Sync> FromRequestParts<S> for Account {
+    type Rejection = StatusCode;
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+        parts
+            .headers
+            .get("x-account")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .map(Account)
+            .ok_or(StatusCode::UNAUTHORIZED)
+    }
+}
 
 /// A pedantic-clean handler with a destructured scope and a `Result` return.
 #[idempotent(scope = "account", ttl = "1h", lease = "10s")]
 async fn handler(
-    Path(account): Path<u64>,
+    Account(account): Account,
+    Path(item): Path<u64>,
     body: String,
 ) -> Result<(StatusCode, String), StatusCode> {
     if body.is_empty() {
         return Err(StatusCode::BAD_REQUEST);
     }
-    Ok((StatusCode::CREATED, format!("{account}:{body}")))
+    Ok((StatusCode::CREATED, format!("{account}:{item}:{body}")))
 }
 
 #[tokio::test]
 async fn runs_through_a_router() {
     let app: Router = Router::new()
-        .route("/{account}", post(handler))
+        .route("/{item}", post(handler))
         .layer(Idempotency::new(MemoryStore::new()).layer());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -36,10 +52,11 @@ async fn runs_through_a_router() {
     let res = reqwest::Client::new()
         .post(format!("http://{addr}/7"))
         .header("idempotency-key", "p1")
+        .header("x-account", "3")
         .body("hi")
         .send()
         .await
         .expect("send");
     assert_eq!(res.status(), 201);
-    assert_eq!(res.text().await.expect("body"), "7:hi");
+    assert_eq!(res.text().await.expect("body"), "3:7:hi");
 }

@@ -142,16 +142,18 @@ impl<S: Send + Sync> FromRequest<S> for RefundBody {
     }
 }
 
-/// A failure inside the handler: 500 (so the key is released and a retry runs again).
+/// A failure inside the handler: 500 (so the key is released and a retry runs again). The
+/// database's error goes to the server's log, never into the response.
 struct ApiError(String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        eprintln!("charges-axum: internal error: {}", self.0);
         api_problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
             "Internal error",
-            self.0,
+            "the charge could not be processed; retry with the same key".into(),
         )
     }
 }

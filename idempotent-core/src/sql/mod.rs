@@ -274,8 +274,10 @@ pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
     }
 }
 
+/// Whole milliseconds, rounded up: a lease of 0.5 ms must not become 0 (an expired lease).
 pub(crate) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
+    i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
 pub(crate) fn from_millis(ms: i64) -> SystemTime {
@@ -369,7 +371,7 @@ pub(crate) fn decide(row: ExistingRow, fingerprint: &Fingerprint) -> Result<Deci
     }
     let stored = Fingerprint::from_stored(&row.fingerprint)
         .ok_or_else(|| StoreError::Corrupt("stored fingerprint has a bad length".into()))?;
-    if !stored.matches(fingerprint) {
+    if !fingerprint.matches_stored(&stored) {
         return Ok(Decision::Report(ClaimOutcome::Mismatch {
             in_progress: !row.done,
         }));
@@ -563,12 +565,13 @@ mod tests {
         let mut over = row(fp(1));
         over.lease_over = true;
         assert_eq!(take(over, &fp(1)), old);
-        // A record of another fingerprint version is matched by key alone.
+        // A record of another fingerprint version is compared under its own version: without
+        // a digest of that version the request cannot match it.
         let v1 = Fingerprint::from_stored(&[1; 32]).unwrap();
-        assert!(matches!(
+        assert_eq!(
             report(done(row(v1)), &fp(2)),
-            ClaimOutcome::Replay(_)
-        ));
+            ClaimOutcome::Mismatch { in_progress: false }
+        );
         // Undecodable rows are corrupt, not a mismatch or a replay.
         let mut bad = row(fp(1));
         bad.fingerprint = vec![1, 2, 3];
@@ -576,6 +579,14 @@ mod tests {
         let mut bad = done(row(fp(1)));
         bad.status = None;
         assert!(matches!(decide(bad, &fp(1)), Err(StoreError::Corrupt(_))));
+    }
+
+    #[test]
+    fn millis_round_up() {
+        assert_eq!(millis(Duration::from_micros(500)), 1);
+        assert_eq!(millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(millis(Duration::from_nanos(1_000_001)), 2);
+        assert_eq!(millis(Duration::MAX), i64::MAX);
     }
 
     #[test]

@@ -25,14 +25,24 @@ async fn create_charge(
     format!("{account_id}:{amount}")
 }
 
+/// An authenticated (organisation, user) pair, destructured in the parameter pattern.
+struct Member((String, u32));
+
+impl<S: Send + Sync> FromRequestParts<S> for Member {
+    type Rejection = ();
+    async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, ()> {
+        Ok(Member(("org_1".to_owned(), 7)))
+    }
+}
+
 #[idempotent(scope = "org")]
-async fn nested(Path((org, user)): Path<(String, u32)>) -> String {
-    format!("{org}/{user}")
+async fn nested(Member((org, user)): Member, Path(item): Path<u32>) -> String {
+    format!("{org}/{user}/{item}")
 }
 
 fn main() {
     let _: Router = Router::new()
         .route("/charges", post(create_charge))
-        .route("/orgs/{org}/users/{user}", post(nested))
+        .route("/items/{item}", post(nested))
         .with_state(App);
 }

@@ -1,13 +1,29 @@
 #![deny(warnings, unused_qualifications, unused_results, clippy::pedantic)]
 
-use axum::extract::Path;
+use axum::extract::{FromRequestParts, Path};
+use axum::http::{StatusCode, request::Parts};
 use axum::routing::post;
 use axum::Router;
 use idempotent_axum::idempotent;
 
-#[idempotent(scope = "id", ttl = "7d")]
-async fn handler(Path(id): Path<u64>) -> String {
-    id.to_string()
+/// The authenticated caller (a verified token's subject).
+struct Caller(u64);
+
+impl<S: Send + Sync> FromRequestParts<S> for Caller {
+    type Rejection = StatusCode;
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+        parts
+            .headers
+            .get("x-caller")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .map(Caller)
+            .ok_or(StatusCode::UNAUTHORIZED)
+    }
+}
+
+#[idempotent(scope = "caller", ttl = "7d")]
+async fn handler(Caller(caller): Caller, Path(id): Path<u64>) -> String {
+    format!("{caller}:{id}")
 }
 
 fn main() {
