@@ -20,8 +20,15 @@ impl Drop for Server {
     }
 }
 
+/// The binary under test: this build's, or `CHARGES_AXUM_BIN` (to run these tests against
+/// another build, such as a release before a fix, to see them fail there).
+fn binary() -> String {
+    std::env::var("CHARGES_AXUM_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_charges-axum").to_owned())
+}
+
 fn start(database: &str, extra: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+    let mut child = Command::new(binary())
         .args(["--listen", "127.0.0.1:0", "--database", database])
         .args(extra)
         .stdout(Stdio::piped())
