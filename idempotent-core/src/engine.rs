@@ -516,19 +516,15 @@ impl Execution {
     }
 
     fn start_heartbeat(&mut self, first_after: Duration) {
-        if self.heartbeat.task.is_some() || self.finished {
-            return;
-        }
-        self.heartbeat.timer = None;
-        let task = tokio::spawn(heartbeat(
-            Arc::clone(&self.slot.engine.store),
-            self.key.clone(),
+        start_heartbeat(
+            &mut self.heartbeat,
+            self.finished,
+            &self.slot.engine.store,
+            &self.key,
             self.token,
-            self.policy.lease,
+            &self.policy,
             first_after,
-            self.policy.route,
-        ));
-        self.heartbeat.task = Some(AbortOnDrop(task));
+        );
     }
 
     /// Finishes with the handler's outcome: stores it if the policy stores its status, else
@@ -554,16 +550,36 @@ impl Execution {
     }
 
     async fn complete(&mut self, outcome: &StoredOutcome) -> Recorded {
-        let store = Arc::clone(&self.slot.engine.store);
-        let (key, token, ttl) = (self.key.clone(), self.token, self.policy.ttl);
-        let result = self
-            .fenced_write(|| store.complete(&key, token, outcome, ttl))
-            .await;
+        let Execution {
+            slot,
+            key,
+            token,
+            policy,
+            heartbeat,
+            finished,
+        } = self;
+        let store = &slot.engine.store;
+        let result = fenced_write(
+            policy,
+            || store.complete(key, *token, outcome, policy.ttl),
+            || {
+                start_heartbeat(
+                    heartbeat,
+                    *finished,
+                    store,
+                    key,
+                    *token,
+                    policy,
+                    Duration::ZERO,
+                )
+            },
+        )
+        .await;
         match result {
             Ok(()) => Recorded::Stored,
             Err(error) => {
                 tracing::error!(
-                    route = self.policy.route,
+                    route = policy.route,
                     error = %error,
                     status = outcome.status(),
                     "idempotency: the outcome could not be stored; the record stays in progress until its lease ends, then a retry runs the handler again"
@@ -574,55 +590,40 @@ impl Execution {
     }
 
     async fn release_now(&mut self) -> Recorded {
-        let store = Arc::clone(&self.slot.engine.store);
-        let (key, token) = (self.key.clone(), self.token);
-        match self.fenced_write(|| store.release(&key, token)).await {
+        let Execution {
+            slot,
+            key,
+            token,
+            policy,
+            heartbeat,
+            finished,
+        } = self;
+        let store = &slot.engine.store;
+        let result = fenced_write(
+            policy,
+            || store.release(key, *token),
+            || {
+                start_heartbeat(
+                    heartbeat,
+                    *finished,
+                    store,
+                    key,
+                    *token,
+                    policy,
+                    Duration::ZERO,
+                )
+            },
+        )
+        .await;
+        match result {
             Ok(()) => Recorded::Released,
             Err(error) => {
                 tracing::error!(
-                    route = self.policy.route,
+                    route = policy.route,
                     error = %error,
                     "idempotency: the key could not be released; the record stays in progress until its lease ends"
                 );
                 Recorded::Failed(error)
-            }
-        }
-    }
-
-    /// Runs a fenced store write, retrying transient failures with exponential backoff for at
-    /// most half the lease (the other half is the margin before a retry could take over); the
-    /// heartbeat is started at the first failure, so the lease does not lapse while it retries.
-    /// A stale lease is final.
-    async fn fenced_write<F, Fut>(&mut self, mut call: F) -> Result<(), StoreError>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<(), StoreError>>,
-    {
-        let deadline = tokio::time::Instant::now() + self.policy.lease / 2;
-        let mut backoff = Duration::from_millis(10);
-        let mut attempts = 0_u32;
-        loop {
-            attempts += 1;
-            match call().await {
-                Ok(()) => return Ok(()),
-                Err(StoreError::StaleLease) if attempts > 1 => {
-                    tracing::warn!(
-                        route = self.policy.route,
-                        attempts,
-                        "idempotency: fence refused a retried write: the lease was taken over, or an earlier attempt was applied before its answer was lost"
-                    );
-                    return Err(StoreError::StaleLease);
-                }
-                Err(e @ StoreError::StaleLease) => return Err(e),
-                Err(e) => {
-                    if tokio::time::Instant::now() + backoff >= deadline {
-                        return Err(e);
-                    }
-                    self.keep_alive();
-                    tracing::warn!(route = self.policy.route, error = %e, attempts, "idempotency: store write failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                }
             }
         }
     }
@@ -644,6 +645,79 @@ impl Drop for Execution {
     }
 }
 
+/// Starts an execution's heartbeat task, unless it runs already or the execution finished.
+fn start_heartbeat(
+    state: &mut Heartbeat,
+    finished: bool,
+    store: &Arc<dyn Store>,
+    key: &RecordKey,
+    token: LeaseToken,
+    policy: &Policy,
+    first_after: Duration,
+) {
+    if state.task.is_some() || finished {
+        return;
+    }
+    state.timer = None;
+    let task = tokio::spawn(heartbeat(
+        Arc::clone(store),
+        key.clone(),
+        token,
+        policy.lease,
+        first_after,
+        policy.route,
+    ));
+    state.task = Some(AbortOnDrop(task));
+}
+
+/// Runs a fenced store write, retrying transient failures with exponential backoff for at
+/// most half the lease (the other half is the margin before a retry could take over);
+/// `keep_alive` runs at the first failure (it starts the heartbeat), so the lease does not
+/// lapse while it retries. A stale lease is final.
+async fn fenced_write<F, Fut>(
+    policy: &Policy,
+    mut call: F,
+    mut keep_alive: impl FnMut(),
+) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    let mut attempts = 0_u32;
+    let mut retry: Option<(tokio::time::Instant, Duration)> = None;
+    loop {
+        attempts += 1;
+        match call().await {
+            Ok(()) => return Ok(()),
+            Err(StoreError::StaleLease) if attempts > 1 => {
+                tracing::warn!(
+                    route = policy.route,
+                    attempts,
+                    "idempotency: fence refused a retried write: the lease was taken over, or an earlier attempt was applied before its answer was lost"
+                );
+                return Err(StoreError::StaleLease);
+            }
+            Err(e @ StoreError::StaleLease) => return Err(e),
+            Err(e) => {
+                // The clock is read only once something failed.
+                let (deadline, backoff) = retry.get_or_insert_with(|| {
+                    (
+                        tokio::time::Instant::now() + policy.lease / 2,
+                        Duration::from_millis(10),
+                    )
+                });
+                if tokio::time::Instant::now() + *backoff >= *deadline {
+                    return Err(e);
+                }
+                keep_alive();
+                tracing::warn!(route = policy.route, error = %e, attempts, "idempotency: store write failed; retrying");
+                tokio::time::sleep(*backoff).await;
+                *backoff = (*backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
 /// One request counted towards [`Engine::drain`] from before its claim until its execution
 /// finishes (or the claim found nothing to run).
 struct InFlight {
@@ -660,7 +734,11 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         let flight = &self.engine.flight;
-        if flight.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+        // Only a drain waits for the count; both sides use SeqCst, so either the drain sees
+        // this decrement when it reads the count, or this sees the drain's flag and wakes it.
+        if flight.running.fetch_sub(1, Ordering::SeqCst) == 1
+            && flight.draining.load(Ordering::SeqCst)
+        {
             flight.idle.notify_waiters();
         }
     }
