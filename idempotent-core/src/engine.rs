@@ -531,11 +531,8 @@ impl Execution {
     /// releases the key. Store errors are retried (bounded, within the lease); if it still
     /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
     pub async fn finish(mut self, outcome: StoredOutcome) -> Recorded {
-        let recorded = if self.policy.stores(outcome.status()) {
-            self.complete(&outcome).await
-        } else {
-            self.release_now().await
-        };
+        let stores = self.policy.stores(outcome.status());
+        let recorded = self.write(stores.then_some(&outcome)).await;
         self.done();
         recorded
     }
@@ -544,12 +541,14 @@ impl Execution {
     /// could be stored): releases the key so a retry runs again. Failures are retried and
     /// logged like [`Execution::finish`]'s.
     pub async fn release(mut self) -> Recorded {
-        let recorded = self.release_now().await;
+        let recorded = self.write(None).await;
         self.done();
         recorded
     }
 
-    async fn complete(&mut self, outcome: &StoredOutcome) -> Recorded {
+    /// Stores `outcome` (`Some`) or releases the key (`None`), fenced, retried within the
+    /// lease; a final failure is logged and leaves the record in progress until its lease ends.
+    async fn write(&mut self, outcome: Option<&StoredOutcome>) -> Recorded {
         let Execution {
             slot,
             key,
@@ -561,7 +560,12 @@ impl Execution {
         let store = &slot.engine.store;
         let result = fenced_write(
             policy,
-            || store.complete(key, *token, outcome, policy.ttl),
+            || async {
+                match outcome {
+                    Some(outcome) => store.complete(key, *token, outcome, policy.ttl).await,
+                    None => store.release(key, *token).await,
+                }
+            },
             || {
                 start_heartbeat(
                     heartbeat,
@@ -575,9 +579,10 @@ impl Execution {
             },
         )
         .await;
-        match result {
-            Ok(()) => Recorded::Stored,
-            Err(error) => {
+        match (result, outcome) {
+            (Ok(()), Some(_)) => Recorded::Stored,
+            (Ok(()), None) => Recorded::Released,
+            (Err(error), Some(outcome)) => {
                 tracing::error!(
                     route = policy.route,
                     error = %error,
@@ -586,38 +591,7 @@ impl Execution {
                 );
                 Recorded::Failed(error)
             }
-        }
-    }
-
-    async fn release_now(&mut self) -> Recorded {
-        let Execution {
-            slot,
-            key,
-            token,
-            policy,
-            heartbeat,
-            finished,
-        } = self;
-        let store = &slot.engine.store;
-        let result = fenced_write(
-            policy,
-            || store.release(key, *token),
-            || {
-                start_heartbeat(
-                    heartbeat,
-                    *finished,
-                    store,
-                    key,
-                    *token,
-                    policy,
-                    Duration::ZERO,
-                )
-            },
-        )
-        .await;
-        match result {
-            Ok(()) => Recorded::Released,
-            Err(error) => {
+            (Err(error), None) => {
                 tracing::error!(
                     route = policy.route,
                     error = %error,

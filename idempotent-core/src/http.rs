@@ -191,6 +191,17 @@ pub enum ConfigError {
     },
 }
 
+/// The rules for a ttl and lease pair, wherever they come from: each within
+/// [`MIN_DURATION`]..=[`MAX_DURATION`], and the ttl at least the lease.
+fn check_ttl_and_lease(ttl: Duration, lease: Duration) -> Result<(), ConfigError> {
+    check_duration("ttl", ttl)?;
+    check_duration("lease", lease)?;
+    if ttl < lease {
+        return Err(ConfigError::TtlShorterThanLease { ttl, lease });
+    }
+    Ok(())
+}
+
 fn check_duration(what: &'static str, value: Duration) -> Result<(), ConfigError> {
     if value < MIN_DURATION {
         Err(ConfigError::TooShort { what, value })
@@ -328,14 +339,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
     /// size limit.
     pub fn build(self) -> Result<T, ConfigError> {
         let c = self.config;
-        check_duration("ttl", c.ttl)?;
-        check_duration("lease", c.lease)?;
-        if c.ttl < c.lease {
-            return Err(ConfigError::TtlShorterThanLease {
-                ttl: c.ttl,
-                lease: c.lease,
-            });
-        }
+        check_ttl_and_lease(c.ttl, c.lease)?;
         if c.max_response == 0 {
             return Err(ConfigError::ZeroSize {
                 what: "max_response",
@@ -419,19 +423,7 @@ impl Route {
             fail_open: config.fail_open,
             route: self.name,
         };
-        let checked = check_duration("ttl", policy.ttl)
-            .and_then(|()| check_duration("lease", policy.lease))
-            .and_then(|()| {
-                if policy.ttl < policy.lease {
-                    Err(ConfigError::TtlShorterThanLease {
-                        ttl: policy.ttl,
-                        lease: policy.lease,
-                    })
-                } else {
-                    Ok(())
-                }
-            });
-        match checked {
+        match check_ttl_and_lease(policy.ttl, policy.lease) {
             Ok(()) => Ok(RoutePolicy {
                 policy,
                 max_response: self.max_response.unwrap_or(config.max_response),

@@ -88,37 +88,31 @@ impl<S: Send + Sync> FromRequestParts<S> for Account {
     }
 }
 
-/// A validated charge request (JSON or form); invalid ones are refused before any claim.
-struct ChargeBody(NewCharge);
+/// A request body the API validates: a charge or a refund.
+trait ApiBody: Sized {
+    /// What it is, for the 400 problem's title.
+    const WHAT: &'static str;
+    fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, charges::InvalidCharge>;
+}
 
-impl<S: Send + Sync> FromRequest<S> for ChargeBody {
-    type Rejection = Response;
-    async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
-        let content_type = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let bytes = Bytes::from_request(req, state)
-            .await
-            .map_err(IntoResponse::into_response)?;
-        NewCharge::parse(content_type.as_deref(), &bytes)
-            .map(ChargeBody)
-            .map_err(|e| {
-                api_problem(
-                    StatusCode::BAD_REQUEST,
-                    "invalid-request",
-                    "Invalid charge request",
-                    e.to_string(),
-                )
-            })
+impl ApiBody for NewCharge {
+    const WHAT: &'static str = "Invalid charge request";
+    fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, charges::InvalidCharge> {
+        NewCharge::parse(content_type, body)
     }
 }
 
-/// A validated refund request (JSON, form, or an empty body for the whole amount).
-struct RefundBody(NewRefund);
+impl ApiBody for NewRefund {
+    const WHAT: &'static str = "Invalid refund request";
+    fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, charges::InvalidCharge> {
+        NewRefund::parse(content_type, body)
+    }
+}
 
-impl<S: Send + Sync> FromRequest<S> for RefundBody {
+/// A validated request body (JSON or form); invalid ones are refused with 400 before any claim.
+struct Valid<T>(T);
+
+impl<S: Send + Sync, T: ApiBody> FromRequest<S> for Valid<T> {
     type Rejection = Response;
     async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
         let content_type = req
@@ -129,13 +123,13 @@ impl<S: Send + Sync> FromRequest<S> for RefundBody {
         let bytes = Bytes::from_request(req, state)
             .await
             .map_err(IntoResponse::into_response)?;
-        NewRefund::parse(content_type.as_deref(), &bytes)
-            .map(RefundBody)
+        T::parse(content_type.as_deref(), &bytes)
+            .map(Valid)
             .map_err(|e| {
                 api_problem(
                     StatusCode::BAD_REQUEST,
                     "invalid-request",
-                    "Invalid refund request",
+                    T::WHAT,
                     e.to_string(),
                 )
             })
@@ -162,7 +156,7 @@ impl IntoResponse for ApiError {
 async fn create_charge(
     State(app): State<AppState>,
     Account(account): Account,
-    ChargeBody(req): ChargeBody,
+    Valid(req): Valid<NewCharge>,
 ) -> Result<(StatusCode, Json<Charge>), ApiError> {
     let charge = Charge::new(&account, req);
     app.charges
@@ -183,7 +177,7 @@ async fn create_refund(
     State(app): State<AppState>,
     Account(account): Account,
     Path(charge_id): Path<String>,
-    RefundBody(req): RefundBody,
+    Valid(req): Valid<NewRefund>,
 ) -> Result<Response, ApiError> {
     let Some(charge) = app
         .charges
