@@ -441,3 +441,26 @@ fn bad_flags_fail_clearly() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A database failure inside the handler is a 500 problem that says nothing of the database:
+/// the error text goes to the server's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_errors_carry_no_database_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.db");
+    let url = format!("sqlite://{}", path.display());
+    let server = start(&url, &[]);
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("DROP TABLE charges")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let api = Api::new(&server);
+    let res = api.json(&account(), &key(), CHARGE).send().await.unwrap();
+    assert_eq!(res.status(), 500);
+    assert_eq!(res.headers()["content-type"], "application/problem+json");
+    let body = res.text().await.unwrap().to_ascii_lowercase();
+    for leak in ["no such table", "sqlite", "error returned", "insert into"] {
+        assert!(!body.contains(leak), "`{leak}` leaked: {body}");
+    }
+}

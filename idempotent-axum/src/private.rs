@@ -174,7 +174,12 @@ where
         path: ctx.uri.path(),
         query: ctx.uri.query(),
         content_type: ctx.content_type.as_ref().and_then(|v| v.to_str().ok()),
-        route: ctx.route.as_ref().map(MatchedPath::as_str),
+        // Version 1 hashed the matched template, or the path where there was none.
+        route: Some(
+            ctx.route
+                .as_ref()
+                .map_or(ctx.uri.path(), MatchedPath::as_str),
+        ),
     };
     let request = ExecuteRequest {
         scope,

@@ -16,6 +16,73 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Default lease: how long a crashed attempt blocks retries.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
+/// Longest ttl or lease accepted: 365 days (the attribute enforces the same bounds at compile
+/// time).
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
+/// Shortest ttl or lease accepted: 100 ms. Stores keep time in milliseconds and a heartbeat
+/// extends a lease every half lease; a lease much shorter than that could lapse under a
+/// running handler and let a retry take over.
+pub const MIN_DURATION: Duration = Duration::from_millis(100);
+
+/// Why a configuration or a route's arguments were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A duration is shorter than [`MIN_DURATION`].
+    #[error("`{what}` of {value:?} is shorter than the minimum of 100ms")]
+    TooShort {
+        /// Which setting.
+        what: &'static str,
+        /// Its value.
+        value: Duration,
+    },
+    /// A duration is longer than [`MAX_DURATION`].
+    #[error("`{what}` of {value:?} is longer than the maximum of 365 days")]
+    TooLong {
+        /// Which setting.
+        what: &'static str,
+        /// Its value.
+        value: Duration,
+    },
+    /// The ttl is shorter than the lease.
+    #[error(
+        "`ttl` ({ttl:?}) is shorter than `lease` ({lease:?}); a finished response must outlive the lease that protects its first attempt"
+    )]
+    TtlShorterThanLease {
+        /// The ttl.
+        ttl: Duration,
+        /// The lease.
+        lease: Duration,
+    },
+    /// A size limit is zero.
+    #[error("`{what}` must be at least 1 byte")]
+    ZeroSize {
+        /// Which setting.
+        what: &'static str,
+    },
+}
+
+/// The rules for a ttl and lease pair, wherever they come from: each within
+/// [`MIN_DURATION`]..=[`MAX_DURATION`], and the ttl at least the lease.
+pub(crate) fn check_ttl_and_lease(ttl: Duration, lease: Duration) -> Result<(), ConfigError> {
+    check_duration("ttl", ttl)?;
+    check_duration("lease", lease)?;
+    if ttl < lease {
+        return Err(ConfigError::TtlShorterThanLease { ttl, lease });
+    }
+    Ok(())
+}
+
+fn check_duration(what: &'static str, value: Duration) -> Result<(), ConfigError> {
+    if value < MIN_DURATION {
+        Err(ConfigError::TooShort { what, value })
+    } else if value > MAX_DURATION {
+        Err(ConfigError::TooLong { what, value })
+    } else {
+        Ok(())
+    }
+}
+
 /// Whether a route requires an `Idempotency-Key`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KeyRequirement {
@@ -59,6 +126,16 @@ impl Default for Policy {
 }
 
 impl Policy {
+    /// Checks the ttl and lease: each from [`MIN_DURATION`] to [`MAX_DURATION`], the ttl at
+    /// least the lease. [`Engine::begin`] refuses a policy that fails this
+    /// ([`Begin::Misconfigured`]) rather than run under a lease that cannot hold.
+    ///
+    /// # Errors
+    /// The first rule broken.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        check_ttl_and_lease(self.ttl, self.lease)
+    }
+
     /// Whether an outcome with `status` is stored (else the key is released).
     ///
     /// 2xx, 3xx and 4xx are stored except 408, 409, 425 and 429 (they mean "try again");
@@ -153,6 +230,8 @@ pub enum Begin {
     StoreUnavailable(StoreError),
     /// [`Engine::drain`] has begun: no new execution starts in this process.
     Draining,
+    /// The policy's ttl or lease is out of bounds ([`Policy::check`]); nothing was claimed.
+    Misconfigured(ConfigError),
 }
 
 /// The result of [`Engine::execute`].
@@ -193,6 +272,8 @@ pub enum Outcome<T> {
     },
     /// The engine is draining (shutting down); the handler did not run.
     Draining,
+    /// The policy is out of bounds ([`Policy::check`]); the handler did not run.
+    Misconfigured(ConfigError),
 }
 
 /// Runs handlers at most once per (scope, key), over any [`Store`], and owns the executions
@@ -340,6 +421,10 @@ impl Engine {
             }
             Err(e) => return Begin::KeyRejected(e),
         };
+        if let Err(e) = policy.check() {
+            tracing::error!(route = policy.route, error = %e, "idempotency: policy out of bounds; refused");
+            return Begin::Misconfigured(e);
+        }
         // Counted before the claim, so a drain that starts meanwhile either sees this request
         // (and waits for it) or this request sees the drain (and backs out).
         let slot = InFlight::enter(Arc::clone(&self.inner));
@@ -367,6 +452,7 @@ impl Engine {
                 }
                 Begin::Claimed(Execution {
                     slot,
+                    claimed_at: tokio::time::Instant::now(),
                     key,
                     token: lease.token,
                     policy: *policy,
@@ -430,6 +516,7 @@ impl Engine {
             },
             Begin::StoreUnavailable(e) => Outcome::StoreUnavailable(e),
             Begin::Draining => Outcome::Draining,
+            Begin::Misconfigured(e) => Outcome::Misconfigured(e),
         }
     }
 }
@@ -446,6 +533,8 @@ pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 /// that is what a crash does too, and it never lets a retry run while the work may be done.
 pub struct Execution {
     slot: InFlight,
+    /// When the claim returned (local clock): the lease's first half ends half a lease later.
+    claimed_at: tokio::time::Instant,
     key: RecordKey,
     token: LeaseToken,
     policy: Policy,
@@ -498,11 +587,11 @@ impl Execution {
         if self.heartbeat.task.is_some() || self.finished {
             return;
         }
-        let half = self.policy.lease / 2;
+        let first = self.first_extension();
         let timer = self
             .heartbeat
             .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(half)));
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(first)));
         if timer.as_mut().poll(cx).is_ready() {
             self.start_heartbeat(Duration::ZERO);
         }
@@ -512,7 +601,15 @@ impl Execution {
     /// whose progress does not depend on this execution being polled: a response body the
     /// client may stop reading for a while. No-op if it runs already.
     pub fn keep_alive(&mut self) {
-        self.start_heartbeat(self.policy.lease / 2);
+        let first_after = self
+            .first_extension()
+            .saturating_duration_since(tokio::time::Instant::now());
+        self.start_heartbeat(first_after);
+    }
+
+    /// When the first extension is due: half a lease after the claim.
+    fn first_extension(&self) -> tokio::time::Instant {
+        self.claimed_at + self.policy.lease / 2
     }
 
     fn start_heartbeat(&mut self, first_after: Duration) {
@@ -556,6 +653,7 @@ impl Execution {
             policy,
             heartbeat,
             finished,
+            ..
         } = self;
         let store = &slot.engine.store;
         let result = fenced_write(
@@ -582,6 +680,14 @@ impl Execution {
         match (result, outcome) {
             (Ok(()), Some(_)) => Recorded::Stored,
             (Ok(()), None) => Recorded::Released,
+            (Err(StoreError::StaleLease), _) => {
+                // Logged by `fenced_write` when an earlier attempt may have been applied.
+                tracing::warn!(
+                    route = policy.route,
+                    "idempotency: the fence refused this execution's write: its lease was taken over"
+                );
+                Recorded::Failed(StoreError::StaleLease)
+            }
             (Err(error), Some(outcome)) => {
                 tracing::error!(
                     route = policy.route,
@@ -675,8 +781,9 @@ where
             Err(e) => {
                 // The clock is read only once something failed.
                 let (deadline, backoff) = retry.get_or_insert_with(|| {
+                    let now = tokio::time::Instant::now();
                     (
-                        tokio::time::Instant::now() + policy.lease / 2,
+                        now.checked_add(policy.lease / 2).unwrap_or(now),
                         Duration::from_millis(10),
                     )
                 });

@@ -102,22 +102,29 @@ impl Fingerprint {
     }
 
     /// [`Fingerprint::compute`], plus the request's version-1 digest over `route`, the matched
-    /// route template (`/v1/charges/{id}`), so that records written by version 1 are compared
-    /// as version 1 compared them instead of being refused after an upgrade.
+    /// route template, so that records written by version 1 are compared as version 1 compared
+    /// them instead of being refused after an upgrade. Only for templates without parameters
+    /// (`/v1/charges`): version 1 could not tell `/orders/1/refund` from `/orders/2/refund`,
+    /// so its records on parameterised routes cannot be matched safely and stay mismatches.
     ///
     /// ```
     /// use idempotent_core::{Fingerprint, FingerprintInput};
-    /// let input = FingerprintInput {
-    ///     method: "POST", path: "/orders/1/refund", query: None, content_type: None, body: b"",
+    /// let input = |path| FingerprintInput {
+    ///     method: "POST", path, query: None, content_type: None, body: b"",
     /// };
-    /// let request = Fingerprint::compute_with_route(&input, "/orders/{id}/refund");
-    /// assert_eq!(request, Fingerprint::compute(&input));
+    /// let request = Fingerprint::compute_with_route(&input("/v1/charges"), "/v1/charges");
+    /// assert_eq!(request, Fingerprint::compute(&input("/v1/charges")));
     /// let stored_by_v1 = request.legacy().expect("version 1 digest");
     /// assert_eq!(stored_by_v1.version(), 1);
     /// assert!(request.matches_stored(&stored_by_v1));
+    /// let refund = Fingerprint::compute_with_route(&input("/orders/1/refund"), "/orders/{id}/refund");
+    /// assert_eq!(refund.legacy(), None);
     /// ```
     pub fn compute_with_route(input: &FingerprintInput<'_>, route: &str) -> Self {
         let mut fp = Self::compute(input);
+        if route.contains('{') {
+            return fp;
+        }
         let media = media_type(input.content_type);
         let (kind, body) = canonical_body(&media, input.body, canonical_form_v1);
         fp.v1 = Some(digest(
@@ -533,34 +540,35 @@ mod tests {
         assert_eq!(Fingerprint::compute(&base).version(), Fingerprint::VERSION);
     }
 
-    /// Version 1 hashed the route template; a request carries that digest so version-1
-    /// records are compared as version 1 compared them.
+    /// Version 1 hashed the route template; a request on a route without parameters carries
+    /// that digest so version-1 records are compared as version 1 compared them; on a route
+    /// with parameters it cannot be told which object a version-1 record was for.
     #[test]
     fn version_one_records_are_compared_as_version_one() {
-        let input = |path| FingerprintInput {
+        let input = |path, body: &'static [u8]| FingerprintInput {
             method: "POST",
             path,
             query: None,
             content_type: Some("application/x-www-form-urlencoded"),
-            body: b"b=2&a=1",
+            body,
         };
-        let one =
-            Fingerprint::compute_with_route(&input("/orders/1/refund"), "/orders/{id}/refund");
-        let two =
-            Fingerprint::compute_with_route(&input("/orders/2/refund"), "/orders/{id}/refund");
+        let one = Fingerprint::compute_with_route(&input("/refunds", b"b=2&a=1"), "/refunds");
         let stored = one.legacy().expect("v1");
         assert!(one.matches_stored(&stored));
-        // Version 1 could not tell these apart; it is compared as it was.
-        assert!(two.matches_stored(&stored));
-        // Another template or body is another request under version 1 too.
-        let other = Fingerprint::compute_with_route(&input("/orders/1/refund"), "/orders/{id}");
+        // Another body is another request under version 1 too.
+        let other = Fingerprint::compute_with_route(&input("/refunds", b"a=2"), "/refunds");
         assert!(!other.matches_stored(&stored));
         // Without the route, a version-1 record cannot be compared: not a match.
-        assert!(!Fingerprint::compute(&input("/orders/1/refund")).matches_stored(&stored));
+        assert!(!Fingerprint::compute(&input("/refunds", b"b=2&a=1")).matches_stored(&stored));
+        // Parameterised routes: no version-1 digest, so version-1 records are mismatches.
+        let param =
+            Fingerprint::compute_with_route(&input("/orders/1/refund", b""), "/orders/{id}/refund");
+        assert_eq!(param.legacy(), None);
         // The version-1 digest is exactly what version 1 computed (its recipe, pinned).
+        let pinned = Fingerprint::compute_with_route(&input("/orders", b"b=2&a=1"), "/orders");
         assert_eq!(
-            stored.to_hex(),
-            "23d4f03f13b797318d4b5899dc0a797eea2bce648e746a4cbf414a3e1cba86c5",
+            pinned.legacy().expect("v1").to_hex(),
+            "886f4c312e85f0e0d8fa4078433e201fefbe36c6bdac1e065672d2f0683ea16c",
             "computed by version 1's recipe (commit 41e9ea1)"
         );
     }

@@ -13,7 +13,9 @@
 //! - what to answer: one exhaustive map from the engine's [`Begin`] to a [`Step`], and the
 //!   library's own [`Reply`]s (replays and RFC 9457 problems).
 
-use crate::engine::{Begin, Execution, Unprotected};
+pub use crate::engine::{ConfigError, MAX_DURATION, MIN_DURATION};
+
+use crate::engine::{Begin, Execution, Unprotected, check_ttl_and_lease};
 use crate::{
     DEFAULT_LEASE, DEFAULT_TTL, Engine, Fingerprint, FingerprintInput, IdempotencyKey, KeyError,
     KeyRequirement, Policy, Problem, Recorded, StoredOutcome, StoredResponse,
@@ -34,14 +36,6 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 pub const DEFAULT_MAX_RESPONSE: usize = 1 << 20;
 /// Default limit on request bodies read for fingerprinting: 2 MiB.
 pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
-/// Longest ttl or lease accepted: 365 days (the attribute enforces the same bounds at compile
-/// time).
-pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
-/// Shortest ttl or lease accepted: 100 ms. Stores keep time in milliseconds and a heartbeat
-/// extends a lease every half lease; a lease much shorter than that could lapse under a
-/// running handler and let a retry take over.
-pub const MIN_DURATION: Duration = Duration::from_millis(100);
-
 /// Whether a method is safe (GET, HEAD, OPTIONS): its requests ignore the key and run.
 ///
 /// ```
@@ -150,65 +144,6 @@ impl RequestHead<'_> {
             Some(route) => Fingerprint::compute_with_route(&input, route),
             None => Fingerprint::compute(&input),
         }
-    }
-}
-
-/// Why a configuration or a route's arguments were refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// A duration is shorter than [`MIN_DURATION`].
-    #[error("`{what}` of {value:?} is shorter than the minimum of 100ms")]
-    TooShort {
-        /// Which setting.
-        what: &'static str,
-        /// Its value.
-        value: Duration,
-    },
-    /// A duration is longer than [`MAX_DURATION`].
-    #[error("`{what}` of {value:?} is longer than the maximum of 365 days")]
-    TooLong {
-        /// Which setting.
-        what: &'static str,
-        /// Its value.
-        value: Duration,
-    },
-    /// The ttl is shorter than the lease.
-    #[error(
-        "`ttl` ({ttl:?}) is shorter than `lease` ({lease:?}); a finished response must outlive the lease that protects its first attempt"
-    )]
-    TtlShorterThanLease {
-        /// The ttl.
-        ttl: Duration,
-        /// The lease.
-        lease: Duration,
-    },
-    /// A size limit is zero.
-    #[error("`{what}` must be at least 1 byte")]
-    ZeroSize {
-        /// Which setting.
-        what: &'static str,
-    },
-}
-
-/// The rules for a ttl and lease pair, wherever they come from: each within
-/// [`MIN_DURATION`]..=[`MAX_DURATION`], and the ttl at least the lease.
-fn check_ttl_and_lease(ttl: Duration, lease: Duration) -> Result<(), ConfigError> {
-    check_duration("ttl", ttl)?;
-    check_duration("lease", lease)?;
-    if ttl < lease {
-        return Err(ConfigError::TtlShorterThanLease { ttl, lease });
-    }
-    Ok(())
-}
-
-fn check_duration(what: &'static str, value: Duration) -> Result<(), ConfigError> {
-    if value < MIN_DURATION {
-        Err(ConfigError::TooShort { what, value })
-    } else if value > MAX_DURATION {
-        Err(ConfigError::TooLong { what, value })
-    } else {
-        Ok(())
     }
 }
 
@@ -537,6 +472,7 @@ impl From<Begin> for Step {
                 Step::Respond(Reply::problem(&Problem::store_unavailable()))
             }
             Begin::Draining => Step::Respond(Reply::problem(&Problem::shutting_down())),
+            Begin::Misconfigured(_) => Step::Respond(Reply::problem(&Problem::misconfigured())),
         }
     }
 }

@@ -60,8 +60,9 @@ mod sweeper;
 pub use clock::{Clock, ManualClock, SkewedClock, SystemClock};
 pub use duration::{DurationError, format_duration, parse_duration};
 pub use engine::{
-    Begin, DEFAULT_LEASE, DEFAULT_TTL, Detached, Drained, Engine, ExecuteRequest, Execution,
-    Handled, KeyRequirement, Outcome, PanicPayload, Policy, Recorded, Unprotected,
+    Begin, ConfigError, DEFAULT_LEASE, DEFAULT_TTL, Detached, Drained, Engine, ExecuteRequest,
+    Execution, Handled, KeyRequirement, MAX_DURATION, MIN_DURATION, Outcome, PanicPayload, Policy,
+    Recorded, Unprotected,
 };
 pub use fingerprint::{BodyKind, Fingerprint, FingerprintInput, canonical_form, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

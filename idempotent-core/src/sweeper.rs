@@ -30,6 +30,8 @@ impl Sweeper {
     /// Outside a tokio runtime (as `tokio::spawn` does).
     pub fn spawn<S: Store + ?Sized>(store: Arc<S>, interval: Duration, batch: usize) -> Self {
         let batch = batch.max(1);
+        // `tokio::time::interval` panics on zero.
+        let interval = interval.max(Duration::from_millis(1));
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 pub struct FaultyStore {
     inner: Arc<dyn Store>,
     claim_delay_ms: AtomicUsize,
+    extend_delay_ms: AtomicUsize,
     fail_completes: AtomicUsize,
     injected: AtomicUsize,
     claims: AtomicUsize,
@@ -32,6 +33,7 @@ impl FaultyStore {
         Arc::new(FaultyStore {
             inner: Arc::new(inner),
             claim_delay_ms: AtomicUsize::new(0),
+            extend_delay_ms: AtomicUsize::new(0),
             fail_completes: AtomicUsize::new(0),
             injected: AtomicUsize::new(0),
             claims: AtomicUsize::new(0),
@@ -49,6 +51,14 @@ impl FaultyStore {
     /// between a committed claim and its answer).
     pub fn delay_claims(&self, delay: Duration) {
         self.claim_delay_ms.store(
+            usize::try_from(delay.as_millis()).unwrap_or(usize::MAX),
+            Ordering::SeqCst,
+        );
+    }
+
+    /// Makes every lease extension take `delay` before it reaches the store.
+    pub fn delay_extends(&self, delay: Duration) {
+        self.extend_delay_ms.store(
             usize::try_from(delay.as_millis()).unwrap_or(usize::MAX),
             Ordering::SeqCst,
         );
@@ -121,6 +131,10 @@ impl Store for FaultyStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
+        let delay = self.extend_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay as u64)).await;
+        }
         self.inner.extend(key, token, lease).await
     }
 
