@@ -1,6 +1,6 @@
 //! The charges API contract, independent of the web framework.
 
-use idempotent_axum::{MemoryStore, PostgresStore, SqliteStore, Store};
+use idempotent_core::{MemoryStore, PostgresStore, SqliteStore, Store};
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -459,7 +459,7 @@ pub enum OpenError {
     Unsupported(String),
     /// Setting up the idempotency store failed.
     #[error(transparent)]
-    Setup(#[from] idempotent_axum::SetupError),
+    Setup(#[from] idempotent_core::SetupError),
     /// Creating the charges table failed.
     #[error(transparent)]
     Db(#[from] sqlx::Error),
@@ -532,7 +532,7 @@ pub fn parse_delay(s: &str) -> Result<Duration, String> {
     {
         return Ok(Duration::ZERO);
     }
-    idempotent_axum::parse_duration(s).map_err(|e| e.to_string())
+    idempotent_core::parse_duration(s).map_err(|e| e.to_string())
 }
 
 /// Parses a `--lease` value (must be > 0).
@@ -540,7 +540,7 @@ pub fn parse_delay(s: &str) -> Result<Duration, String> {
 /// # Errors
 /// The duration grammar's message.
 pub fn parse_lease(s: &str) -> Result<Duration, String> {
-    idempotent_axum::parse_duration(s).map_err(|e| e.to_string())
+    idempotent_core::parse_duration(s).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

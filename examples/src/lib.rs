@@ -1,7 +1,9 @@
 //! Runnable demos of `idempotent`.
 //!
-//! [`charges`] is the contract of the Stripe-shaped charges API, shared by every framework's
-//! binary (`charges-axum` now; an Actix twin later): request parsing and validation, the
-//! charge object, the charges table, and the command-line configuration.
+//! [`charges`] is the domain of the Stripe-shaped charges API (validation, the charge and
+//! refund objects, the tables) and [`api`] what its routes do and answer, both without a web
+//! framework; the binaries `charges-axum` and `charges-actix` hold only their framework's glue
+//! around them, so they serve exactly the same contract.
 
+pub mod api;
 pub mod charges;

@@ -1,1 +1,93 @@
-//! Placeholder crate: filled by a later issue. It holds no API yet.
+//! Actix-web adapter of `idempotent`: safe retries for POST handlers with one attribute.
+//!
+//! ```
+//! use actix_web::{App, HttpResponse, post, web, dev::Payload, FromRequest, HttpRequest};
+//! use idempotent_actix::{Idempotency, MemoryStore, idempotent};
+//! use std::future::{Ready, ready};
+//!
+//! /// The authenticated caller: your auth's output, never a value the client picks.
+//! struct Account(String);
+//!
+//! impl FromRequest for Account {
+//!     type Error = actix_web::Error;
+//!     type Future = Ready<Result<Self, Self::Error>>;
+//!     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+//!         // (verify the token here; this sketch trusts it)
+//!         ready(req.headers().get("authorization")
+//!             .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer ").map(str::to_owned))
+//!             .map(Account)
+//!             .ok_or_else(|| actix_web::error::ErrorUnauthorized("no bearer")))
+//!     }
+//! }
+//!
+//! #[post("/v1/charges")]
+//! #[idempotent(scope = "account_id", ttl = "24h")]
+//! async fn create_charge(Account(account_id): Account, amount: web::Json<u64>) -> HttpResponse {
+//!     HttpResponse::Created().body(format!("charged {} to {account_id}", amount.into_inner()))
+//! }
+//!
+//! let idempotency = Idempotency::new(MemoryStore::new());
+//! let app = App::new().wrap(idempotency.middleware()).service(create_charge);
+//! # let _ = app;
+//! ```
+//!
+//! Wiring is one line: `.wrap(idempotency.middleware())`. The middleware installs the
+//! configuration ([`Idempotency`]: store, default ttl and lease, size limits); each
+//! `#[idempotent]` handler then checks the key, reads the body for the fingerprint (handing
+//! the same bytes on to `web::Json`, `web::Form` or `Bytes`, whose own limits keep working),
+//! claims the record and runs, replays or refuses. The execution runs as a task of its own on
+//! the worker's runtime, so a client that goes away does not stop it; at shutdown, call
+//! [`Idempotency::drain`] after `HttpServer::run()` returned.
+//!
+//! # The scope is the authenticated caller
+//! `scope = "…"` names the parameter that identifies the caller, and a record belongs to
+//! (scope, key): take it from your authentication extractor's output, as above. Never from a
+//! value the client chooses freely (a path segment or body field nobody checked): a client
+//! could then name another account's scope and replay its stored responses.
+//!
+//! # The attribute
+//! See [`idempotent`] for its arguments, what it checks at compile time and the code it
+//! generates; it is the same attribute as the Axum adapter's, with the same arguments and
+//! semantics. With actix's route macros, either order works: `#[post("/x")]` above
+//! `#[idempotent(..)]` or below it. Plain functions work with
+//! `web::resource("/x").route(web::post().to(handler))`.
+//!
+//! # Responses
+//! The same bytes as the Axum adapter for everything the library produces: a first execution
+//! carries `Idempotent-Replayed: false`; a replay the stored status, headers and body with
+//! `Idempotent-Replayed: true`; failures are `application/problem+json` (RFC 9457) with
+//! `Cache-Control: no-store`: 400 missing/invalid key or unreadable body, 409 in progress (with
+//! `Retry-After`), 410 the original response was not stored, 413 body over the limit, 422 key
+//! reused for another request, 503 store unavailable (with `Retry-After`). GET, HEAD and
+//! OPTIONS ignore the key and run the handler.
+
+mod config;
+mod middleware;
+mod private;
+mod response;
+
+#[cfg(feature = "postgres")]
+pub use idempotent_core::PostgresStore;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use idempotent_core::SetupError;
+#[cfg(feature = "sqlite")]
+pub use idempotent_core::SqliteStore;
+pub use idempotent_core::http::{ConfigError, DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE};
+pub use idempotent_core::{
+    DEFAULT_LEASE, DEFAULT_TTL, Drained, DurationError, Engine, Fingerprint, IdempotencyKey,
+    KeyError, MemoryStore, Problem, Scope, ScopeError, ScopeValue, Store, StoreError, Sweeper,
+    parse_duration,
+};
+
+pub use config::{Idempotency, IdempotencyBuilder};
+pub use middleware::{IdempotencyMiddleware, IdempotencyService};
+pub use response::{ProblemError, problem};
+
+#[doc(inline)]
+pub use idempotent_macros::idempotent_actix as idempotent;
+
+#[doc(hidden)]
+/// Not a stable API: the code `#[idempotent]` generates calls these.
+pub mod __private {
+    pub use crate::private::*;
+}

@@ -115,12 +115,11 @@ enum Tee {
     Passthrough,
 }
 
-impl TeeBody {
-    fn take_recorder(&mut self) -> Recorder {
-        match std::mem::replace(&mut self.state, Tee::Passthrough) {
-            Tee::Recording(recorder) => *recorder,
-            _ => unreachable!("only called while recording"),
-        }
+/// Takes the recorder out of a recording state, leaving the body to pass through.
+fn take_recorder(state: &mut Tee) -> Recorder {
+    match std::mem::replace(state, Tee::Passthrough) {
+        Tee::Recording(recorder) => *recorder,
+        _ => unreachable!("only called while recording"),
     }
 }
 
@@ -142,23 +141,29 @@ impl HttpBody for TeeBody {
                     return Poll::Ready(None);
                 }
                 Tee::Recording(recorder) => {
+                    if recorder.poll_expired(cx).is_ready() {
+                        // Still streaming a lease later: not replayable; the rest goes through.
+                        spawn(take_recorder(&mut this.state).over_limit());
+                        continue;
+                    }
                     match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
                         Some(Ok(frame)) => {
                             let within = frame.data_ref().is_none_or(|data| recorder.data(data));
                             if !within {
-                                spawn(this.take_recorder().over_limit());
+                                spawn(take_recorder(&mut this.state).over_limit());
                             }
                             return Poll::Ready(Some(Ok(frame)));
                         }
                         Some(Err(error)) => {
-                            let recorder = this.take_recorder();
+                            let recorder = take_recorder(&mut this.state);
                             let reason = error.to_string();
                             spawn(async move { recorder.fail(&reason).await });
                             return Poll::Ready(Some(Err(error)));
                         }
                         None => {
                             // Stored before the end of the stream is passed on.
-                            this.state = Tee::Finishing(Box::pin(this.take_recorder().end()));
+                            this.state =
+                                Tee::Finishing(Box::pin(take_recorder(&mut this.state).end()));
                         }
                     }
                 }

@@ -21,6 +21,8 @@ use crate::{
     KeyRequirement, Policy, Problem, Recorded, StoredOutcome, StoredResponse,
 };
 use std::borrow::Cow;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -530,19 +532,28 @@ impl ResponsePlan {
 ///   the marker (the handler ran);
 /// - it fails before either ([`Recorder::fail`]): nothing is stored, the key is released;
 /// - the client goes away first ([`Recorder::abandon`]): the rest is read on the server, so
-///   the outcome is stored and a retry gets the replay, never a second run. That read is
-///   bounded by the route's lease in time and by the limit in bytes; a stream still going after
-///   that is stored as the oversized marker (retries get 410) and dropped.
+///   the outcome is stored and a retry gets the replay, never a second run;
+/// - it is still streaming one lease after the handler returned it
+///   ([`Recorder::poll_expired`]): the oversized marker is stored (retries get 410) and the
+///   rest goes through uncopied. So a long or endless stream (server-sent events) never holds
+///   its key in progress for longer than that, whether or not the framework notices a client
+///   that left while the stream was idle; the read after a client left has the same bound.
 #[derive(Debug)]
 pub struct Recorder {
     capture: Capture,
     execution: Execution,
+    /// When recording gives up (streamed bodies only).
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Recorder {
     /// A recorder for a body read whole before it is sent ([`ResponsePlan::Collect`]).
     pub fn new(execution: Execution, capture: Capture) -> Self {
-        Recorder { capture, execution }
+        Recorder {
+            capture,
+            execution,
+            deadline: None,
+        }
     }
 
     /// A recorder for a body streamed to the client ([`ResponsePlan::Stream`]): the lease is
@@ -550,7 +561,22 @@ impl Recorder {
     /// stops the body being polled.
     pub fn streaming(mut execution: Execution, capture: Capture) -> Self {
         execution.keep_alive();
-        Recorder { capture, execution }
+        let deadline = Box::pin(tokio::time::sleep(execution.policy().lease));
+        Recorder {
+            capture,
+            execution,
+            deadline: Some(deadline),
+        }
+    }
+
+    /// Ready once a streamed body has been recorded for a whole lease without ending: then
+    /// call [`Recorder::over_limit`] and let the rest through uncopied. Registers a wake-up with
+    /// `cx` until then, so an idle stream is woken for it. Never ready for [`Recorder::new`].
+    pub fn poll_expired(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        match self.deadline.as_mut() {
+            Some(deadline) => deadline.as_mut().poll(cx),
+            None => std::task::Poll::Pending,
+        }
     }
 
     /// Runs `fut` (reading the body) under the execution: the lease stays alive and a panic is
@@ -604,7 +630,10 @@ impl Recorder {
         E: std::fmt::Display,
     {
         use futures_util::StreamExt;
-        let bound = self.execution.policy().lease;
+        let deadline = match &self.deadline {
+            Some(deadline) => deadline.deadline(),
+            None => tokio::time::Instant::now() + self.execution.policy().lease,
+        };
         let capture = &mut self.capture;
         let read = async {
             let mut rest = std::pin::pin!(rest);
@@ -615,7 +644,10 @@ impl Recorder {
             }
             Ok::<(), E>(())
         };
-        let read = self.execution.run(tokio::time::timeout(bound, read)).await;
+        let read = self
+            .execution
+            .run(tokio::time::timeout_at(deadline, read))
+            .await;
         match read {
             Ok(Ok(Ok(()))) => self.end().await,
             Ok(Ok(Err(error))) => {
@@ -625,7 +657,7 @@ impl Recorder {
             Ok(Err(_elapsed)) => {
                 tracing::warn!(
                     route = self.execution.policy().route,
-                    "idempotency: a streamed response whose client left did not end within the lease; stored as not replayable"
+                    "idempotency: a streamed response whose client left did not end within a lease; stored as not replayable"
                 );
                 self.over_limit().await
             }

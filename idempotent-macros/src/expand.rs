@@ -10,12 +10,14 @@ use syn::{ItemFn, ReturnType, Type};
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Framework {
     Axum,
+    Actix,
 }
 
 impl Framework {
     fn default_crate(self) -> TokenStream {
         match self {
             Framework::Axum => quote!(::idempotent_axum),
+            Framework::Actix => quote!(::idempotent_actix),
         }
     }
 }
@@ -139,20 +141,51 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
     // The fake return edge (tracing's): fixes the async block's output type to the declared
     // return type, so `?` and type errors land in user code. `impl Trait` cannot be written
     // in a `let`, so it becomes `_` there (`Result<impl IntoResponse, E>` still anchors `E`).
+    // With `impl Trait`, a generic function whose parameters stand for each `impl` checks the
+    // trait bounds as written, so they (and their imports) stay part of the handler.
     let anchor = match &sig.output {
-        ReturnType::Type(_, ty) => match infer_impl_trait((**ty).clone()) {
-            Type::Infer(_) => quote!(),
-            ty => {
-                let fake = format_ident!("__idempotent_fake_return", span = Span::mixed_site());
+        ReturnType::Type(_, ty) => {
+            let fake = format_ident!("__idempotent_fake_return", span = Span::mixed_site());
+            let inferred = map_impl_trait((**ty).clone(), &mut |t| {
+                Type::Infer(syn::TypeInfer {
+                    attrs: Vec::new(),
+                    underscore_token: syn::Token![_](syn::spanned::Spanned::span(&t)),
+                })
+            });
+            let mut params = Vec::new();
+            let generic = map_impl_trait((**ty).clone(), &mut |t| {
+                let name = format_ident!(
+                    "__IdempotentImpl{}",
+                    params.len(),
+                    span = Span::mixed_site()
+                );
+                let bounds = t.bounds.iter().filter(|b| {
+                    matches!(
+                        b,
+                        syn::TypeParamBound::Trait(_) | syn::TypeParamBound::Lifetime(_)
+                    )
+                });
+                params.push(quote!(#name: #(#bounds)+*));
+                syn::parse_quote!(#name)
+            });
+            let bounds_check = if params.is_empty() {
+                quote!()
+            } else {
+                let check = format_ident!("__idempotent_bounds", span = Span::mixed_site());
                 quote! {
-                    #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::let_unit_value)]
-                    if false {
-                        let #fake: #ty = loop {};
-                        return #fake;
-                    }
+                    fn #check<#(#params),*>(_: &#generic) {}
+                    #check(&#fake);
+                }
+            };
+            quote! {
+                #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::let_unit_value)]
+                if false {
+                    let #fake: #inferred = loop {};
+                    #bounds_check
+                    return #fake;
                 }
             }
-        },
+        }
         ReturnType::Default => quote!(),
     };
 
@@ -180,22 +213,17 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
     }
 }
 
-/// Replaces every `impl Trait` in a type with `_`, so the type can annotate a `let`.
-fn infer_impl_trait(ty: Type) -> Type {
-    let infer = |span| {
-        Type::Infer(syn::TypeInfer {
-            attrs: Vec::new(),
-            underscore_token: syn::Token![_](span),
-        })
-    };
+/// Replaces every `impl Trait` in a type with what `f` makes of it (`_` to annotate a `let`,
+/// a generic parameter to check the bounds).
+fn map_impl_trait(ty: Type, f: &mut impl FnMut(syn::TypeImplTrait) -> Type) -> Type {
     match ty {
-        Type::ImplTrait(t) => infer(syn::spanned::Spanned::span(&t)),
+        Type::ImplTrait(t) => f(t),
         Type::Path(mut t) => {
             for seg in &mut t.path.segments {
                 if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
                     for arg in &mut args.args {
                         if let syn::GenericArgument::Type(inner) = arg {
-                            *inner = infer_impl_trait(inner.clone());
+                            *inner = map_impl_trait(inner.clone(), f);
                         }
                     }
                 }
@@ -204,28 +232,28 @@ fn infer_impl_trait(ty: Type) -> Type {
         }
         Type::Tuple(mut t) => {
             for elem in &mut t.elems {
-                *elem = infer_impl_trait(elem.clone());
+                *elem = map_impl_trait(elem.clone(), f);
             }
             Type::Tuple(t)
         }
         Type::Reference(mut t) => {
-            *t.elem = infer_impl_trait((*t.elem).clone());
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
             Type::Reference(t)
         }
         Type::Array(mut t) => {
-            *t.elem = infer_impl_trait((*t.elem).clone());
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
             Type::Array(t)
         }
         Type::Slice(mut t) => {
-            *t.elem = infer_impl_trait((*t.elem).clone());
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
             Type::Slice(t)
         }
         Type::Paren(mut t) => {
-            *t.elem = infer_impl_trait((*t.elem).clone());
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
             Type::Paren(t)
         }
         Type::Group(mut t) => {
-            *t.elem = infer_impl_trait((*t.elem).clone());
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
             Type::Group(t)
         }
         other => other,
@@ -314,6 +342,10 @@ mod tests {
             out.contains("let __idempotent_fake_return : Result < _ , MyError >"),
             "{out}"
         );
+        assert!(
+            out.contains("fn __idempotent_bounds < __IdempotentImpl0 : IntoResponse > (_ : & Result < __IdempotentImpl0 , MyError >)"),
+            "{out}"
+        );
         assert!(out.contains("Context < false >"), "{out}");
         // The inner attribute is the body's first item, not an outer attribute of the fn.
         let body = out
@@ -329,7 +361,14 @@ mod tests {
                 async fn h() -> impl IntoResponse {}
             ),
         );
-        assert!(!plain.contains("__idempotent_fake_return"), "{plain}");
+        assert!(
+            plain.contains("let __idempotent_fake_return : _ = loop { } ;"),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("__IdempotentImpl0 : IntoResponse"),
+            "{plain}"
+        );
     }
 
     #[test]

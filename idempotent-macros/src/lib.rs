@@ -119,3 +119,23 @@ mod signature;
 pub fn idempotent_axum(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::expand(args.into(), item.into(), expand::Framework::Axum).into()
 }
+
+/// `#[idempotent(...)]` for Actix-web handlers, re-exported by `idempotent-actix` as
+/// `idempotent`: the same attribute, arguments and checks as the Axum entry (see the
+/// `idempotent-axum` docs), generating code that names only `::idempotent_actix::__private`
+/// (or the `crate = "…"` path).
+///
+/// ```
+/// use actix_web::{HttpResponse, post, web};
+/// use idempotent_actix::idempotent;
+///
+/// #[post("/v1/orders/{id}/refund")]
+/// #[idempotent(unscoped, ttl = "1h")]
+/// async fn refund(id: web::Path<u64>) -> HttpResponse {
+///     HttpResponse::Created().body(format!("refunded {id}"))
+/// }
+/// ```
+#[proc_macro_attribute]
+pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::expand(args.into(), item.into(), expand::Framework::Actix).into()
+}

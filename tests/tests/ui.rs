@@ -6,4 +6,6 @@ fn ui() {
     let t = trybuild::TestCases::new();
     t.compile_fail("ui/fail/*.rs");
     t.pass("ui/pass/*.rs");
+    t.compile_fail("ui/actix/fail/*.rs");
+    t.pass("ui/actix/pass/*.rs");
 }

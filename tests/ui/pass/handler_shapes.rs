@@ -1,3 +1,4 @@
+#![deny(unused_imports)]
 //! Every return shape axum accepts works under the attribute, `?` included.
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};

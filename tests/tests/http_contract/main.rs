@@ -1,231 +1,79 @@
-//! End to end through a real Axum server on 127.0.0.1 with a real HTTP client, on the memory,
-//! SQLite and PostgreSQL stores: every row of DESIGN.md §1's table, the exactly-once cases
-//! (client timeouts, path parameters, streamed responses) and the failure modes.
+//! The HTTP contract, written once and run against an Axum server and an Actix-web server
+//! exposing the same routes (`axum_app`, `actix_app`), on the memory, SQLite and PostgreSQL
+//! stores, through real servers on 127.0.0.1 with a real HTTP client (and raw TCP where the
+//! framing itself is under test): every row of DESIGN.md §1's table, the exactly-once cases
+//! (client timeouts and disconnects, path parameters, streamed responses) and the failure
+//! modes. A difference between the two frameworks on the wire is a bug; `wire_parity` compares
+//! them byte for byte where the library writes the response.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use axum::body::Body;
-use axum::extract::{FromRequestParts, Path, State};
-use axum::http::{StatusCode, request::Parts};
-use axum::response::AppendHeaders;
-use axum::routing::{get, post};
-use axum::{Json, Router};
-use idempotent_axum::{ConfigError, Idempotency, MemoryStore, Store, idempotent};
+mod actix_app;
+mod axum_app;
+
+use idempotent_core::http::{Config, ConfigBuilder, ConfigError};
+use idempotent_core::{Engine, MemoryStore, Store};
 use idempotent_tests::faults::FaultyStore;
-use serde_json::{Value, json};
+use serde_json::Value;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The handlers' shared state: how often they ran, and the gate of `/stream/gate`.
 #[derive(Clone, Default)]
-struct App {
-    runs: Arc<AtomicUsize>,
-    panicked_once: Arc<AtomicBool>,
+pub(crate) struct App {
+    pub(crate) runs: Arc<AtomicUsize>,
+    pub(crate) panicked_once: Arc<AtomicBool>,
     /// Releases the second half of `/stream/gate`.
-    gate: Arc<tokio::sync::Notify>,
+    pub(crate) gate: Arc<tokio::sync::Notify>,
 }
 
-struct AccountId(String);
-
-impl<S: Send + Sync> FromRequestParts<S> for AccountId {
-    type Rejection = (StatusCode, &'static str);
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .filter(|v| !v.is_empty())
-            .map(|v| AccountId(v.to_owned()))
-            .ok_or((StatusCode::UNAUTHORIZED, "missing bearer"))
-    }
-}
-
-#[derive(serde::Deserialize)]
-struct NewCharge {
-    amount: i64,
-}
-
-type Created = (
-    StatusCode,
-    AppendHeaders<[(&'static str, String); 2]>,
-    Json<Value>,
-);
-
-#[idempotent(scope = "account_id", lease = "2s")]
-async fn create_charge(
-    State(app): State<App>,
-    AccountId(account_id): AccountId,
-    Json(req): Json<NewCharge>,
-) -> Result<Created, (StatusCode, String)> {
-    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
-    match req.amount {
-        13 if !app.panicked_once.swap(true, Ordering::SeqCst) => panic!("handler exploded"),
-        500 => return Err((StatusCode::BAD_GATEWAY, "provider down".into())),
-        7 => tokio::time::sleep(Duration::from_millis(1500)).await,
-        _ => {}
-    }
-    Ok((
-        StatusCode::CREATED,
-        AppendHeaders([("x-trace", format!("a{n}")), ("x-trace", format!("b{n}"))]),
-        Json(json!({"id": format!("ch_{n}"), "account": account_id, "amount": req.amount})),
-    ))
-}
-
-#[idempotent(scope = "account_id")]
-async fn create_refund(
-    AccountId(account_id): AccountId,
-    Json(v): Json<Value>,
-) -> (StatusCode, String) {
-    (StatusCode::CREATED, format!("refund for {account_id}: {v}"))
-}
-
-/// A path parameter names the object the operation acts on.
-#[idempotent(scope = "account_id")]
-async fn refund_order(
-    State(app): State<App>,
-    AccountId(account_id): AccountId,
-    Path(order): Path<String>,
-) -> (StatusCode, String) {
-    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
-    (
-        StatusCode::CREATED,
-        format!("refund {n} of order {order} for {account_id}"),
-    )
-}
-
-/// Echoes a raw (form) body.
-#[idempotent(unscoped)]
-async fn echo(State(app): State<App>, body: String) -> String {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    body
-}
-
-#[idempotent(unscoped, max_response = "16")]
-async fn big() -> String {
-    "x".repeat(100)
-}
-
-#[idempotent(unscoped, key = "optional")]
-async fn optional(State(app): State<App>) -> StatusCode {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    StatusCode::NO_CONTENT
-}
-
-#[idempotent(unscoped)]
-async fn list(State(app): State<App>) -> String {
-    format!("runs={}", app.runs.load(Ordering::SeqCst))
-}
-
-type Chunk = Result<&'static str, std::io::Error>;
-
-fn stream_of(chunks: Vec<Chunk>) -> Body {
-    Body::from_stream(futures_util::stream::iter(chunks))
-}
-
-/// A streamed body of unknown size within the limit.
-#[idempotent(unscoped)]
-async fn stream_ok(State(app): State<App>) -> Body {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    stream_of(vec![Ok("chunk-1;"), Ok("chunk-2;"), Ok("chunk-3")])
-}
-
-/// A stream over the route's limit.
-#[idempotent(unscoped, max_response = "16")]
-async fn stream_big(State(app): State<App>) -> Body {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    stream_of((0..10).map(|_| Ok("0123456789")).collect())
-}
-
-fn failure() -> std::io::Error {
-    std::io::Error::other("the stream broke")
-}
-
-/// A stream that fails before it could be stored.
-#[idempotent(unscoped)]
-async fn stream_fails_early(State(app): State<App>) -> Body {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    stream_of(vec![Ok("partial"), Err(failure())])
-}
-
-/// A stream that fails after passing the limit (the oversized marker is stored by then).
-#[idempotent(unscoped, max_response = "16")]
-async fn stream_fails_late(State(app): State<App>) -> Body {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    stream_of(vec![Ok("0123456789"), Ok("0123456789"), Err(failure())])
-}
-
-/// Sends "first;", then waits for the test to open the gate before "second" (server-sent
-/// events and other slow streams must not be held back by the copy).
-#[idempotent(unscoped)]
-async fn stream_gate(State(app): State<App>) -> Body {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    let gate = app.gate.clone();
-    let rest = futures_util::stream::once(async move {
-        gate.notified().await;
-        Ok::<_, std::io::Error>("second")
-    });
-    let first = futures_util::stream::iter([Ok::<_, std::io::Error>("first;")]);
-    Body::from_stream(futures_util::StreamExt::chain(first, rest))
-}
-
-/// A stream that never ends (an event stream), with a short lease.
-#[idempotent(unscoped, lease = "300ms")]
-async fn stream_endless(State(app): State<App>) -> Body {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    let first = futures_util::stream::iter([Ok::<_, std::io::Error>("tick;")]);
-    Body::from_stream(futures_util::StreamExt::chain(
-        first,
-        futures_util::stream::pending(),
-    ))
-}
-
-/// Its ttl is shorter than the lease the tests' configuration sets for the misconfiguration
-/// test: the route must answer 500, never panic or run unprotected.
-#[idempotent(unscoped, ttl = "1m")]
-async fn short_ttl(State(app): State<App>) -> StatusCode {
-    app.runs.fetch_add(1, Ordering::SeqCst);
-    StatusCode::CREATED
+/// Which framework serves the routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fw {
+    Axum,
+    Actix,
 }
 
 struct Server {
     base: String,
-    addr: std::net::SocketAddr,
+    addr: SocketAddr,
     app: App,
+    engine: Engine,
     client: reqwest::Client,
 }
 
-fn router(app: &App, idempotency: &Idempotency) -> Router {
-    let nested = Router::new().route("/orders/{order}/refund", post(refund_order));
-    Router::new()
-        .route("/v1/charges", post(create_charge).get(list))
-        .route("/v1/refunds", post(create_refund))
-        .route("/orders/{order}/refund", post(refund_order))
-        .nest("/v2", nested)
-        .route("/echo", post(echo))
-        .route("/big", post(big))
-        .route("/optional", post(optional))
-        .route("/stream/ok", post(stream_ok))
-        .route("/stream/big", post(stream_big))
-        .route("/stream/fails-early", post(stream_fails_early))
-        .route("/stream/fails-late", post(stream_fails_late))
-        .route("/stream/gate", post(stream_gate))
-        .route("/stream/endless", post(stream_endless))
-        .route("/short-ttl", post(short_ttl))
-        .layer(idempotency.layer())
-        .with_state(app.clone())
+/// A configuration over `store` whose request limit is 1 KiB.
+fn limited(store: impl Store) -> Config {
+    ConfigBuilder::<Config>::new(Engine::new(store))
+        .max_request(1024)
+        .build()
+        .unwrap()
 }
 
-async fn serve(idempotency: Idempotency) -> Server {
+/// The default configuration over `store`.
+fn config(store: impl Store) -> Config {
+    Config::new(Engine::new(store))
+}
+
+/// The routes served by `fw` under `config`, with the middleware.
+async fn serve(fw: Fw, config: Config) -> Server {
+    serve_wired(fw, config, true).await
+}
+
+async fn serve_wired(fw: Fw, config: Config, wired: bool) -> Server {
     let app = App::default();
-    let router = router(&app, &idempotency);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let engine = config.engine().clone();
+    let addr = match fw {
+        Fw::Axum => axum_app::serve(config, &app, wired).await,
+        Fw::Actix => actix_app::serve(config, &app, wired),
+    };
     Server {
         base: format!("http://{addr}"),
         addr,
         app,
+        engine,
         client: reqwest::Client::new(),
     }
 }
@@ -303,8 +151,8 @@ async fn problem(res: reqwest::Response, status: u16, slug: &str) -> Value {
     body
 }
 
-async fn contract(idempotency: Idempotency) {
-    let s = serve(idempotency).await;
+async fn contract(fw: Fw, config: Config) {
+    let s = serve(fw, config).await;
     let key = key();
 
     // First request: runs once, stored, marked not replayed.
@@ -742,44 +590,33 @@ async fn streamed_responses(s: &Server) {
     assert_eq!(s.runs() - before, 2, "one run per key");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn contract_on_memory_store() {
-    contract(Idempotency::new(MemoryStore::new())).await;
+async fn contract_on_memory_store(fw: Fw) {
+    contract(fw, config(MemoryStore::new())).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn contract_on_sqlite_store() {
+async fn contract_on_sqlite_store(fw: Fw) {
     let dir = tempfile::tempdir().unwrap();
-    let store = idempotent_axum::SqliteStore::connect(&format!(
+    let store = idempotent_core::SqliteStore::connect(&format!(
         "sqlite://{}",
         dir.path().join("e2e.db").display()
     ))
     .await
     .unwrap();
     store.migrate().await.unwrap();
-    contract(Idempotency::new(store)).await;
+    contract(fw, config(store)).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn contract_on_postgres_store() {
+async fn contract_on_postgres_store(fw: Fw) {
     let pool = idempotent_tests::fixtures::pg_pool(16).await;
     let table = idempotent_tests::fixtures::unique_table("e2e");
     let store = idempotent_tests::fixtures::pg_store(pool.clone(), &table).await;
-    contract(Idempotency::new(store)).await;
+    contract(fw, config(store)).await;
     idempotent_tests::fixtures::pg_drop(&pool, &table).await;
 }
 
-#[tokio::test]
-async fn failing_store_answers_503_and_never_runs_the_handler() {
+async fn failing_store_answers_503_and_never_runs_the_handler(fw: Fw) {
     // A store that cannot hold a single record fails every claim.
-    let s = serve(Idempotency::new(
-        MemoryStore::builder().max_entries(0).build(),
-    ))
-    .await;
+    let s = serve(fw, config(MemoryStore::builder().max_entries(0).build())).await;
     let res = s
         .post("/v1/charges", "acct_a", Some("k"), r#"{"amount": 1}"#)
         .send()
@@ -792,10 +629,9 @@ async fn failing_store_answers_503_and_never_runs_the_handler() {
 }
 
 /// Database errors, table names and SQL go to the log, never into a problem body.
-#[tokio::test]
-async fn problems_carry_no_internals() {
+async fn problems_carry_no_internals(fw: Fw) {
     let dir = tempfile::tempdir().unwrap();
-    let store = idempotent_axum::SqliteStore::connect(&format!(
+    let store = idempotent_core::SqliteStore::connect(&format!(
         "sqlite://{}",
         dir.path().join("internals.db").display()
     ))
@@ -806,7 +642,7 @@ async fn problems_carry_no_internals() {
         .execute(store.pool())
         .await
         .unwrap();
-    let s = serve(Idempotency::new(store)).await;
+    let s = serve(fw, config(store)).await;
     let res = s
         .post("/v1/charges", "acct_a", Some("k"), r#"{"amount": 1}"#)
         .send()
@@ -827,15 +663,8 @@ async fn problems_carry_no_internals() {
     assert_eq!(s.runs(), 0);
 }
 
-#[tokio::test]
-async fn oversized_responses_optional_keys_and_request_limits() {
-    let s = serve(
-        Idempotency::builder(MemoryStore::new())
-            .max_request(1024)
-            .build()
-            .unwrap(),
-    )
-    .await;
+async fn oversized_responses_optional_keys_and_request_limits(fw: Fw) {
+    let s = serve(fw, limited(MemoryStore::new())).await;
     // A response over the route's limit is returned in full, not stored; the retry gets 410
     // and the handler does not run again.
     let post = |path: &str, key: Option<&str>, body: String| {
@@ -903,17 +732,14 @@ async fn oversized_responses_optional_keys_and_request_limits() {
     assert_eq!(s.runs(), 4);
 }
 
-#[tokio::test]
-async fn missing_layer_is_a_clear_500() {
-    let router = Router::new().route("/v1/refunds", post(create_refund));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    let res = reqwest::Client::new()
-        .post(format!("http://{addr}/v1/refunds"))
+async fn missing_middleware_is_a_clear_500(fw: Fw) {
+    let s = serve_wired(fw, config(MemoryStore::new()), false).await;
+    let res = s
+        .client
+        .post(format!("{}/v1/refunds", s.base))
         .header("authorization", "Bearer a")
         .header("idempotency-key", "k")
-        .json(&json!({}))
+        .json(&serde_json::json!({}))
         .send()
         .await
         .unwrap();
@@ -963,16 +789,9 @@ fn head(key_line: &str, extra: &str) -> String {
 }
 
 /// The cheap checks answer before a byte of the body is read, and no store is touched.
-#[tokio::test]
-async fn cheap_rejections_come_first() {
+async fn cheap_rejections_come_first(fw: Fw) {
     let store = FaultyStore::new(MemoryStore::new());
-    let s = serve(
-        Idempotency::builder(store.clone())
-            .max_request(1024)
-            .build()
-            .unwrap(),
-    )
-    .await;
+    let s = serve(fw, limited(store.clone())).await;
     // A malformed key with a body that never comes: answered 400 at once.
     let answer = raw(
         s.addr,
@@ -1003,16 +822,9 @@ async fn cheap_rejections_come_first() {
 }
 
 /// A chunked body (no declared length) that passes the limit while it is read: 413.
-#[tokio::test]
-async fn chunked_bodies_over_the_limit_are_413() {
+async fn chunked_bodies_over_the_limit_are_413(fw: Fw) {
     let store = FaultyStore::new(MemoryStore::new());
-    let s = serve(
-        Idempotency::builder(store.clone())
-            .max_request(1024)
-            .build()
-            .unwrap(),
-    )
-    .await;
+    let s = serve(fw, limited(store.clone())).await;
     let chunk = "x".repeat(600);
     let request = format!(
         "{}258\r\n{chunk}\r\n258\r\n{chunk}\r\n0\r\n\r\n",
@@ -1027,10 +839,9 @@ async fn chunked_bodies_over_the_limit_are_413() {
 /// The client gives up while the claim is on its way (committed, answer not yet back): the
 /// handler still runs once and its response is stored, instead of the key sitting claimed and
 /// unused until its lease ends.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_gone_during_the_claim_still_runs_the_handler() {
+async fn client_gone_during_the_claim_still_runs_the_handler(fw: Fw) {
     let store = FaultyStore::new(MemoryStore::new());
-    let s = serve(Idempotency::new(store.clone())).await;
+    let s = serve(fw, config(store.clone())).await;
     store.delay_claims(Duration::from_millis(300));
     let k = key();
     let gone = s
@@ -1050,10 +861,8 @@ async fn client_gone_during_the_claim_still_runs_the_handler() {
 
 /// An endless stream whose client left is read on for at most the route's lease, then stored
 /// as not replayable (410) and dropped: the key does not stay in progress for good.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_endless_stream_whose_client_left_is_bounded() {
-    let idempotency = Idempotency::new(MemoryStore::new());
-    let s = serve(idempotency.clone()).await;
+async fn an_endless_stream_whose_client_left_is_bounded(fw: Fw) {
+    let s = serve(fw, config(MemoryStore::new())).await;
     let k = key();
     let mut res = s
         .raw_post("/stream/endless", &k, "text/plain", "")
@@ -1067,16 +876,15 @@ async fn an_endless_stream_whose_client_left_is_bounded() {
         .await;
     problem(gone, 410, "idempotency-response-not-stored").await;
     assert_eq!(s.runs(), 1);
-    let drained = idempotency.drain(Duration::from_secs(5)).await;
+    let drained = s.engine.drain(Duration::from_secs(5)).await;
     assert_eq!(drained.still_running, 0);
 }
 
 /// A body that cannot be read is a 400, not a 413; a client that disconnects mid-upload
 /// causes no claim and no handler run.
-#[tokio::test]
-async fn unreadable_bodies_are_400_and_claim_nothing() {
+async fn unreadable_bodies_are_400_and_claim_nothing(fw: Fw) {
     let store = FaultyStore::new(MemoryStore::new());
-    let s = serve(Idempotency::new(store.clone())).await;
+    let s = serve(fw, config(store.clone())).await;
     // Broken chunked framing.
     let request = format!(
         "{}zz\r\nnot a chunk\r\n\r\n",
@@ -1104,12 +912,12 @@ async fn unreadable_bodies_are_400_and_claim_nothing() {
 
 /// Unusable settings are refused once, when the configuration is built; a route whose own
 /// arguments do not fit the configured defaults answers 500 and never panics or runs.
-#[tokio::test]
-async fn configuration_errors_never_panic() {
-    let build =
-        |f: fn(idempotent_axum::IdempotencyBuilder) -> idempotent_axum::IdempotencyBuilder| {
-            f(Idempotency::builder(MemoryStore::new())).build().err()
-        };
+async fn configuration_errors_never_panic(fw: Fw) {
+    let build = |f: fn(ConfigBuilder) -> ConfigBuilder| {
+        f(ConfigBuilder::new(Engine::new(MemoryStore::new())))
+            .build()
+            .err()
+    };
     assert!(matches!(
         build(|b| b.ttl(Duration::MAX)),
         Some(ConfigError::TooLong { what: "ttl", .. })
@@ -1123,7 +931,8 @@ async fn configuration_errors_never_panic() {
         Some(ConfigError::TtlShorterThanLease { .. })
     ));
     let s = serve(
-        Idempotency::builder(MemoryStore::new())
+        fw,
+        ConfigBuilder::new(Engine::new(MemoryStore::new()))
             .lease(Duration::from_secs(300))
             .build()
             .unwrap(),
@@ -1142,10 +951,9 @@ async fn configuration_errors_never_panic() {
 
 /// A failed `complete` is retried within the lease; if it keeps failing, the record stays in
 /// progress (a retry gets 409, not a second execution) until the lease ends.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_completes_are_retried_then_hold_the_key() {
+async fn failed_completes_are_retried_then_hold_the_key(fw: Fw) {
     let store = FaultyStore::new(MemoryStore::new());
-    let s = serve(Idempotency::new(store.clone())).await;
+    let s = serve(fw, config(store.clone())).await;
     // Two transient failures: the retries store the response.
     store.fail_next_completes(2);
     let k = key();
@@ -1201,11 +1009,9 @@ async fn failed_completes_are_retried_then_hold_the_key() {
 }
 
 /// Graceful shutdown: `drain` waits for an execution whose client left.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drain_waits_for_executions_whose_client_left() {
+async fn drain_waits_for_executions_whose_client_left(fw: Fw) {
     let store = MemoryStore::new();
-    let idempotency = Idempotency::new(store.clone());
-    let s = serve(idempotency.clone()).await;
+    let s = serve(fw, config(store.clone())).await;
     let k = key();
     let gone = s
         .post("/v1/charges", "acct_a", Some(&k), r#"{"amount": 7}"#)
@@ -1213,8 +1019,8 @@ async fn drain_waits_for_executions_whose_client_left() {
         .send()
         .await;
     assert!(gone.unwrap_err().is_timeout());
-    assert_eq!(idempotency.engine().running(), 1);
-    let drained = idempotency.drain(Duration::from_secs(10)).await;
+    assert_eq!(s.engine.running(), 1);
+    let drained = s.engine.drain(Duration::from_secs(10)).await;
     assert_eq!(drained.still_running, 0);
     // Stored before drain returned; new work is refused while draining.
     let record = store
@@ -1238,7 +1044,212 @@ async fn drain_waits_for_executions_whose_client_left() {
     assert_eq!(s.runs(), 1);
 }
 
-#[allow(dead_code)]
-fn get_route_compiles() -> Router<App> {
-    Router::new().route("/", get(list))
+/// Stamps out each test for both frameworks: `on_axum::name` and `on_actix::name`, each
+/// with its optional attributes (the PostgreSQL switch).
+macro_rules! on_both {
+    ($($(#[$attr:meta])* $name:ident),* $(,)?) => {
+        mod on_axum {
+            $(
+                $(#[$attr])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Fw::Axum).await;
+                }
+            )*
+        }
+        mod on_actix {
+            $(
+                $(#[$attr])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Fw::Actix).await;
+                }
+            )*
+        }
+    };
+}
+
+on_both!(
+    contract_on_memory_store,
+    contract_on_sqlite_store,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    contract_on_postgres_store,
+    failing_store_answers_503_and_never_runs_the_handler,
+    problems_carry_no_internals,
+    oversized_responses_optional_keys_and_request_limits,
+    missing_middleware_is_a_clear_500,
+    cheap_rejections_come_first,
+    chunked_bodies_over_the_limit_are_413,
+    client_gone_during_the_claim_still_runs_the_handler,
+    client_gone_mid_handler_by_half_close_or_reset,
+    an_endless_stream_whose_client_left_is_bounded,
+    unreadable_bodies_are_400_and_claim_nothing,
+    configuration_errors_never_panic,
+    failed_completes_are_retried_then_hold_the_key,
+    drain_waits_for_executions_whose_client_left,
+);
+
+/// A client that sends its request and then half-closes (FIN) or resets (RST) the connection
+/// while the handler runs: the execution completes once and its response is stored.
+async fn client_gone_mid_handler_by_half_close_or_reset(fw: Fw) {
+    let s = serve(fw, config(MemoryStore::new())).await;
+    for reset in [false, true] {
+        let before = s.runs();
+        let k = key();
+        let body = r#"{"amount": 7}"#;
+        let request = format!(
+            "{}{body}",
+            head(
+                &format!("idempotency-key: {k}\r\n"),
+                &format!("content-length: {}\r\n", body.len())
+            )
+        );
+        let mut conn = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+        conn.write_all(request.as_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if reset {
+            // A zero linger makes the close a reset (RST) at once; nothing blocks on it.
+            #[allow(deprecated)]
+            conn.set_linger(Some(Duration::ZERO)).unwrap();
+            drop(conn);
+        } else {
+            conn.shutdown().await.unwrap();
+            tokio::spawn(async move {
+                let mut sink = Vec::new();
+                let _ = conn.read_to_end(&mut sink).await;
+            });
+        }
+        let busy = s
+            .post("/v1/charges", "acct_a", Some(&k), body)
+            .send()
+            .await
+            .unwrap();
+        problem(busy, 409, "idempotency-key-in-progress").await;
+        let done = s
+            .until_not_busy(|| s.post("/v1/charges", "acct_a", Some(&k), body))
+            .await;
+        assert_eq!(done.status(), 201, "reset: {reset}");
+        assert_eq!(
+            done.headers()["idempotent-replayed"],
+            "true",
+            "reset: {reset}"
+        );
+        assert_eq!(s.runs() - before, 1, "one execution (reset: {reset})");
+    }
+}
+
+/// Everything the library itself writes is the same on both frameworks: statuses, problem
+/// bodies byte for byte, and our headers (`Date`, framing and the handlers' own bodies are
+/// not compared).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wire_parity() {
+    let axum = serve(Fw::Axum, limited(MemoryStore::new())).await;
+    let actix = serve(Fw::Actix, limited(MemoryStore::new())).await;
+    let ours = [
+        "content-type",
+        "cache-control",
+        "retry-after",
+        "idempotent-replayed",
+        "x-trace",
+    ];
+    let snapshot = |res: reqwest::Response| async move {
+        let status = res.status().as_u16();
+        let mut headers: Vec<(String, Vec<String>)> = ours
+            .iter()
+            .map(|h| {
+                (
+                    (*h).to_owned(),
+                    res.headers()
+                        .get_all(*h)
+                        .iter()
+                        .map(|v| v.to_str().unwrap().to_owned())
+                        .collect(),
+                )
+            })
+            .collect();
+        headers.retain(|(_, v)| !v.is_empty());
+        let body = res.bytes().await.unwrap();
+        (status, headers, body)
+    };
+    let k = key();
+    type Case<'a> = (
+        &'a str,
+        Box<dyn Fn(&Server) -> reqwest::RequestBuilder + 'a>,
+    );
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "first",
+            Box::new(|s| s.post("/v1/charges", "acct_a", Some(&k), r#"{"amount": 1}"#)),
+        ),
+        (
+            "replay",
+            Box::new(|s| s.post("/v1/charges", "acct_a", Some(&k), r#"{ "amount":1 }"#)),
+        ),
+        (
+            "mismatch",
+            Box::new(|s| s.post("/v1/charges", "acct_a", Some(&k), r#"{"amount": 2}"#)),
+        ),
+        (
+            "missing",
+            Box::new(|s| s.post("/v1/charges", "acct_a", None, "{}")),
+        ),
+        (
+            "empty",
+            Box::new(|s| s.post("/v1/charges", "acct_a", Some(""), "{}")),
+        ),
+        (
+            "quoting",
+            Box::new(|s| s.post("/v1/charges", "acct_a", Some("\"open"), "{}")),
+        ),
+        (
+            "too long",
+            Box::new(|s| s.post("/v1/charges", "acct_a", Some(&"k".repeat(256)), "{}")),
+        ),
+        (
+            "413",
+            Box::new(|s| s.raw_post("/echo", "big-body", "text/plain", &"y".repeat(2048))),
+        ),
+        (
+            "410 first",
+            Box::new(|s| s.raw_post("/big", "big-1", "text/plain", "")),
+        ),
+        (
+            "410",
+            Box::new(|s| s.raw_post("/big", "big-1", "text/plain", "")),
+        ),
+    ];
+    for (name, case) in &cases {
+        let a = snapshot(case(&axum).send().await.unwrap()).await;
+        let b = snapshot(case(&actix).send().await.unwrap()).await;
+        if *name == "first" || *name == "replay" {
+            // The handlers' own bodies are not compared; the status and our headers are.
+            assert_eq!((a.0, &a.1), (b.0, &b.1), "{name}");
+        } else if *name == "410 first" {
+            assert_eq!(a.0, b.0, "{name}");
+        } else {
+            assert_eq!(a, b, "{name}: axum vs actix");
+        }
+    }
+    // 409 while the first attempt runs: same problem, same Retry-After rounding rule.
+    let k = key();
+    let slow = |s: &Server| s.post("/v1/charges", "acct_a", Some(&k), r#"{"amount": 7}"#);
+    let (first_a, first_b) = (slow(&axum).send(), slow(&actix).send());
+    let (first_a, first_b) = (tokio::spawn(first_a), tokio::spawn(first_b));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status_a, headers_a, body_a) = snapshot(slow(&axum).send().await.unwrap()).await;
+    let (status_b, headers_b, body_b) = snapshot(slow(&actix).send().await.unwrap()).await;
+    assert_eq!((status_a, status_b), (409, 409));
+    let names = |h: &[(String, Vec<String>)]| h.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&headers_a), names(&headers_b));
+    let problem = |b: &[u8]| {
+        let mut v: Value = serde_json::from_slice(b).unwrap();
+        v["detail"] = Value::Null; // carries the seconds left, which differ by timing
+        v
+    };
+    assert_eq!(problem(&body_a), problem(&body_b));
+    first_a.await.unwrap().unwrap();
+    first_b.await.unwrap().unwrap();
 }

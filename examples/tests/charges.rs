@@ -1,5 +1,6 @@
-//! The charges example as a real process on a free port, driven over HTTP, on SQLite and
-//! PostgreSQL.
+//! The charges example as a real process on a free port, driven over HTTP: every case against
+//! both binaries (`charges-axum`, `charges-actix`), on memory, SQLite and PostgreSQL. The two
+//! serve one contract, so every assertion holds for both.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
 use serde_json::Value;
@@ -7,7 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-/// A running `charges-axum`; killed on drop.
+/// A running server; killed on drop.
 struct Server {
     child: Child,
     base: String,
@@ -20,15 +21,27 @@ impl Drop for Server {
     }
 }
 
-/// The binary under test: this build's, or `CHARGES_AXUM_BIN` (to run these tests against
-/// another build, such as a release before a fix, to see them fail there).
-fn binary() -> String {
-    std::env::var("CHARGES_AXUM_BIN")
-        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_charges-axum").to_owned())
+/// Which binary serves the API.
+#[derive(Debug, Clone, Copy)]
+enum Bin {
+    Axum,
+    Actix,
 }
 
-fn start(database: &str, extra: &[&str]) -> Server {
-    let mut child = Command::new(binary())
+impl Bin {
+    /// This build's binary, or `CHARGES_AXUM_BIN` / `CHARGES_ACTIX_BIN` (to run these tests
+    /// against another build, such as a release before a fix, to see them fail there).
+    fn path(self) -> String {
+        let (var, built) = match self {
+            Bin::Axum => ("CHARGES_AXUM_BIN", env!("CARGO_BIN_EXE_charges-axum")),
+            Bin::Actix => ("CHARGES_ACTIX_BIN", env!("CARGO_BIN_EXE_charges-actix")),
+        };
+        std::env::var(var).unwrap_or_else(|_| built.to_owned())
+    }
+}
+
+fn start(bin: Bin, database: &str, extra: &[&str]) -> Server {
+    let mut child = Command::new(bin.path())
         .args(["--listen", "127.0.0.1:0", "--database", database])
         .args(extra)
         .stdout(Stdio::piped())
@@ -132,8 +145,8 @@ impl Api {
 
 const CHARGE: &str = r#"{"amount": 500, "currency": "usd", "customer": "cus_123"}"#;
 
-async fn contract(database: &str) {
-    let server = start(database, &[]);
+async fn contract(bin: Bin, database: &str) {
+    let server = start(bin, database, &[]);
     let api = Api::new(&server);
     let acct = account();
 
@@ -312,7 +325,7 @@ async fn contract(database: &str) {
     drop(server);
 
     // 409 while the first attempt is still with the "payment provider".
-    let slow = start(database, &["--work-delay", "2s"]);
+    let slow = start(bin, database, &["--work-delay", "2s"]);
     let api = Api::new(&slow);
     let k4 = key();
     let first = tokio::spawn(api.json(&acct, &k4, CHARGE).send());
@@ -352,14 +365,25 @@ async fn contract(database: &str) {
     assert_eq!(api.count(&timer).await, 1, "exactly one charge");
 }
 
-/// SIGTERM while a charge whose client left is still with the provider: the server drains
-/// (finishes and stores it) before exiting, and the retry against a restarted server gets the
-/// stored response. Exactly one charge.
-async fn drains_on_shutdown(database: &str) {
+/// SIGTERM while charges whose clients left are still with the provider (one client timed out,
+/// another reset its connection): the server drains (finishes and stores them) before
+/// exiting, and retries against a restarted server get the stored responses. Exactly one
+/// charge per key.
+async fn drains_on_shutdown(bin: Bin, database: &str) {
+    use tokio::io::AsyncWriteExt;
     let acct = account();
-    let k = key();
-    let mut slow = start(database, &["--work-delay", "2s"]);
+    let (k, k2) = (key(), key());
+    let mut slow = start(bin, database, &["--work-delay", "2s"]);
     let api = Api::new(&slow);
+    // A client that resets its connection (RST) while the charge runs.
+    let addr = slow.base.trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let request = format!(
+        "POST /v1/charges HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {acct}\r\nidempotency-key: {k2}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{CHARGE}",
+        CHARGE.len()
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    // A client that times out.
     let gone = api
         .json(&acct, &k, CHARGE)
         .timeout(Duration::from_millis(300))
@@ -367,6 +391,10 @@ async fn drains_on_shutdown(database: &str) {
         .await
         .expect_err("the client gave up");
     assert!(gone.is_timeout(), "{gone}");
+    // A zero linger makes the close a reset; nothing blocks on it.
+    #[allow(deprecated)]
+    conn.set_linger(Some(Duration::ZERO)).unwrap();
+    drop(conn);
     let killed = Command::new("kill")
         .args(["-TERM", &slow.child.id().to_string()])
         .status()
@@ -376,54 +404,48 @@ async fn drains_on_shutdown(database: &str) {
         .await
         .unwrap();
     assert!(exit.success(), "clean exit after draining: {exit:?}");
-    let again = start(database, &[]);
+    let again = start(bin, database, &[]);
     let api = Api::new(&again);
-    let replay = api.json(&acct, &k, CHARGE).send().await.unwrap();
-    assert_eq!(replay.status(), 201);
-    assert_eq!(replay.headers()["idempotent-replayed"], "true");
-    assert_eq!(api.count(&acct).await, 1);
+    for k in [&k, &k2] {
+        let replay = api.json(&acct, k, CHARGE).send().await.unwrap();
+        assert_eq!(replay.status(), 201);
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    }
+    assert_eq!(api.count(&acct).await, 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn charges_on_sqlite() {
+async fn charges_on_sqlite(bin: Bin) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("charges.db").display());
-    contract(&url).await;
-    drains_on_shutdown(&url).await;
+    contract(bin, &url).await;
+    drains_on_shutdown(bin, &url).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn charges_on_postgres() {
+async fn charges_on_postgres(bin: Bin) {
     let url = std::env::var("DATABASE_URL").unwrap();
-    contract(&url).await;
-    drains_on_shutdown(&url).await;
+    contract(bin, &url).await;
+    drains_on_shutdown(bin, &url).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn charges_on_memory() {
-    contract("memory").await;
+async fn charges_on_memory(bin: Bin) {
+    contract(bin, "memory").await;
 }
 
-#[test]
-fn bad_flags_fail_clearly() {
-    let out = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+async fn bad_flags_fail_clearly(bin: Bin) {
+    let out = Command::new(bin.path())
         .args(["--lease", "0s"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is zero"));
-    let out = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+    let out = Command::new(bin.path())
         .args(["--listen", "127.0.0.1:0", "--database", "mysql://nope"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
     // A lease longer than the default ttl is refused at start-up, not per request.
-    let out = Command::new(env!("CARGO_BIN_EXE_charges-axum"))
+    let out = Command::new(bin.path())
         .args([
             "--listen",
             "127.0.0.1:0",
@@ -444,12 +466,11 @@ fn bad_flags_fail_clearly() {
 
 /// A database failure inside the handler is a 500 problem that says nothing of the database:
 /// the error text goes to the server's log.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handler_errors_carry_no_database_text() {
+async fn handler_errors_carry_no_database_text(bin: Bin) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("broken.db");
     let url = format!("sqlite://{}", path.display());
-    let server = start(&url, &[]);
+    let server = start(bin, &url, &[]);
     let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
     sqlx::query("DROP TABLE charges")
         .execute(&pool)
@@ -464,3 +485,39 @@ async fn handler_errors_carry_no_database_text() {
         assert!(!body.contains(leak), "`{leak}` leaked: {body}");
     }
 }
+
+/// Stamps out each case for both binaries: `axum::name` and `actix::name`.
+macro_rules! both_binaries {
+    ($($(#[$attr:meta])* $name:ident),* $(,)?) => {
+        mod axum {
+            $(
+                $(#[$attr])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Bin::Axum).await;
+                }
+            )*
+        }
+        mod actix {
+            $(
+                $(#[$attr])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Bin::Actix).await;
+                }
+            )*
+        }
+    };
+}
+
+both_binaries!(
+    charges_on_memory,
+    charges_on_sqlite,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    charges_on_postgres,
+    bad_flags_fail_clearly,
+    handler_errors_carry_no_database_text,
+);

@@ -1,0 +1,274 @@
+//! The charges API as both binaries serve it, without a web framework: the command line, the
+//! caller's identity, request validation, what each route does and answers. Each binary
+//! (`charges-axum`, `charges-actix`) holds only its framework's glue around this.
+
+use crate::charges::{self, Charge, Charges, InvalidCharge, NewCharge, NewRefund, Refund};
+use clap::Parser;
+use idempotent_core::Store;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A charges API whose POSTs are safe to retry with an `Idempotency-Key`.
+#[derive(Debug, Parser)]
+#[command(version)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    pub listen: String,
+    /// `sqlite://FILE` (created and migrated), `sqlite::memory:`, `memory` or `postgres://…`.
+    /// Defaults to `$DATABASE_URL`, then `sqlite://charges.db`.
+    #[arg(long)]
+    pub database: Option<String>,
+    /// How long a crashed attempt blocks retries (heartbeat-extended while a handler runs).
+    #[arg(long, default_value = "30s", value_parser = charges::parse_lease)]
+    pub lease: Duration,
+    /// How long the "payment provider" takes per charge.
+    #[arg(long, default_value = "0ms", value_parser = charges::parse_delay)]
+    pub work_delay: Duration,
+}
+
+impl Args {
+    /// The database URL: the flag, else `$DATABASE_URL`, else `sqlite://charges.db`.
+    pub fn database_url(&self) -> String {
+        self.database
+            .clone()
+            .or_else(|| std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()))
+            .unwrap_or_else(|| "sqlite://charges.db".to_owned())
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// How long shutdown waits for running executions.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An answer of the API: a JSON object, or an RFC 9457 problem for the API's own errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u16,
+    /// Whether the body is a problem (`application/problem+json`, `Cache-Control: no-store`).
+    pub problem: bool,
+    /// The JSON text.
+    pub body: String,
+}
+
+impl Reply {
+    fn json(status: u16, value: &impl serde::Serialize) -> Self {
+        Reply {
+            status,
+            problem: false,
+            body: serde_json::to_string(value).unwrap_or_else(|_| "{}".to_owned()),
+        }
+    }
+
+    fn problem(status: u16, slug: &str, title: &str, detail: String) -> Self {
+        let body = json!({
+            "type": format!("https://idempotent.dev/examples/charges/{slug}"),
+            "title": title,
+            "status": status,
+            "detail": detail,
+        });
+        Reply {
+            status,
+            problem: true,
+            body: body.to_string(),
+        }
+    }
+
+    /// The `Content-Type` of the body.
+    pub fn content_type(&self) -> &'static str {
+        if self.problem {
+            "application/problem+json"
+        } else {
+            "application/json"
+        }
+    }
+
+    /// 401: no usable `Authorization: Bearer <account>`.
+    pub fn unauthorized() -> Self {
+        Self::problem(
+            401,
+            "unauthorized",
+            "Missing credentials",
+            "send `Authorization: Bearer <account>`".into(),
+        )
+    }
+
+    /// 500 for a failure inside a handler (so the key is released and a retry runs again).
+    /// The error goes to the server's log, never into the response.
+    fn internal(error: &dyn std::fmt::Display) -> Self {
+        eprintln!("charges: internal error: {error}");
+        Self::problem(
+            500,
+            "internal",
+            "Internal error",
+            "the request could not be processed; retry with the same key".into(),
+        )
+    }
+
+    fn no_such_charge(id: &str) -> Self {
+        Self::problem(
+            404,
+            "no-such-charge",
+            "No such charge",
+            format!("this account has no charge `{id}`"),
+        )
+    }
+}
+
+/// The authenticated caller from an `Authorization` header: `Bearer <account>`.
+///
+/// (A real service verifies the token here and takes the account it was issued to. The
+/// idempotency scope must be such an authenticated identity, never a value the client picks
+/// freely, or one client could replay another's stored responses.)
+pub fn bearer_account(authorization: Option<&str>) -> Option<String> {
+    authorization
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+}
+
+/// A request body the API validates: a charge or a refund.
+pub trait ApiBody: Sized {
+    /// The 400 problem's title.
+    const WHAT: &'static str;
+    /// Parses and validates.
+    ///
+    /// # Errors
+    /// Why the body is refused.
+    fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, InvalidCharge>;
+}
+
+impl ApiBody for NewCharge {
+    const WHAT: &'static str = "Invalid charge request";
+    fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, InvalidCharge> {
+        NewCharge::parse(content_type, body)
+    }
+}
+
+impl ApiBody for NewRefund {
+    const WHAT: &'static str = "Invalid refund request";
+    fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, InvalidCharge> {
+        NewRefund::parse(content_type, body)
+    }
+}
+
+/// Validates a body (before any key is claimed: an invalid request is a 400 and a corrected
+/// retry with the same key runs).
+///
+/// # Errors
+/// The 400 problem.
+pub fn validate<T: ApiBody>(content_type: Option<&str>, body: &[u8]) -> Result<T, Reply> {
+    T::parse(content_type, body)
+        .map_err(|e| Reply::problem(400, "invalid-request", T::WHAT, e.to_string()))
+}
+
+/// What the routes do, on the database the store shares.
+#[derive(Debug, Clone)]
+pub struct Api {
+    charges: Charges,
+    work_delay: Duration,
+}
+
+impl Api {
+    /// Opens the database named by `args` (store migrated, tables created).
+    ///
+    /// # Errors
+    /// Why it could not be opened.
+    pub async fn open(args: &Args) -> Result<(Self, Arc<dyn Store>), charges::OpenError> {
+        let (store, charges) = charges::open(&args.database_url()).await?;
+        Ok((
+            Api {
+                charges,
+                work_delay: args.work_delay,
+            },
+            store,
+        ))
+    }
+
+    async fn provider(&self) {
+        // "Call the payment provider." (A zero sleep would still wait for the next timer tick.)
+        if !self.work_delay.is_zero() {
+            tokio::time::sleep(self.work_delay).await;
+        }
+    }
+
+    /// `POST /v1/charges`: 201 with the charge.
+    pub async fn create_charge(&self, account: &str, req: NewCharge) -> Reply {
+        let charge = Charge::new(account, req);
+        if let Err(e) = self.charges.insert(&charge).await {
+            return Reply::internal(&e);
+        }
+        self.provider().await;
+        Reply::json(201, &charge)
+    }
+
+    /// `POST /v1/charges/{charge}/refunds`: 201 with the refund, 404 for another account's or
+    /// an unknown charge, 400 for more than the charge's amount.
+    pub async fn create_refund(&self, account: &str, charge_id: &str, req: NewRefund) -> Reply {
+        let charge = match self.charges.get(account, charge_id).await {
+            Ok(Some(charge)) => charge,
+            Ok(None) => return Reply::no_such_charge(charge_id),
+            Err(e) => return Reply::internal(&e),
+        };
+        let amount = req.amount.unwrap_or(charge.amount);
+        if amount > charge.amount {
+            return Reply::problem(
+                400,
+                "invalid-request",
+                "Invalid refund request",
+                format!("`amount` exceeds the charge's {}", charge.amount),
+            );
+        }
+        let refund = Refund::new(&charge.id, amount);
+        if let Err(e) = self.charges.insert_refund(&refund).await {
+            return Reply::internal(&e);
+        }
+        self.provider().await;
+        Reply::json(201, &refund)
+    }
+
+    /// `GET /v1/charges`: this account's charges, oldest first.
+    pub async fn list_charges(&self, account: &str) -> Reply {
+        match self.charges.list(account).await {
+            Ok(data) => Reply::json(200, &json!({"object": "list", "data": data})),
+            Err(e) => Reply::internal(&e),
+        }
+    }
+
+    /// `GET /v1/charges/{charge}/refunds`: the charge's refunds, oldest first.
+    pub async fn list_refunds(&self, account: &str, charge_id: &str) -> Reply {
+        match self.charges.get(account, charge_id).await {
+            Ok(Some(_)) => {}
+            Ok(None) => return Reply::no_such_charge(charge_id),
+            Err(e) => return Reply::internal(&e),
+        }
+        match self.charges.refunds(charge_id).await {
+            Ok(data) => Reply::json(200, &json!({"object": "list", "data": data})),
+            Err(e) => Reply::internal(&e),
+        }
+    }
+}

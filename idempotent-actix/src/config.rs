@@ -1,0 +1,135 @@
+//! The configuration an application installs once: [`Idempotency`].
+
+use crate::middleware::IdempotencyMiddleware;
+use idempotent_core::http::{Config, ConfigBuilder};
+use idempotent_core::{Drained, Engine, Store};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The runtime configuration of `#[idempotent]` handlers: the store (through its engine), the
+/// default ttl and lease, the size limits and fail-open. Install it with
+/// `App::new().wrap(idempotency.middleware())`; at shutdown, [`Idempotency::drain`] waits for
+/// executions still running (a client that went away does not stop them).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_actix::{Idempotency, MemoryStore};
+///
+/// let idempotency = Idempotency::builder(MemoryStore::new())
+///     .lease(Duration::from_secs(10))
+///     .ttl(Duration::from_secs(3600))
+///     .build()?;
+/// # let _ = idempotency;
+/// # Ok::<(), idempotent_actix::ConfigError>(())
+/// ```
+#[derive(Clone)]
+pub struct Idempotency {
+    pub(crate) config: Arc<Config>,
+}
+
+/// Builds an [`Idempotency`]; unusable values (a duration out of bounds, a ttl shorter than
+/// the lease, a zero size) are refused once by `build`, never per request.
+pub type IdempotencyBuilder = ConfigBuilder<Idempotency>;
+
+impl From<Config> for Idempotency {
+    fn from(config: Config) -> Self {
+        Idempotency {
+            config: Arc::new(config),
+        }
+    }
+}
+
+impl std::fmt::Debug for Idempotency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Idempotency {
+    /// Configuration over `store` with the defaults: ttl 24 h, lease 30 s, responses up to
+    /// 1 MiB stored, request bodies up to 2 MiB, fail closed.
+    pub fn new(store: impl Store) -> Self {
+        Self::from_engine(Engine::new(store))
+    }
+
+    /// Configuration with the defaults over an engine you built.
+    pub fn from_engine(engine: Engine) -> Self {
+        Config::new(engine).into()
+    }
+
+    /// Starts a configuration over `store` whose defaults you set.
+    pub fn builder(store: impl Store) -> IdempotencyBuilder {
+        ConfigBuilder::new(Engine::new(store))
+    }
+
+    /// Starts a configuration over an engine you built.
+    pub fn builder_from_engine(engine: Engine) -> IdempotencyBuilder {
+        ConfigBuilder::new(engine)
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        self.config.engine()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The middleware that installs this configuration: `App::new().wrap(idempotency.middleware())`.
+    /// `HttpServer` builds the app once per worker; every worker shares this one configuration.
+    pub fn middleware(&self) -> IdempotencyMiddleware {
+        IdempotencyMiddleware {
+            config: self.clone(),
+        }
+    }
+
+    /// Waits, at most `timeout`, for executions still running, and starts no new ones (requests
+    /// arriving meanwhile get a 503 problem with `Retry-After`). Executions still running at the
+    /// bound are logged and stay in progress until their leases end.
+    ///
+    /// Run it **before** actix stops its workers: a handler whose client went away keeps running
+    /// as a task on its worker's runtime, and actix's own graceful stop waits only for
+    /// connections, then drops that runtime with the task on it. [`Idempotency::stop_server`]
+    /// does it in that order.
+    pub async fn drain(&self, timeout: Duration) -> Drained {
+        self.engine().drain(timeout).await
+    }
+
+    /// Graceful shutdown in the order that loses no execution: stop accepting connections,
+    /// [drain](Idempotency::drain) (at most `timeout`), then stop the server gracefully (its
+    /// `shutdown_timeout` for open connections). Build the server with `.disable_signals()`
+    /// and call this from your own signal handler.
+    ///
+    /// ```no_run
+    /// # async fn demo(idempotency: idempotent_actix::Idempotency) -> std::io::Result<()> {
+    /// use actix_web::{App, HttpServer};
+    /// use std::time::Duration;
+    ///
+    /// let middleware = idempotency.middleware();
+    /// let server = HttpServer::new(move || App::new().wrap(middleware.clone()))
+    ///     .disable_signals()
+    ///     .bind("127.0.0.1:8080")?
+    ///     .run();
+    /// let handle = server.handle();
+    /// actix_web::rt::spawn(async move {
+    ///     let _ = tokio::signal::ctrl_c().await;
+    ///     idempotency.stop_server(&handle, Duration::from_secs(30)).await;
+    /// });
+    /// server.await
+    /// # }
+    /// ```
+    pub async fn stop_server(
+        &self,
+        server: &actix_web::dev::ServerHandle,
+        timeout: Duration,
+    ) -> Drained {
+        server.pause().await;
+        let drained = self.drain(timeout).await;
+        server.stop(true).await;
+        drained
+    }
+}

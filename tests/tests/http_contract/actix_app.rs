@@ -1,0 +1,223 @@
+//! The contract's routes on Actix-web: the same handlers as `axum_app`, in actix's idioms.
+
+use crate::App;
+use actix_web::dev::Payload;
+use actix_web::http::StatusCode;
+use actix_web::web::{self, Bytes};
+use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer};
+use idempotent_actix::{Idempotency, idempotent};
+use idempotent_core::http::Config;
+use serde_json::{Value, json};
+use std::future::{Ready, ready};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+struct AccountId(String);
+
+impl FromRequest for AccountId {
+    type Error = actix_web::Error;
+    type Future = Ready<Result<Self, Self::Error>>;
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        ready(
+            req.headers()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .filter(|v| !v.is_empty())
+                .map(|v| AccountId(v.to_owned()))
+                .ok_or_else(|| actix_web::error::ErrorUnauthorized("missing bearer")),
+        )
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct NewCharge {
+    amount: i64,
+}
+
+#[idempotent(scope = "account_id", lease = "2s")]
+async fn create_charge(
+    app: web::Data<App>,
+    AccountId(account_id): AccountId,
+    req: web::Json<NewCharge>,
+) -> Result<HttpResponse, actix_web::Error> {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    match req.amount {
+        13 if !app.panicked_once.swap(true, Ordering::SeqCst) => panic!("handler exploded"),
+        500 => {
+            return Ok(HttpResponse::build(StatusCode::BAD_GATEWAY).body("provider down"));
+        }
+        7 => tokio::time::sleep(Duration::from_millis(1500)).await,
+        _ => {}
+    }
+    Ok(HttpResponse::Created()
+        .append_header(("x-trace", format!("a{n}")))
+        .append_header(("x-trace", format!("b{n}")))
+        .json(json!({"id": format!("ch_{n}"), "account": account_id, "amount": req.amount})))
+}
+
+#[idempotent(scope = "account_id")]
+async fn create_refund(AccountId(account_id): AccountId, v: web::Json<Value>) -> HttpResponse {
+    HttpResponse::Created().body(format!("refund for {account_id}: {}", v.into_inner()))
+}
+
+/// A path parameter names the object the operation acts on.
+#[idempotent(scope = "account_id")]
+async fn refund_order(
+    app: web::Data<App>,
+    AccountId(account_id): AccountId,
+    order: web::Path<String>,
+) -> HttpResponse {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    HttpResponse::Created().body(format!("refund {n} of order {order} for {account_id}"))
+}
+
+/// Echoes a raw (form) body.
+#[idempotent(unscoped)]
+async fn echo(app: web::Data<App>, body: String) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    body
+}
+
+#[idempotent(unscoped, max_response = "16")]
+async fn big() -> String {
+    "x".repeat(100)
+}
+
+#[idempotent(unscoped, key = "optional")]
+async fn optional(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    HttpResponse::NoContent().finish()
+}
+
+async fn list(app: web::Data<App>) -> String {
+    format!("runs={}", app.runs.load(Ordering::SeqCst))
+}
+
+type Chunk = Result<Bytes, std::io::Error>;
+
+fn chunks(parts: Vec<Result<&'static str, std::io::Error>>) -> Vec<Chunk> {
+    parts
+        .into_iter()
+        .map(|p| p.map(|s| Bytes::from_static(s.as_bytes())))
+        .collect()
+}
+
+fn stream_of(parts: Vec<Result<&'static str, std::io::Error>>) -> HttpResponse {
+    HttpResponse::Ok().streaming(futures_util::stream::iter(chunks(parts)))
+}
+
+fn failure() -> std::io::Error {
+    std::io::Error::other("the stream broke")
+}
+
+/// A streamed body of unknown size within the limit.
+#[idempotent(unscoped)]
+async fn stream_ok(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    stream_of(vec![Ok("chunk-1;"), Ok("chunk-2;"), Ok("chunk-3")])
+}
+
+/// A stream over the route's limit.
+#[idempotent(unscoped, max_response = "16")]
+async fn stream_big(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    stream_of((0..10).map(|_| Ok("0123456789")).collect())
+}
+
+/// A stream that fails before it could be stored.
+#[idempotent(unscoped)]
+async fn stream_fails_early(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    stream_of(vec![Ok("partial"), Err(failure())])
+}
+
+/// A stream that fails after passing the limit (the oversized marker is stored by then).
+#[idempotent(unscoped, max_response = "16")]
+async fn stream_fails_late(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    stream_of(vec![Ok("0123456789"), Ok("0123456789"), Err(failure())])
+}
+
+/// Sends "first;", then waits for the test to open the gate before "second".
+#[idempotent(unscoped)]
+async fn stream_gate(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    let gate = app.gate.clone();
+    let rest = futures_util::stream::once(async move {
+        gate.notified().await;
+        Ok::<_, std::io::Error>(Bytes::from_static(b"second"))
+    });
+    let first =
+        futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"first;"))]);
+    HttpResponse::Ok().streaming(futures_util::StreamExt::chain(first, rest))
+}
+
+/// A stream that never ends (an event stream), with a short lease.
+#[idempotent(unscoped, lease = "300ms")]
+async fn stream_endless(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    let first = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"tick;"))]);
+    HttpResponse::Ok().streaming(futures_util::StreamExt::chain(
+        first,
+        futures_util::stream::pending(),
+    ))
+}
+
+/// Its ttl is shorter than the lease the misconfiguration test configures.
+#[idempotent(unscoped, ttl = "1m")]
+async fn short_ttl(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    HttpResponse::Created().finish()
+}
+
+fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/v1/charges", web::post().to(create_charge))
+        .route("/v1/charges", web::get().to(list))
+        .route("/v1/refunds", web::post().to(create_refund))
+        .route("/orders/{order}/refund", web::post().to(refund_order))
+        .service(web::scope("/v2").route("/orders/{order}/refund", web::post().to(refund_order)))
+        .route("/echo", web::post().to(echo))
+        .route("/big", web::post().to(big))
+        .route("/optional", web::post().to(optional))
+        .route("/stream/ok", web::post().to(stream_ok))
+        .route("/stream/big", web::post().to(stream_big))
+        .route("/stream/fails-early", web::post().to(stream_fails_early))
+        .route("/stream/fails-late", web::post().to(stream_fails_late))
+        .route("/stream/gate", web::post().to(stream_gate))
+        .route("/stream/endless", web::post().to(stream_endless))
+        .route("/short-ttl", web::post().to(short_ttl));
+}
+
+/// Serves the routes on 127.0.0.1 in a thread of its own (an actix system with one worker),
+/// with the middleware unless `wired` is false; returns the address.
+pub(crate) fn serve(config: Config, app: &App, wired: bool) -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let idempotency = Idempotency::from(config);
+    let app = app.clone();
+    let (started, ready) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        actix_rt::System::new().block_on(async move {
+            let server = HttpServer::new(move || {
+                actix_web::App::new()
+                    .wrap(actix_web::middleware::Condition::new(
+                        wired,
+                        idempotency.middleware(),
+                    ))
+                    .app_data(web::Data::new(app.clone()))
+                    .configure(routes)
+            })
+            .workers(1)
+            .disable_signals()
+            .listen(listener)
+            .unwrap()
+            .run();
+            started.send(()).unwrap();
+            server.await.unwrap();
+        });
+    });
+    ready.recv().unwrap();
+    addr
+}
