@@ -160,6 +160,29 @@ async fn contract(bin: Bin, database: &str) {
         200
     );
 
+    // The framework's own answers agree too: other methods 405, HEAD where GET is, and a
+    // large (300 KB) valid charge within both binaries' default body limit.
+    let put = api
+        .client
+        .put(format!("{}/v1/charges", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 405);
+    let head = api
+        .client
+        .head(format!("{}/healthz", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status(), 200);
+    let big = format!(
+        r#"{{"amount": 5, "currency": "usd", "customer": "{}"}}"#,
+        "c".repeat(300_000)
+    );
+    let large = api.json(&account(), &key(), &big).send().await.unwrap();
+    assert_eq!(large.status(), 201);
+
     // First charge, then its replay: same bytes, replay header; one charge written.
     let k = key();
     let first = api.json(&acct, &k, CHARGE).send().await.unwrap();

@@ -36,8 +36,15 @@
 //! `#[idempotent]` handler then checks the key, reads the body for the fingerprint (handing
 //! the same bytes on to `web::Json`, `web::Form` or `Bytes`, whose own limits keep working),
 //! claims the record and runs, replays or refuses. The execution runs as a task of its own on
-//! the worker's runtime, so a client that goes away does not stop it; at shutdown, call
-//! [`Idempotency::drain`] after `HttpServer::run()` returned.
+//! the worker's runtime, so a client that goes away does not stop it. At shutdown, build the
+//! server with `.disable_signals()` and call [`Idempotency::stop_server`] from your signal
+//! handler: it stops accepting, drains, then stops the workers. (Actix's own stop drops the
+//! workers' runtimes with any execution still on them, so draining after it is too late.)
+//!
+//! Handlers run as tasks of actix's runtime: drive them through an `HttpServer`, or in tests
+//! with `#[actix_web::test]` / `actix_web::test::init_service` (which run inside it), not from
+//! a plain `#[tokio::test]`. A handler can take up to 16 parameters, as in actix (the attribute
+//! passes them to actix as one tuple, behind the idempotency checks).
 //!
 //! # The scope is the authenticated caller
 //! `scope = "…"` names the parameter that identifies the caller, and a record belongs to

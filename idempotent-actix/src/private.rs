@@ -3,7 +3,6 @@
 use crate::config::Idempotency;
 use crate::response::{ProblemError, finish, problem, reply};
 use actix_web::dev::Payload;
-use actix_web::error::PayloadError;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::web::Bytes;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, Responder};
@@ -17,57 +16,76 @@ use idempotent_core::{
 };
 use std::future::{Future, ready};
 use std::pin::Pin;
-use std::task::{Context as TaskContext, Poll};
 
 pub use ::core::time::Duration;
 pub use actix_web::HttpResponse as Output;
 pub use idempotent_core::KeyRequirement as Key;
 pub use idempotent_core::http::Route;
 
-/// What the request carries for idempotency, read before the handler's own extractors: the
-/// configuration, the request, its key, and its body. `REQUIRED` is whether the route
-/// requires a key, so a missing or malformed key is refused before the body is read.
-pub struct Context<const REQUIRED: bool> {
-    config: Idempotency,
+/// The handler's one actix extractor: it does the idempotency checks of the request itself
+/// first, then runs the handler's own extractors `A` (a tuple of the parameters as written)
+/// over the same body, so the order is Axum's: a missing or malformed key (400), a declared
+/// length over the limit (413), the body read (413 over the limit, 400 unreadable), and only
+/// then your extractors' own rejections. (Actix polls a handler's extractors together, so a
+/// separate context extractor could not answer first.) `REQUIRED` is whether the route
+/// requires a key.
+pub struct Context<const REQUIRED: bool, A> {
+    ready: Ready,
+    args: A,
+}
+
+/// The context without the handler's arguments, for [`run`].
+pub struct Ready {
+    config: Option<Idempotency>,
     req: HttpRequest,
     key: Result<IdempotencyKey, KeyError>,
     body: Bytes,
 }
 
-impl<const REQUIRED: bool> std::fmt::Debug for Context<REQUIRED> {
+impl<const REQUIRED: bool, A> Context<REQUIRED, A> {
+    /// The context and the handler's arguments.
+    pub fn split(self) -> (Ready, A) {
+        (self.ready, self.args)
+    }
+}
+
+impl<const REQUIRED: bool, A> std::fmt::Debug for Context<REQUIRED, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the key or the body: this shows up in `#[tracing::instrument]` fields.
         f.debug_struct("Context")
-            .field("method", self.req.method())
-            .field("path", &self.req.path())
+            .field("method", self.ready.req.method())
+            .field("path", &self.ready.req.path())
             .finish_non_exhaustive()
     }
 }
 
-type ContextFuture<const REQUIRED: bool> =
-    Pin<Box<dyn Future<Output = Result<Context<REQUIRED>, ProblemError>>>>;
+type ContextFuture<const REQUIRED: bool, A> =
+    Pin<Box<dyn Future<Output = Result<Context<REQUIRED, A>, actix_web::Error>>>>;
 
-impl<const REQUIRED: bool> FromRequest for Context<REQUIRED> {
-    type Error = ProblemError;
-    type Future = ContextFuture<REQUIRED>;
+impl<const REQUIRED: bool, A> FromRequest for Context<REQUIRED, A>
+where
+    A: FromRequest + 'static,
+{
+    type Error = actix_web::Error;
+    type Future = ContextFuture<REQUIRED, A>;
 
     fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
-        let Some(config) = req.extensions().get::<Idempotency>().cloned() else {
-            return Box::pin(ready(Err(misconfigured(
-                "a handler uses #[idempotent] but its app has no idempotency middleware; add `.wrap(idempotency.middleware())`",
-            ))));
-        };
-        let mut ctx = Context {
-            config,
+        let mut ready = Ready {
+            config: req.extensions().get::<Idempotency>().cloned(),
             req: req.clone(),
             key: Err(KeyError::Missing),
             body: Bytes::new(),
         };
+        let Some(config) = ready.config.clone() else {
+            return refuse(misconfigured(
+                "a handler uses #[idempotent] but its app has no idempotency middleware; add `.wrap(idempotency.middleware())`",
+            ));
+        };
         if is_safe_method(req.method().as_str()) {
-            return Box::pin(ready(Ok(ctx)));
+            return pass_through(ready, payload);
         }
         // Cheap rejections first: the key, then the declared length, before reading a byte.
-        ctx.key = IdempotencyKey::from_header_values(
+        ready.key = IdempotencyKey::from_header_values(
             req.headers()
                 .get_all(IDEMPOTENCY_KEY)
                 .map(HeaderValue::as_bytes),
@@ -77,70 +95,62 @@ impl<const REQUIRED: bool> FromRequest for Context<REQUIRED> {
         } else {
             KeyRequirement::Optional
         };
-        if let Err(p) = check_key(&ctx.key, requirement) {
-            return Box::pin(ready(Err(ProblemError::new(*p))));
+        if let Err(p) = check_key(&ready.key, requirement) {
+            return refuse(ProblemError::new(*p));
         }
-        if ctx.key.is_err() {
+        if ready.key.is_err() {
             // No key on an optional route: the request runs unprotected, so its body is left
             // for the handler (and its own limits) and never fingerprinted.
-            return Box::pin(ready(Ok(ctx)));
+            return pass_through(ready, payload);
         }
-        let limit = ctx.config.config.max_request();
+        let limit = config.config.max_request();
         if let Err(p) = check_content_length(
             req.headers()
                 .get(header::CONTENT_LENGTH)
                 .map(HeaderValue::as_bytes),
             limit,
         ) {
-            return Box::pin(ready(Err(ProblemError::new(*p))));
+            return refuse(ProblemError::new(*p));
         }
-        // Take the body and leave the handler's extractors a payload that yields the same
-        // bytes once they are read (actix polls all of a handler's extractors together).
         let mut original = payload.take();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        *payload = Payload::from(
-            Box::pin(Handed { rx: Some(rx) }) as Pin<Box<dyn futures_core::Stream<Item = _>>>
-        );
         Box::pin(async move {
             let mut body = actix_web::web::BytesMut::new();
             while let Some(chunk) = original.next().await {
                 let Ok(chunk) = chunk else {
-                    return Err(ProblemError::new(Problem::request_body_invalid()));
+                    return Err(ProblemError::new(Problem::request_body_invalid()).into());
                 };
                 if body.len() + chunk.len() > limit {
-                    return Err(ProblemError::new(Problem::request_too_large(limit)));
+                    return Err(ProblemError::new(Problem::request_too_large(limit)).into());
                 }
                 body.extend_from_slice(&chunk);
             }
-            let body = body.freeze();
-            let _ = tx.send(body.clone());
-            ctx.body = body;
-            Ok(ctx)
+            ready.body = body.freeze();
+            // The handler's extractors read the same bytes (with their own limits).
+            let mut replay = Payload::from(ready.body.clone());
+            let args = A::from_request(&ready.req, &mut replay)
+                .await
+                .map_err(Into::into)?;
+            Ok(Context { ready, args })
         })
     }
 }
 
-/// The payload the handler's own extractors read: the bytes the context read, once it has.
-struct Handed {
-    rx: Option<tokio::sync::oneshot::Receiver<Bytes>>,
+/// The handler's own extractors on the request's payload, untouched.
+fn pass_through<const REQUIRED: bool, A: FromRequest + 'static>(
+    ready: Ready,
+    payload: &mut Payload,
+) -> ContextFuture<REQUIRED, A> {
+    let args = A::from_request(&ready.req, payload);
+    Box::pin(async move {
+        let args = args.await.map_err(Into::into)?;
+        Ok(Context { ready, args })
+    })
 }
 
-impl futures_core::Stream for Handed {
-    type Item = Result<Bytes, PayloadError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Self::Item>> {
-        let Some(rx) = self.rx.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let received = std::task::ready!(Pin::new(rx).poll(cx));
-        self.rx = None;
-        match received {
-            Ok(bytes) if bytes.is_empty() => Poll::Ready(None),
-            Ok(bytes) => Poll::Ready(Some(Ok(bytes))),
-            // The context refused the request; its own error answers it.
-            Err(_) => Poll::Ready(Some(Err(PayloadError::Incomplete(None)))),
-        }
-    }
+fn refuse<T: 'static>(
+    error: ProblemError,
+) -> Pin<Box<dyn Future<Output = Result<T, actix_web::Error>>>> {
+    Box::pin(ready(Err(error.into())))
 }
 
 /// The scope of a handler parameter (type-checks it against [`ScopeValue`]).
@@ -163,8 +173,8 @@ fn misconfigured(what: &str) -> ProblemError {
 /// after it run as a task of their own on the worker's runtime: if the client goes away (a
 /// reset, or a half-close after which actix stops polling the handler), the execution still
 /// runs to the end and its outcome is stored.
-pub async fn run<const REQUIRED: bool, F, R>(
-    ctx: Context<REQUIRED>,
+pub async fn run<F, R>(
+    ctx: Ready,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
     handler: F,
@@ -174,11 +184,11 @@ where
     R: Responder + 'static,
 {
     let req = ctx.req;
-    if is_safe_method(req.method().as_str()) || ctx.key.is_err() {
+    let config = match &ctx.config {
+        Some(config) if !is_safe_method(req.method().as_str()) && ctx.key.is_ok() => &config.config,
         // Safe methods ignore the key; a missing key got here only where it is optional.
-        return handler.await.respond_to(&req).map_into_boxed_body();
-    }
-    let config = &ctx.config.config;
+        _ => return handler.await.respond_to(&req).map_into_boxed_body(),
+    };
     let Ok(resolved) = route.resolve(config) else {
         // `resolve` logged what does not fit, naming the route.
         return problem(&Problem::misconfigured());

@@ -323,6 +323,8 @@ struct Flight {
     running: AtomicUsize,
     draining: AtomicBool,
     idle: tokio::sync::Notify,
+    /// Executions dropped before they finished (their records stay in progress).
+    dropped: AtomicUsize,
 }
 
 impl std::fmt::Debug for Engine {
@@ -340,6 +342,11 @@ pub struct Drained {
     /// Executions still running when the bound passed (0 when all finished). Their records
     /// stay in progress until their leases end; a retry after that runs them again.
     pub still_running: usize,
+    /// Executions this engine has seen dropped before they finished, over its whole life (a
+    /// runtime shut down under them, or a caller dropped [`Engine::execute`]'s future): their
+    /// records stay in progress until their leases end. Nonzero at shutdown usually means the
+    /// server stopped its runtimes before draining.
+    pub dropped_unfinished: usize,
 }
 
 impl Engine {
@@ -406,7 +413,17 @@ impl Engine {
                 "idempotency: executions still running after the drain timeout; their records stay in progress until their leases end"
             );
         }
-        Drained { still_running }
+        let dropped_unfinished = flight.dropped.load(Ordering::SeqCst);
+        if dropped_unfinished > 0 {
+            tracing::warn!(
+                dropped_unfinished,
+                "idempotency: executions were dropped before they finished; their records stay in progress until their leases end"
+            );
+        }
+        Drained {
+            still_running,
+            dropped_unfinished,
+        }
     }
 
     /// Claims the request's record. On [`Begin::Claimed`] the caller runs the handler under
@@ -717,6 +734,11 @@ impl Execution {
 impl Drop for Execution {
     fn drop(&mut self) {
         if !self.finished {
+            self.slot
+                .engine
+                .flight
+                .dropped
+                .fetch_add(1, Ordering::SeqCst);
             tracing::warn!(
                 route = self.policy.route,
                 "idempotency: an execution was dropped before its outcome was stored; its record stays in progress until its lease ends"
@@ -1031,7 +1053,11 @@ mod tests {
         };
         let drained = engine.drain(Duration::from_millis(50)).await;
         assert_eq!(drained.still_running, 1);
+        assert_eq!(drained.dropped_unfinished, 0);
         drop(stuck);
         assert_eq!(engine.running(), 0);
+        // A dropped, unfinished execution is reported, not mistaken for a clean drain.
+        let drained = engine.drain(Duration::from_millis(50)).await;
+        assert_eq!((drained.still_running, drained.dropped_unfinished), (0, 1));
     }
 }

@@ -531,18 +531,19 @@ impl ResponsePlan {
 ///   the oversized marker is stored, the rest goes through uncopied, and a later error leaves
 ///   the marker (the handler ran);
 /// - it fails before either ([`Recorder::fail`]): nothing is stored, the key is released;
-/// - the client goes away first ([`Recorder::abandon`]): the rest is read on the server, so
-///   the outcome is stored and a retry gets the replay, never a second run;
-/// - it is still streaming one lease after the handler returned it
-///   ([`Recorder::poll_expired`]): the oversized marker is stored (retries get 410) and the
-///   rest goes through uncopied. So a long or endless stream (server-sent events) never holds
-///   its key in progress for longer than that, whether or not the framework notices a client
-///   that left while the stream was idle; the read after a client left has the same bound.
+/// - the client goes away first ([`Recorder::abandon`]): the rest is read on the server, for
+///   at most one lease, so the outcome is stored and a retry gets the replay, never a second
+///   run; a stream that has not ended by then is stored as the oversized marker and dropped;
+/// - it produces nothing for a whole lease ([`Recorder::poll_expired`]): the oversized marker
+///   is stored (retries get 410) and the rest goes through uncopied. A slow stream that keeps
+///   producing is recorded to its end; an idle or endless one (server-sent events waiting for
+///   an event) never holds its key in progress for longer than a lease of silence, whether or
+///   not the framework notices a client that left meanwhile.
 #[derive(Debug)]
 pub struct Recorder {
     capture: Capture,
     execution: Execution,
-    /// When recording gives up (streamed bodies only).
+    /// When recording gives up if nothing more arrives (streamed bodies only).
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
@@ -569,9 +570,9 @@ impl Recorder {
         }
     }
 
-    /// Ready once a streamed body has been recorded for a whole lease without ending: then
-    /// call [`Recorder::over_limit`] and let the rest through uncopied. Registers a wake-up with
-    /// `cx` until then, so an idle stream is woken for it. Never ready for [`Recorder::new`].
+    /// Ready once a streamed body has produced nothing for a whole lease: then call
+    /// [`Recorder::over_limit`] and let the rest through uncopied. Registers a wake-up with `cx`
+    /// until then, so an idle stream is woken for it. Never ready for [`Recorder::new`].
     pub fn poll_expired(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
         match self.deadline.as_mut() {
             Some(deadline) => deadline.as_mut().poll(cx),
@@ -594,6 +595,10 @@ impl Recorder {
     /// The next bytes of the body; `false` once it has passed the limit: call
     /// [`Recorder::over_limit`] then.
     pub fn data(&mut self, chunk: &[u8]) -> bool {
+        if let Some(deadline) = self.deadline.as_mut() {
+            let lease = self.execution.policy().lease;
+            deadline.as_mut().reset(tokio::time::Instant::now() + lease);
+        }
         self.capture.push(chunk)
     }
 
@@ -630,10 +635,7 @@ impl Recorder {
         E: std::fmt::Display,
     {
         use futures_util::StreamExt;
-        let deadline = match &self.deadline {
-            Some(deadline) => deadline.deadline(),
-            None => tokio::time::Instant::now() + self.execution.policy().lease,
-        };
+        let deadline = tokio::time::Instant::now() + self.execution.policy().lease;
         let capture = &mut self.capture;
         let read = async {
             let mut rest = std::pin::pin!(rest);

@@ -146,7 +146,7 @@ impl Problem {
             410,
             "Original response not replayable",
             format!(
-                "the request with this key was processed (status {status}) but its response ({size} bytes) was not stored: it exceeded the route's limit, or was still streaming when its client left; it will not run again"
+                "the request with this key was processed (status {status}) but its response ({size} bytes) was not stored: it exceeded the route's limit, or its stream stalled or outlived its client; it will not run again"
             ),
         )
     }

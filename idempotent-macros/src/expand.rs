@@ -171,9 +171,12 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
             let bounds_check = if params.is_empty() {
                 quote!()
             } else {
+                // The handler's own generics too: the return type may name them.
+                let outer = sig.generics.params.iter();
+                let where_clause = &sig.generics.where_clause;
                 let check = format_ident!("__idempotent_bounds", span = Span::mixed_site());
                 quote! {
-                    fn #check<#(#params),*>(_: &#generic) {}
+                    fn #check<#(#outer,)* #(#params),*>(_: &#generic) #where_clause {}
                     #check(&#fake);
                 }
             };
@@ -190,10 +193,30 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
     };
 
     let mut new_sig = sig;
-    new_sig
-        .inputs
-        .insert(0, syn::parse_quote!(#ctx: #p::Context<#required>));
     new_sig.output = syn::parse_quote!(-> #p::Output);
+    // Axum: the hidden context is the first extractor (axum runs extractors one by one).
+    // Actix polls a handler's extractors together, so there the context is the only one and
+    // runs the handler's own extractors, as one tuple, after its checks.
+    let split = match fw {
+        Framework::Axum => {
+            new_sig
+                .inputs
+                .insert(0, syn::parse_quote!(#ctx: #p::Context<#required>));
+            quote!()
+        }
+        Framework::Actix => {
+            let (pats, tys): (Vec<_>, Vec<_>) = new_sig
+                .inputs
+                .iter()
+                .filter_map(|arg| match arg {
+                    syn::FnArg::Typed(t) => Some((t.pat.clone(), t.ty.clone())),
+                    syn::FnArg::Receiver(_) => None,
+                })
+                .unzip();
+            new_sig.inputs = syn::parse_quote!(#ctx: #p::Context<#required, (#(#tys,)*)>);
+            quote!(let (#ctx, (#(#pats,)*)) = #ctx.split();)
+        }
+    };
     let stmts = &block.stmts;
 
     quote! {
@@ -203,6 +226,7 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
             static #route: #p::Route = #p::Route::new(
                 #name, #ttl, #lease, #key, #store_5xx, #max_response,
             );
+            #split
             let #scope_var = #scope_expr;
             #p::run(#ctx, &#route, #scope_var, async move {
                 #anchor
@@ -324,6 +348,25 @@ mod tests {
         assert!(
             custom.contains("my_axum :: __private :: unscoped ()"),
             "{custom}"
+        );
+        // Actix: the context is the only extractor and carries the parameters as one tuple.
+        let actix = expand(
+            quote!(scope = "account"),
+            quote!(
+                async fn h(Account(account): Account, mut body: web::Bytes) -> HttpResponse {
+                    body
+                }
+            ),
+            Framework::Actix,
+        )
+        .to_string();
+        assert!(
+            actix.contains("async fn h (__idempotent_ctx : :: idempotent_actix :: __private :: Context < true , (Account , web :: Bytes ,) >)"),
+            "{actix}"
+        );
+        assert!(
+            actix.contains("let (__idempotent_ctx , (Account (account) , mut body ,)) = __idempotent_ctx . split () ;"),
+            "{actix}"
         );
     }
 

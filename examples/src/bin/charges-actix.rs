@@ -200,10 +200,10 @@ async fn main() -> ExitCode {
     actix_web::rt::spawn(async move {
         api::shutdown_signal().await;
         let drained = stopping.stop_server(&handle, DRAIN_TIMEOUT).await;
-        if drained.still_running > 0 {
+        if drained.still_running + drained.dropped_unfinished > 0 {
             eprintln!(
-                "charges-actix: {} executions still running after {DRAIN_TIMEOUT:?}; their keys stay in progress until their leases end",
-                drained.still_running
+                "charges-actix: {} executions still running after {DRAIN_TIMEOUT:?}, {} dropped unfinished; their keys stay in progress until their leases end",
+                drained.still_running, drained.dropped_unfinished
             );
         }
     });

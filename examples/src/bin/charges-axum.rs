@@ -165,10 +165,10 @@ async fn main() -> ExitCode {
         .await;
     // Handlers whose clients went away are still running: let them store their responses.
     let drained = idempotency.drain(DRAIN_TIMEOUT).await;
-    if drained.still_running > 0 {
+    if drained.still_running + drained.dropped_unfinished > 0 {
         eprintln!(
-            "charges-axum: {} executions still running after {DRAIN_TIMEOUT:?}; their keys stay in progress until their leases end",
-            drained.still_running
+            "charges-axum: {} executions still running after {DRAIN_TIMEOUT:?}, {} dropped unfinished; their keys stay in progress until their leases end",
+            drained.still_running, drained.dropped_unfinished
         );
     }
     sweeper.shutdown().await;

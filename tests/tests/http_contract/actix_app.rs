@@ -46,7 +46,9 @@ async fn create_charge(
     match req.amount {
         13 if !app.panicked_once.swap(true, Ordering::SeqCst) => panic!("handler exploded"),
         500 => {
-            return Ok(HttpResponse::build(StatusCode::BAD_GATEWAY).body("provider down"));
+            return Ok(HttpResponse::build(StatusCode::BAD_GATEWAY)
+                .content_type("text/plain; charset=utf-8")
+                .body("provider down"));
         }
         7 => tokio::time::sleep(Duration::from_millis(1500)).await,
         _ => {}
@@ -91,6 +93,7 @@ async fn optional(app: web::Data<App>) -> HttpResponse {
     HttpResponse::NoContent().finish()
 }
 
+#[idempotent(unscoped)]
 async fn list(app: web::Data<App>) -> String {
     format!("runs={}", app.runs.load(Ordering::SeqCst))
 }
@@ -105,7 +108,9 @@ fn chunks(parts: Vec<Result<&'static str, std::io::Error>>) -> Vec<Chunk> {
 }
 
 fn stream_of(parts: Vec<Result<&'static str, std::io::Error>>) -> HttpResponse {
-    HttpResponse::Ok().streaming(futures_util::stream::iter(chunks(parts)))
+    HttpResponse::Ok()
+        .content_type("text/plain")
+        .streaming(futures_util::stream::iter(chunks(parts)))
 }
 
 fn failure() -> std::io::Error {
@@ -151,7 +156,9 @@ async fn stream_gate(app: web::Data<App>) -> HttpResponse {
     });
     let first =
         futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"first;"))]);
-    HttpResponse::Ok().streaming(futures_util::StreamExt::chain(first, rest))
+    HttpResponse::Ok()
+        .content_type("text/plain")
+        .streaming(futures_util::StreamExt::chain(first, rest))
 }
 
 /// A stream that never ends (an event stream), with a short lease.
@@ -159,10 +166,12 @@ async fn stream_gate(app: web::Data<App>) -> HttpResponse {
 async fn stream_endless(app: web::Data<App>) -> HttpResponse {
     app.runs.fetch_add(1, Ordering::SeqCst);
     let first = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"tick;"))]);
-    HttpResponse::Ok().streaming(futures_util::StreamExt::chain(
-        first,
-        futures_util::stream::pending(),
-    ))
+    HttpResponse::Ok()
+        .content_type("text/plain")
+        .streaming(futures_util::StreamExt::chain(
+            first,
+            futures_util::stream::pending(),
+        ))
 }
 
 /// Its ttl is shorter than the lease the misconfiguration test configures.

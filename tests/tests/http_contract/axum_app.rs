@@ -108,20 +108,27 @@ async fn list(State(app): State<App>) -> String {
 
 type Chunk = Result<&'static str, std::io::Error>;
 
-fn stream_of(chunks: Vec<Chunk>) -> Body {
-    Body::from_stream(futures_util::stream::iter(chunks))
+/// A streamed `text/plain` body (the same headers as actix's twin).
+type Streamed = ([(axum::http::HeaderName, &'static str); 1], Body);
+
+fn streamed(body: Body) -> Streamed {
+    ([(axum::http::header::CONTENT_TYPE, "text/plain")], body)
+}
+
+fn stream_of(chunks: Vec<Chunk>) -> Streamed {
+    streamed(Body::from_stream(futures_util::stream::iter(chunks)))
 }
 
 /// A streamed body of unknown size within the limit.
 #[idempotent(unscoped)]
-async fn stream_ok(State(app): State<App>) -> Body {
+async fn stream_ok(State(app): State<App>) -> Streamed {
     app.runs.fetch_add(1, Ordering::SeqCst);
     stream_of(vec![Ok("chunk-1;"), Ok("chunk-2;"), Ok("chunk-3")])
 }
 
 /// A stream over the route's limit.
 #[idempotent(unscoped, max_response = "16")]
-async fn stream_big(State(app): State<App>) -> Body {
+async fn stream_big(State(app): State<App>) -> Streamed {
     app.runs.fetch_add(1, Ordering::SeqCst);
     stream_of((0..10).map(|_| Ok("0123456789")).collect())
 }
@@ -132,14 +139,14 @@ fn failure() -> std::io::Error {
 
 /// A stream that fails before it could be stored.
 #[idempotent(unscoped)]
-async fn stream_fails_early(State(app): State<App>) -> Body {
+async fn stream_fails_early(State(app): State<App>) -> Streamed {
     app.runs.fetch_add(1, Ordering::SeqCst);
     stream_of(vec![Ok("partial"), Err(failure())])
 }
 
 /// A stream that fails after passing the limit (the oversized marker is stored by then).
 #[idempotent(unscoped, max_response = "16")]
-async fn stream_fails_late(State(app): State<App>) -> Body {
+async fn stream_fails_late(State(app): State<App>) -> Streamed {
     app.runs.fetch_add(1, Ordering::SeqCst);
     stream_of(vec![Ok("0123456789"), Ok("0123456789"), Err(failure())])
 }
@@ -147,7 +154,7 @@ async fn stream_fails_late(State(app): State<App>) -> Body {
 /// Sends "first;", then waits for the test to open the gate before "second" (server-sent
 /// events and other slow streams must not be held back by the copy).
 #[idempotent(unscoped)]
-async fn stream_gate(State(app): State<App>) -> Body {
+async fn stream_gate(State(app): State<App>) -> Streamed {
     app.runs.fetch_add(1, Ordering::SeqCst);
     let gate = app.gate.clone();
     let rest = futures_util::stream::once(async move {
@@ -155,18 +162,20 @@ async fn stream_gate(State(app): State<App>) -> Body {
         Ok::<_, std::io::Error>("second")
     });
     let first = futures_util::stream::iter([Ok::<_, std::io::Error>("first;")]);
-    Body::from_stream(futures_util::StreamExt::chain(first, rest))
+    streamed(Body::from_stream(futures_util::StreamExt::chain(
+        first, rest,
+    )))
 }
 
 /// A stream that never ends (an event stream), with a short lease.
 #[idempotent(unscoped, lease = "300ms")]
-async fn stream_endless(State(app): State<App>) -> Body {
+async fn stream_endless(State(app): State<App>) -> Streamed {
     app.runs.fetch_add(1, Ordering::SeqCst);
     let first = futures_util::stream::iter([Ok::<_, std::io::Error>("tick;")]);
-    Body::from_stream(futures_util::StreamExt::chain(
+    streamed(Body::from_stream(futures_util::StreamExt::chain(
         first,
         futures_util::stream::pending(),
-    ))
+    )))
 }
 
 /// Its ttl is shorter than the lease the tests' configuration sets for the misconfiguration

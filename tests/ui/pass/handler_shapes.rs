@@ -71,6 +71,35 @@ async fn inner_attributes(body: String) -> String {
     body
 }
 
+/// A generic handler whose return type names its generic parameter next to an `impl Trait`.
+trait Greeting: Send + Sync + 'static {
+    fn text() -> &'static str;
+}
+
+struct Hello;
+
+impl Greeting for Hello {
+    fn text() -> &'static str {
+        "hello"
+    }
+}
+
+struct Refused<G>(std::marker::PhantomData<G>);
+
+impl<G: Greeting> IntoResponse for Refused<G> {
+    fn into_response(self) -> Response {
+        (StatusCode::BAD_REQUEST, G::text()).into_response()
+    }
+}
+
+#[idempotent(unscoped)]
+async fn generic<G: Greeting>(body: String) -> Result<impl IntoResponse, Refused<G>> {
+    if body.is_empty() {
+        return Err(Refused(std::marker::PhantomData));
+    }
+    Ok(G::text())
+}
+
 fn main() {
     let _: Router = Router::new()
         .route("/a", post(result_impl))
@@ -81,5 +110,6 @@ fn main() {
         .route("/f", post(unit))
         .route("/g", post(json))
         .route("/h", post(tuple_impl))
-        .route("/i", post(inner_attributes));
+        .route("/i", post(inner_attributes))
+        .route("/j", post(generic::<Hello>));
 }
