@@ -121,20 +121,45 @@ impl Fingerprint {
     /// assert_eq!(refund.legacy(), None);
     /// ```
     pub fn compute_with_route(input: &FingerprintInput<'_>, route: &str) -> Self {
-        let mut fp = Self::compute(input);
+        let media = media_type(input.content_type);
+        let (kind, body) = canonical_body(&media, input.body, canonical_form);
+        let mut fp = Fingerprint {
+            version: Self::VERSION,
+            digest: digest(
+                b"idempotent-fingerprint-v2",
+                input,
+                input.path,
+                &media,
+                kind,
+                &body,
+            ),
+            v1: None,
+        };
         if route.contains('{') {
             return fp;
         }
-        let media = media_type(input.content_type);
-        let (kind, body) = canonical_body(&media, input.body, canonical_form_v1);
-        fp.v1 = Some(digest(
-            b"idempotent-fingerprint-v1",
-            input,
-            route,
-            &media,
-            kind,
-            &body,
-        ));
+        // Version 1 canonicalised everything the same way but forms: reuse the body unless
+        // it is one.
+        let v1 = if kind == BodyKind::Form {
+            digest(
+                b"idempotent-fingerprint-v1",
+                input,
+                route,
+                &media,
+                kind,
+                &canonical_form_v1(input.body),
+            )
+        } else {
+            digest(
+                b"idempotent-fingerprint-v1",
+                input,
+                route,
+                &media,
+                kind,
+                &body,
+            )
+        };
+        fp.v1 = Some(v1);
         fp
     }
 
