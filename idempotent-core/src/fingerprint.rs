@@ -85,20 +85,7 @@ impl Fingerprint {
     /// Computes the fingerprint of a request. Never fails: bodies that do not parse as their
     /// media type are hashed raw.
     pub fn compute(input: &FingerprintInput<'_>) -> Self {
-        let media = media_type(input.content_type);
-        let (kind, body) = canonical_body(&media, input.body, canonical_form);
-        Fingerprint {
-            version: Self::VERSION,
-            digest: digest(
-                b"idempotent-fingerprint-v2",
-                input,
-                input.path,
-                &media,
-                kind,
-                &body,
-            ),
-            v1: None,
-        }
+        Self::compute_versions(input, None)
     }
 
     /// [`Fingerprint::compute`], plus the request's version-1 digest over `route`, the matched
@@ -121,46 +108,31 @@ impl Fingerprint {
     /// assert_eq!(refund.legacy(), None);
     /// ```
     pub fn compute_with_route(input: &FingerprintInput<'_>, route: &str) -> Self {
+        Self::compute_versions(input, Some(route).filter(|r| !r.contains('{')))
+    }
+
+    /// The current fingerprint, and the version-1 digest over `v1_route` if given. The body is
+    /// canonicalised once: version 1 treated everything but forms the same way.
+    fn compute_versions(input: &FingerprintInput<'_>, v1_route: Option<&str>) -> Self {
         let media = media_type(input.content_type);
         let (kind, body) = canonical_body(&media, input.body, canonical_form);
-        let mut fp = Fingerprint {
+        let digest_of =
+            |tag: &[u8], path: &str, body: &[u8]| digest(tag, input, path, &media, kind, body);
+        Fingerprint {
             version: Self::VERSION,
-            digest: digest(
-                b"idempotent-fingerprint-v2",
-                input,
-                input.path,
-                &media,
-                kind,
-                &body,
-            ),
-            v1: None,
-        };
-        if route.contains('{') {
-            return fp;
+            digest: digest_of(b"idempotent-fingerprint-v2", input.path, &body),
+            v1: v1_route.map(|route| {
+                if kind == BodyKind::Form {
+                    digest_of(
+                        b"idempotent-fingerprint-v1",
+                        route,
+                        &canonical_form_v1(input.body),
+                    )
+                } else {
+                    digest_of(b"idempotent-fingerprint-v1", route, &body)
+                }
+            }),
         }
-        // Version 1 canonicalised everything the same way but forms: reuse the body unless
-        // it is one.
-        let v1 = if kind == BodyKind::Form {
-            digest(
-                b"idempotent-fingerprint-v1",
-                input,
-                route,
-                &media,
-                kind,
-                &canonical_form_v1(input.body),
-            )
-        } else {
-            digest(
-                b"idempotent-fingerprint-v1",
-                input,
-                route,
-                &media,
-                kind,
-                &body,
-            )
-        };
-        fp.v1 = Some(v1);
-        fp
     }
 
     /// The request's version-1 fingerprint, when it was computed
