@@ -162,17 +162,29 @@ async fn main() -> ExitCode {
     let api = web::Data::new(api);
     let middleware = idempotency.middleware();
     let server = HttpServer::new(move || {
+        // One resource per path (another method gets 405, as on Axum), HEAD wherever GET is
+        // (Axum's `get` serves both), and Axum's default 2 MB body limit.
         actix_web::App::new()
             .wrap(middleware.clone())
             .app_data(api.clone())
-            .route("/v1/charges", web::post().to(create_charge))
-            .route("/v1/charges", web::get().to(list_charges))
-            .route(
-                "/v1/charges/{charge}/refunds",
-                web::post().to(create_refund),
+            .app_data(web::PayloadConfig::new(2 * 1024 * 1024))
+            .service(
+                web::resource("/v1/charges")
+                    .route(web::post().to(create_charge))
+                    .route(web::get().to(list_charges))
+                    .route(web::head().to(list_charges)),
             )
-            .route("/v1/charges/{charge}/refunds", web::get().to(list_refunds))
-            .route("/healthz", web::get().to(healthz))
+            .service(
+                web::resource("/v1/charges/{charge}/refunds")
+                    .route(web::post().to(create_refund))
+                    .route(web::get().to(list_refunds))
+                    .route(web::head().to(list_refunds)),
+            )
+            .service(
+                web::resource("/healthz")
+                    .route(web::get().to(healthz))
+                    .route(web::head().to(healthz)),
+            )
     })
     .workers(2)
     .shutdown_timeout(30)
