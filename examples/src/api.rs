@@ -4,7 +4,8 @@
 
 use crate::charges::{self, Charge, Charges, InvalidCharge, NewCharge, NewRefund, Refund};
 use clap::Parser;
-use idempotent_core::Store;
+use idempotent_core::http::{Config, ConfigBuilder};
+use idempotent_core::{Drained, Engine, Store, Sweeper};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,6 +58,56 @@ pub async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {}
         () = term => {}
+    }
+}
+
+/// What a binary starts with: the API, the adapter's idempotency configuration `T`, and the
+/// sweeper deleting expired records.
+#[derive(Debug)]
+pub struct Started<T> {
+    /// The routes' logic.
+    pub api: Api,
+    /// The adapter's configuration (`idempotent_axum::Idempotency` or the Actix one).
+    pub idempotency: T,
+    /// Deletes expired records every minute; shut it down last.
+    pub sweeper: Sweeper,
+}
+
+/// Opens the database, builds the idempotency configuration with `--lease` and starts the
+/// sweeper. Errors are printed as `NAME: …`.
+///
+/// # Errors
+/// The exit code to end with.
+pub async fn start<T: From<Config>>(
+    name: &str,
+    args: &Args,
+) -> Result<Started<T>, std::process::ExitCode> {
+    let (api, store) = Api::open(args).await.map_err(|e| {
+        eprintln!("{name}: cannot open {}: {e}", args.database_url());
+        std::process::ExitCode::FAILURE
+    })?;
+    let idempotency = ConfigBuilder::<T>::new(Engine::from_arc(store.clone()))
+        .lease(args.lease)
+        .build()
+        .map_err(|e| {
+            eprintln!("{name}: invalid configuration: {e}");
+            std::process::ExitCode::FAILURE
+        })?;
+    let sweeper = Sweeper::spawn(store, Duration::from_secs(60), 1_000);
+    Ok(Started {
+        api,
+        idempotency,
+        sweeper,
+    })
+}
+
+/// Says what a drain left behind, if anything.
+pub fn report_drain(name: &str, drained: Drained) {
+    if drained.still_running + drained.dropped_unfinished > 0 {
+        eprintln!(
+            "{name}: {} executions still running after {DRAIN_TIMEOUT:?}, {} dropped unfinished; their keys stay in progress until their leases end",
+            drained.still_running, drained.dropped_unfinished
+        );
     }
 }
 

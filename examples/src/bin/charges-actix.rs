@@ -9,14 +9,13 @@ use actix_web::http::{StatusCode, header};
 use actix_web::web::{self, Bytes};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError};
 use clap::Parser;
-use idempotent_actix::{Engine, Idempotency, Sweeper, idempotent};
+use idempotent_actix::{Idempotency, idempotent};
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
 use idempotent_examples::charges::{NewCharge, NewRefund};
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
 use std::process::ExitCode;
-use std::time::Duration;
 
 /// An API answer as an actix response.
 #[derive(Debug)]
@@ -141,24 +140,15 @@ async fn healthz() -> HttpResponse {
 #[actix_web::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let (api, store) = match Api::open(&args).await {
-        Ok(opened) => opened,
-        Err(e) => {
-            eprintln!("charges-actix: cannot open {}: {e}", args.database_url());
-            return ExitCode::FAILURE;
-        }
+    let started = match api::start::<Idempotency>("charges-actix", &args).await {
+        Ok(started) => started,
+        Err(code) => return code,
     };
-    let idempotency = match Idempotency::builder_from_engine(Engine::from_arc(store.clone()))
-        .lease(args.lease)
-        .build()
-    {
-        Ok(idempotency) => idempotency,
-        Err(e) => {
-            eprintln!("charges-actix: invalid configuration: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let sweeper = Sweeper::spawn(store, Duration::from_secs(60), 1_000);
+    let api::Started {
+        api,
+        idempotency,
+        sweeper,
+    } = started;
     let api = web::Data::new(api);
     let middleware = idempotency.middleware();
     let server = HttpServer::new(move || {
@@ -211,13 +201,10 @@ async fn main() -> ExitCode {
     let stopping = idempotency.clone();
     actix_web::rt::spawn(async move {
         api::shutdown_signal().await;
-        let drained = stopping.stop_server(&handle, DRAIN_TIMEOUT).await;
-        if drained.still_running + drained.dropped_unfinished > 0 {
-            eprintln!(
-                "charges-actix: {} executions still running after {DRAIN_TIMEOUT:?}, {} dropped unfinished; their keys stay in progress until their leases end",
-                drained.still_running, drained.dropped_unfinished
-            );
-        }
+        api::report_drain(
+            "charges-actix",
+            stopping.stop_server(&handle, DRAIN_TIMEOUT).await,
+        );
     });
     let served = server.await;
     sweeper.shutdown().await;

@@ -10,12 +10,11 @@ use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use clap::Parser;
-use idempotent_axum::{Engine, Idempotency, Sweeper, idempotent};
+use idempotent_axum::{Idempotency, idempotent};
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
 use idempotent_examples::charges::{NewCharge, NewRefund};
 use std::io::Write;
 use std::process::ExitCode;
-use std::time::Duration;
 
 /// An API answer as an axum response.
 struct Reply(api::Reply);
@@ -116,24 +115,15 @@ async fn healthz() -> &'static str {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let (api, store) = match Api::open(&args).await {
-        Ok(opened) => opened,
-        Err(e) => {
-            eprintln!("charges-axum: cannot open {}: {e}", args.database_url());
-            return ExitCode::FAILURE;
-        }
+    let started = match api::start::<Idempotency>("charges-axum", &args).await {
+        Ok(started) => started,
+        Err(code) => return code,
     };
-    let idempotency = match Idempotency::builder_from_engine(Engine::from_arc(store.clone()))
-        .lease(args.lease)
-        .build()
-    {
-        Ok(idempotency) => idempotency,
-        Err(e) => {
-            eprintln!("charges-axum: invalid configuration: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let sweeper = Sweeper::spawn(store, Duration::from_secs(60), 1_000);
+    let api::Started {
+        api,
+        idempotency,
+        sweeper,
+    } = started;
     let app = Router::new()
         .route("/v1/charges", post(create_charge).get(list_charges))
         .route(
@@ -164,13 +154,7 @@ async fn main() -> ExitCode {
         .with_graceful_shutdown(api::shutdown_signal())
         .await;
     // Handlers whose clients went away are still running: let them store their responses.
-    let drained = idempotency.drain(DRAIN_TIMEOUT).await;
-    if drained.still_running + drained.dropped_unfinished > 0 {
-        eprintln!(
-            "charges-axum: {} executions still running after {DRAIN_TIMEOUT:?}, {} dropped unfinished; their keys stay in progress until their leases end",
-            drained.still_running, drained.dropped_unfinished
-        );
-    }
+    api::report_drain("charges-axum", idempotency.drain(DRAIN_TIMEOUT).await);
     sweeper.shutdown().await;
     match served {
         Ok(()) => ExitCode::SUCCESS,
