@@ -2,10 +2,12 @@
 //! caller's identity, request validation, what each route does and answers. Each binary
 //! (`charges-axum`, `charges-actix`) holds only its framework's glue around this.
 
-use crate::charges::{self, Charge, Charges, InvalidCharge, NewCharge, NewRefund, Refund};
+use crate::charges::{
+    self, Charge, Charges, InvalidCharge, Kind, NewCharge, NewRefund, Refund, Writer,
+};
 use clap::Parser;
 use idempotent_core::http::{Config, ConfigBuilder};
-use idempotent_core::{Drained, Engine, Store, Sweeper};
+use idempotent_core::{CommitPath, Drained, Engine, Store, Sweeper};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +29,22 @@ pub struct Args {
     /// How long the "payment provider" takes per charge.
     #[arg(long, default_value = "0ms", value_parser = charges::parse_delay)]
     pub work_delay: Duration,
+    /// Transactional mode (SQLite, PostgreSQL): `single` (the claim, the charge and the stored
+    /// response in one commit) or `two` (the claim commits first). Default: single.
+    #[arg(long, value_parser = parse_commit)]
+    pub commit: Option<CommitPath>,
+    /// Print `working` to stdout when a charge reaches the provider call (inside its
+    /// transaction), for tests that kill the server there.
+    #[arg(long, hide = true)]
+    pub announce_work: bool,
+}
+
+fn parse_commit(s: &str) -> Result<CommitPath, String> {
+    match s {
+        "single" => Ok(CommitPath::Single),
+        "two" => Ok(CommitPath::Two),
+        _ => Err(format!("`{s}` is not a commit path: use `single` or `two`")),
+    }
 }
 
 impl Args {
@@ -86,13 +104,14 @@ pub async fn start<T: From<Config>>(
         eprintln!("{name}: cannot open {}: {e}", args.database_url());
         std::process::ExitCode::FAILURE
     })?;
-    let idempotency = ConfigBuilder::<T>::new(Engine::from_arc(store.clone()))
-        .lease(args.lease)
-        .build()
-        .map_err(|e| {
-            eprintln!("{name}: invalid configuration: {e}");
-            std::process::ExitCode::FAILURE
-        })?;
+    let mut config = ConfigBuilder::<T>::new(Engine::from_arc(store.clone())).lease(args.lease);
+    if let Some(commit) = args.commit {
+        config = config.commit_path(commit);
+    }
+    let idempotency = config.build().map_err(|e| {
+        eprintln!("{name}: invalid configuration: {e}");
+        std::process::ExitCode::FAILURE
+    })?;
     let sweeper = Sweeper::spawn(store, Duration::from_secs(60), 1_000);
     Ok(Started {
         api,
@@ -242,6 +261,7 @@ pub fn validate<T: ApiBody>(content_type: Option<&str>, body: &[u8]) -> Result<T
 pub struct Api {
     charges: Charges,
     work_delay: Duration,
+    announce_work: bool,
 }
 
 impl Api {
@@ -255,22 +275,34 @@ impl Api {
             Api {
                 charges,
                 work_delay: args.work_delay,
+                announce_work: args.announce_work,
             },
             store,
         ))
     }
 
+    /// The database kind: transactional handlers on SQLite and PostgreSQL, plain on memory.
+    pub fn kind(&self) -> Kind {
+        self.charges.kind()
+    }
+
     async fn provider(&self) {
+        if self.announce_work {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "working");
+            let _ = out.flush();
+        }
         // "Call the payment provider." (A zero sleep would still wait for the next timer tick.)
         if !self.work_delay.is_zero() {
             tokio::time::sleep(self.work_delay).await;
         }
     }
 
-    /// `POST /v1/charges`: 201 with the charge.
-    pub async fn create_charge(&self, account: &str, req: NewCharge) -> Reply {
+    /// `POST /v1/charges`: 201 with the charge, written through `w`.
+    pub async fn create_charge(&self, mut w: Writer<'_>, account: &str, req: NewCharge) -> Reply {
         let charge = Charge::new(account, req);
-        if let Err(e) = self.charges.insert(&charge).await {
+        if let Err(e) = self.charges.insert(&mut w, &charge).await {
             return Reply::internal(&e);
         }
         self.provider().await;
@@ -279,7 +311,13 @@ impl Api {
 
     /// `POST /v1/charges/{charge}/refunds`: 201 with the refund, 404 for another account's or
     /// an unknown charge, 400 for more than the charge's amount.
-    pub async fn create_refund(&self, account: &str, charge_id: &str, req: NewRefund) -> Reply {
+    pub async fn create_refund(
+        &self,
+        mut w: Writer<'_>,
+        account: &str,
+        charge_id: &str,
+        req: NewRefund,
+    ) -> Reply {
         let charge = match self.charges.get(account, charge_id).await {
             Ok(Some(charge)) => charge,
             Ok(None) => return Reply::no_such_charge(charge_id),
@@ -295,7 +333,7 @@ impl Api {
             );
         }
         let refund = Refund::new(&charge.id, amount);
-        if let Err(e) = self.charges.insert_refund(&refund).await {
+        if let Err(e) = self.charges.insert_refund(&mut w, &refund).await {
             return Reply::internal(&e);
         }
         self.provider().await;

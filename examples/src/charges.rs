@@ -242,6 +242,19 @@ pub enum Charges {
     Postgres(sqlx::PgPool),
 }
 
+/// Where a route's writes go: the tables' pools (plain mode, and the memory store), or the
+/// transaction the idempotency record commits with (transactional mode: the charge row and
+/// the stored response commit together, or neither does).
+#[derive(Debug)]
+pub enum Writer<'a> {
+    /// The pool of [`Charges`] (each statement commits on its own).
+    Pool,
+    /// A SQLite transaction.
+    Sqlite(&'a mut sqlx::SqliteConnection),
+    /// A PostgreSQL transaction.
+    Postgres(&'a mut sqlx::PgConnection),
+}
+
 /// A charges-table failure.
 #[derive(Debug, thiserror::Error)]
 #[error("charges database error: {0}")]
@@ -281,12 +294,33 @@ fn from_row((id, account, amount, currency, customer, created): Row) -> Charge {
     }
 }
 
+/// Which database the tables (and the idempotency store) are on: it picks the handlers
+/// (transactional on SQLite and PostgreSQL, plain on memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `--database memory`.
+    Memory,
+    /// SQLite.
+    Sqlite,
+    /// PostgreSQL.
+    Postgres,
+}
+
 impl Charges {
+    /// The database kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Charges::Memory(_) => Kind::Memory,
+            Charges::Sqlite(_) => Kind::Sqlite,
+            Charges::Postgres(_) => Kind::Postgres,
+        }
+    }
+
     /// Writes a charge.
     ///
     /// # Errors
     /// [`DbError`] when the database fails.
-    pub async fn insert(&self, c: &Charge) -> Result<(), DbError> {
+    pub async fn insert(&self, w: &mut Writer<'_>, c: &Charge) -> Result<(), DbError> {
         match self {
             Charges::Memory(tables) => {
                 tables
@@ -297,17 +331,21 @@ impl Charges {
                 Ok(())
             }
             Charges::Sqlite(pool) => {
-                sqlx::query("INSERT INTO charges (id, account, amount, currency, customer, created) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
-                    .bind(&c.id).bind(&c.account).bind(c.amount).bind(&c.currency).bind(&c.customer).bind(c.created)
-                    .execute(pool)
-                    .await?;
+                let q = sqlx::query("INSERT INTO charges (id, account, amount, currency, customer, created) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
+                    .bind(&c.id).bind(&c.account).bind(c.amount).bind(&c.currency).bind(&c.customer).bind(c.created);
+                match w {
+                    Writer::Sqlite(tx) => q.execute(&mut **tx).await?,
+                    _ => q.execute(pool).await?,
+                };
                 Ok(())
             }
             Charges::Postgres(pool) => {
-                sqlx::query("INSERT INTO charges (id, account, amount, currency, customer, created) VALUES ($1, $2, $3, $4, $5, $6)")
-                    .bind(&c.id).bind(&c.account).bind(c.amount).bind(&c.currency).bind(&c.customer).bind(c.created)
-                    .execute(pool)
-                    .await?;
+                let q = sqlx::query("INSERT INTO charges (id, account, amount, currency, customer, created) VALUES ($1, $2, $3, $4, $5, $6)")
+                    .bind(&c.id).bind(&c.account).bind(c.amount).bind(&c.currency).bind(&c.customer).bind(c.created);
+                match w {
+                    Writer::Postgres(tx) => q.execute(&mut **tx).await?,
+                    _ => q.execute(pool).await?,
+                };
                 Ok(())
             }
         }
@@ -380,7 +418,7 @@ impl Charges {
     ///
     /// # Errors
     /// [`DbError`] when the database fails.
-    pub async fn insert_refund(&self, r: &Refund) -> Result<(), DbError> {
+    pub async fn insert_refund(&self, w: &mut Writer<'_>, r: &Refund) -> Result<(), DbError> {
         match self {
             Charges::Memory(tables) => {
                 tables
@@ -391,27 +429,31 @@ impl Charges {
                 Ok(())
             }
             Charges::Sqlite(pool) => {
-                sqlx::query(
+                let q = sqlx::query(
                     "INSERT INTO refunds (id, charge, amount, created) VALUES (?1, ?2, ?3, ?4)",
                 )
                 .bind(&r.id)
                 .bind(&r.charge)
                 .bind(r.amount)
-                .bind(r.created)
-                .execute(pool)
-                .await?;
+                .bind(r.created);
+                match w {
+                    Writer::Sqlite(tx) => q.execute(&mut **tx).await?,
+                    _ => q.execute(pool).await?,
+                };
                 Ok(())
             }
             Charges::Postgres(pool) => {
-                sqlx::query(
+                let q = sqlx::query(
                     "INSERT INTO refunds (id, charge, amount, created) VALUES ($1, $2, $3, $4)",
                 )
                 .bind(&r.id)
                 .bind(&r.charge)
                 .bind(r.amount)
-                .bind(r.created)
-                .execute(pool)
-                .await?;
+                .bind(r.created);
+                match w {
+                    Writer::Postgres(tx) => q.execute(&mut **tx).await?,
+                    _ => q.execute(pool).await?,
+                };
                 Ok(())
             }
         }

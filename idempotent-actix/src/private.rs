@@ -16,9 +16,15 @@ use idempotent_core::{
 };
 use std::future::{Future, ready};
 use std::pin::Pin;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use {
+    idempotent_core::http::{FIRST_EXECUTION, TxReply, TxStep, finish_transactional},
+    idempotent_core::{Transaction, TxDatabase},
+};
 
 pub use ::core::time::Duration;
 pub use actix_web::HttpResponse as Output;
+pub use idempotent_core::CommitPath as Commit;
 pub use idempotent_core::KeyRequirement as Key;
 pub use idempotent_core::http::Route;
 
@@ -153,6 +159,31 @@ fn refuse<T: 'static>(
     Box::pin(ready(Err(error.into())))
 }
 
+/// The engine's view of the request: scope, key and fingerprint.
+fn execute_request(
+    req: &HttpRequest,
+    key: Result<IdempotencyKey, KeyError>,
+    body: &[u8],
+    scope: Result<Scope, ScopeError>,
+) -> Result<ExecuteRequest, ScopeError> {
+    let pattern = req.match_pattern();
+    let head = RequestHead {
+        method: req.method().as_str(),
+        path: req.path(),
+        query: req.uri().query(),
+        content_type: req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok()),
+        route: Some(pattern.as_deref().unwrap_or(req.path())),
+    };
+    Ok(ExecuteRequest {
+        scope: scope?,
+        fingerprint: head.fingerprint(body),
+        key,
+    })
+}
+
 /// The scope of a handler parameter (type-checks it against [`ScopeValue`]).
 pub fn scope_of<T: ScopeValue + ?Sized>(value: &T) -> Result<Scope, ScopeError> {
     value.to_scope()
@@ -193,25 +224,9 @@ where
         // `resolve` logged what does not fit, naming the route.
         return problem(&Problem::misconfigured());
     };
-    let scope = match scope {
-        Ok(scope) => scope,
+    let request = match execute_request(&req, ctx.key, &ctx.body, scope) {
+        Ok(request) => request,
         Err(e) => return problem(&Problem::scope(&e)),
-    };
-    let pattern = req.match_pattern();
-    let head = RequestHead {
-        method: req.method().as_str(),
-        path: req.path(),
-        query: req.uri().query(),
-        content_type: req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok()),
-        route: Some(pattern.as_deref().unwrap_or(req.path())),
-    };
-    let request = ExecuteRequest {
-        scope,
-        fingerprint: head.fingerprint(&ctx.body),
-        key: ctx.key,
     };
     let engine = config.engine().clone();
     let task = actix_rt::spawn(async move {
@@ -233,9 +248,107 @@ where
             }
         }
     });
+    joined(task).await
+}
+
+/// The response of a spawned execution (a panic in it resumes here).
+async fn joined(task: actix_rt::task::JoinHandle<HttpResponse>) -> HttpResponse {
     match task.await {
         Ok(response) => response,
         Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
         Err(_) => problem(&Problem::shutting_down()),
     }
+}
+
+/// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
+/// (transactional mode): the stored response commits with the handler's writes, and nothing
+/// is sent before that commit.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub async fn run_tx<DB, F, Fut, R>(
+    ctx: Ready,
+    route: &'static Route,
+    scope: Result<Scope, ScopeError>,
+    handler: F,
+) -> HttpResponse
+where
+    DB: TxDatabase,
+    F: FnOnce(Transaction<DB>) -> Fut + 'static,
+    Fut: Future<Output = R> + 'static,
+    R: Responder + 'static,
+{
+    let req = ctx.req;
+    let Some(config) = &ctx.config else {
+        // The context refuses a request without the middleware before the handler runs.
+        return problem(&Problem::misconfigured());
+    };
+    let config = &config.config;
+    let Ok(resolved) = route.resolve(config) else {
+        return problem(&Problem::misconfigured());
+    };
+    let options = route.tx_options(config, DB::DEFAULT_COMMIT);
+    let engine = config.engine().clone();
+    // Safe methods ignore the key; a missing key got here only where it is optional.
+    let request = if is_safe_method(req.method().as_str()) || ctx.key.is_err() {
+        None
+    } else {
+        match execute_request(&req, ctx.key, &ctx.body, scope) {
+            Ok(request) => Some(request),
+            Err(e) => return problem(&Problem::scope(&e)),
+        }
+    };
+    let task = actix_rt::spawn(async move {
+        let policy = &resolved.policy;
+        let begin = match request {
+            Some(request) => {
+                engine
+                    .begin_transactional::<DB>(request, policy, &options)
+                    .await
+            }
+            None => engine.begin_unprotected::<DB>(policy).await,
+        };
+        let mut execution = match TxStep::from(begin) {
+            TxStep::Respond(r) => return reply(r),
+            TxStep::Run(execution) => execution,
+        };
+        let Some(tx) = execution.transaction() else {
+            return problem(&Problem::misconfigured());
+        };
+        let read = execution
+            .run(async {
+                let response = handler(tx).await.respond_to(&req);
+                let (response, body) = response.into_parts();
+                (response, actix_web::body::to_bytes(body).await)
+            })
+            .await;
+        let (response, body) = match read {
+            Ok((response, Ok(body))) => (response, body),
+            Ok((_, Err(_))) => {
+                execution.abort().await;
+                return problem(&Problem::response_failed());
+            }
+            Err(panic) => {
+                execution.abort().await;
+                std::panic::resume_unwind(panic)
+            }
+        };
+        let headers = response
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_bytes()));
+        let status = response.status().as_u16();
+        match finish_transactional(execution, status, headers, &body, resolved.max_response).await {
+            TxReply::Respond(r) => reply(r),
+            TxReply::Send { first_execution } => {
+                let mut response = response.set_body(body).map_into_boxed_body();
+                if first_execution {
+                    response.headers_mut().insert(
+                        header::HeaderName::from_static(FIRST_EXECUTION.0),
+                        HeaderValue::from_static(FIRST_EXECUTION.1),
+                    );
+                }
+                response
+            }
+        }
+    });
+    joined(task).await
 }

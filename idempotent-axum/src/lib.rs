@@ -70,11 +70,14 @@ pub use idempotent_core::SetupError;
 #[cfg(feature = "sqlite")]
 pub use idempotent_core::SqliteStore;
 pub use idempotent_core::http::{ConfigError, DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE};
+pub use idempotent_core::{CommitPath, TxOptions};
 pub use idempotent_core::{
     DEFAULT_LEASE, DEFAULT_TTL, Drained, DurationError, Engine, Fingerprint, IdempotencyKey,
     KeyError, MemoryStore, Problem, Scope, ScopeError, ScopeValue, Store, StoreError, Sweeper,
     parse_duration,
 };
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use idempotent_core::{Transaction, TxDatabase, sqlx};
 
 pub use config::{Idempotency, IdempotencyBuilder};
 pub use layer::{IdempotencyLayer, IdempotencyService};

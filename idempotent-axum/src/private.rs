@@ -15,9 +15,17 @@ use idempotent_core::{
     ScopeValue,
 };
 use std::future::Future;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use {
+    axum::body::Body,
+    http_body_util::{BodyExt, Collected},
+    idempotent_core::http::{FIRST_EXECUTION, TxReply, TxStep, finish_transactional},
+    idempotent_core::{Transaction, TxDatabase},
+};
 
 pub use ::core::time::Duration;
 pub use axum::response::Response as Output;
+pub use idempotent_core::CommitPath as Commit;
 pub use idempotent_core::KeyRequirement as Key;
 pub use idempotent_core::http::Route;
 
@@ -127,6 +135,30 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
     }
 }
 
+impl<const REQUIRED: bool> Context<REQUIRED> {
+    /// The engine's view of the request: scope, key and fingerprint.
+    fn request(self, scope: Result<Scope, ScopeError>) -> Result<ExecuteRequest, ScopeError> {
+        let scope = scope?;
+        let head = RequestHead {
+            method: self.method.as_str(),
+            path: self.uri.path(),
+            query: self.uri.query(),
+            content_type: self.content_type.as_ref().and_then(|v| v.to_str().ok()),
+            // Version 1 hashed the matched template, or the path where there was none.
+            route: Some(
+                self.route
+                    .as_ref()
+                    .map_or(self.uri.path(), MatchedPath::as_str),
+            ),
+        };
+        Ok(ExecuteRequest {
+            scope,
+            fingerprint: head.fingerprint(&self.body),
+            key: self.key,
+        })
+    }
+}
+
 /// The scope of a handler parameter (type-checks it against [`ScopeValue`]).
 pub fn scope_of<T: ScopeValue + ?Sized>(value: &T) -> Result<Scope, ScopeError> {
     value.to_scope()
@@ -165,28 +197,12 @@ where
         // `resolve` logged what does not fit, naming the route.
         return problem(&Problem::misconfigured());
     };
-    let scope = match scope {
-        Ok(scope) => scope,
+    let engine = config.engine().clone();
+    let max_response = resolved.max_response;
+    let request = match ctx.request(scope) {
+        Ok(request) => request,
         Err(e) => return problem(&Problem::scope(&e)),
     };
-    let head = RequestHead {
-        method: ctx.method.as_str(),
-        path: ctx.uri.path(),
-        query: ctx.uri.query(),
-        content_type: ctx.content_type.as_ref().and_then(|v| v.to_str().ok()),
-        // Version 1 hashed the matched template, or the path where there was none.
-        route: Some(
-            ctx.route
-                .as_ref()
-                .map_or(ctx.uri.path(), MatchedPath::as_str),
-        ),
-    };
-    let request = ExecuteRequest {
-        scope,
-        fingerprint: head.fingerprint(&ctx.body),
-        key: ctx.key,
-    };
-    let engine = config.engine().clone();
     Detached::new(async move {
         match Step::from(engine.begin(request, &resolved.policy).await) {
             Step::Respond(r) => reply(r),
@@ -197,12 +213,106 @@ where
                     .await
                     .map(IntoResponse::into_response);
                 match response {
-                    Ok(response) => finish(execution, response, resolved.max_response).await,
+                    Ok(response) => finish(execution, response, max_response).await,
                     Err(panic) => {
                         execution.release().await;
                         std::panic::resume_unwind(panic)
                     }
                 }
+            }
+        }
+    })
+    .await
+}
+
+/// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
+/// (transactional mode): the stored response commits with the handler's writes, and nothing
+/// is sent before that commit.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub async fn run_tx<const REQUIRED: bool, DB, F, Fut, R>(
+    ctx: Context<REQUIRED>,
+    route: &'static Route,
+    scope: Result<Scope, ScopeError>,
+    handler: F,
+) -> Response
+where
+    DB: TxDatabase,
+    F: FnOnce(Transaction<DB>) -> Fut + Send + 'static,
+    Fut: Future<Output = R> + Send + 'static,
+    R: IntoResponse,
+{
+    let config = &ctx.config.config;
+    let Ok(resolved) = route.resolve(config) else {
+        return problem(&Problem::misconfigured());
+    };
+    let options = route.tx_options(config, DB::DEFAULT_COMMIT);
+    let engine = config.engine().clone();
+    let (policy, max_response) = (resolved.policy, resolved.max_response);
+    // Safe methods ignore the key; a missing key got here only where it is optional.
+    let request = if is_safe_method(ctx.method.as_str()) || ctx.key.is_err() {
+        None
+    } else {
+        match ctx.request(scope) {
+            Ok(request) => Some(request),
+            Err(e) => return problem(&Problem::scope(&e)),
+        }
+    };
+    Detached::new(async move {
+        let policy = &policy;
+        let begin = match request {
+            Some(request) => {
+                engine
+                    .begin_transactional::<DB>(request, policy, &options)
+                    .await
+            }
+            None => engine.begin_unprotected::<DB>(policy).await,
+        };
+        let mut execution = match TxStep::from(begin) {
+            TxStep::Respond(r) => return reply(r),
+            TxStep::Run(execution) => execution,
+        };
+        let Some(tx) = execution.transaction() else {
+            return problem(&Problem::misconfigured());
+        };
+        let read = execution
+            .run(async move {
+                let (parts, body) = handler(tx).await.into_response().into_parts();
+                (parts, body.collect().await.map(Collected::to_bytes))
+            })
+            .await;
+        let (mut parts, body) = match read {
+            Ok((parts, Ok(body))) => (parts, body),
+            Ok((_, Err(_))) => {
+                execution.abort().await;
+                return problem(&Problem::response_failed());
+            }
+            Err(panic) => {
+                execution.abort().await;
+                std::panic::resume_unwind(panic)
+            }
+        };
+        let headers = parts
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_bytes()));
+        match finish_transactional(
+            execution,
+            parts.status.as_u16(),
+            headers,
+            &body,
+            max_response,
+        )
+        .await
+        {
+            TxReply::Respond(r) => reply(r),
+            TxReply::Send { first_execution } => {
+                if first_execution {
+                    parts.headers.insert(
+                        FIRST_EXECUTION.0,
+                        HeaderValue::from_static(FIRST_EXECUTION.1),
+                    );
+                }
+                Response::from_parts(parts, Body::from(body))
             }
         }
     })

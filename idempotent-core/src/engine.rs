@@ -309,12 +309,15 @@ pub enum Outcome<T> {
 /// gets stored before the process exits.
 #[derive(Clone)]
 pub struct Engine {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    store: Arc<dyn Store>,
+pub(crate) struct Inner {
+    pub(crate) store: Arc<dyn Store>,
     flight: Flight,
+    /// Requests waiting for another transaction on their key, per key (transactional mode).
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) waiters: std::sync::Mutex<std::collections::HashMap<RecordKey, usize>>,
 }
 
 /// Executions in flight, for [`Engine::drain`].
@@ -361,6 +364,7 @@ impl Engine {
             inner: Arc::new(Inner {
                 store,
                 flight: Flight::default(),
+                waiters: std::sync::Mutex::default(),
             }),
         }
     }
@@ -579,6 +583,12 @@ impl Execution {
         &self.key
     }
 
+    /// The lease token this execution holds.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn token(&self) -> LeaseToken {
+        self.token
+    }
+
     /// Runs `fut` to completion while keeping the lease alive; a panic in it is caught and
     /// returned (finish with [`Execution::release`], then resume it).
     ///
@@ -729,6 +739,13 @@ impl Execution {
         self.finished = true;
         self.heartbeat = Heartbeat::default();
     }
+
+    /// Ends this execution without a write of its own: the caller settled the record (a
+    /// transaction that completed it committed, or a write whose fate is unknown was logged).
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn settle(mut self) {
+        self.done();
+    }
 }
 
 impl Drop for Execution {
@@ -823,12 +840,12 @@ where
 
 /// One request counted towards [`Engine::drain`] from before its claim until its execution
 /// finishes (or the claim found nothing to run).
-struct InFlight {
+pub(crate) struct InFlight {
     engine: Arc<Inner>,
 }
 
 impl InFlight {
-    fn enter(engine: Arc<Inner>) -> Self {
+    pub(crate) fn enter(engine: Arc<Inner>) -> Self {
         engine.flight.running.fetch_add(1, Ordering::SeqCst);
         InFlight { engine }
     }

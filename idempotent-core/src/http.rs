@@ -16,6 +16,7 @@
 pub use crate::engine::{ConfigError, MAX_DURATION, MIN_DURATION};
 
 use crate::engine::{Begin, Execution, Unprotected, check_ttl_and_lease};
+use crate::tx::{CommitPath, DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, TxOptions};
 use crate::{
     DEFAULT_LEASE, DEFAULT_TTL, Engine, Fingerprint, FingerprintInput, IdempotencyKey, KeyError,
     KeyRequirement, Policy, Problem, Recorded, StoredOutcome, StoredResponse,
@@ -160,6 +161,9 @@ pub struct Config {
     max_response: usize,
     max_request: usize,
     fail_open: bool,
+    commit: Option<CommitPath>,
+    tx_wait: Duration,
+    max_waiters: usize,
 }
 
 impl Config {
@@ -172,6 +176,9 @@ impl Config {
             max_response: DEFAULT_MAX_RESPONSE,
             max_request: DEFAULT_MAX_REQUEST,
             fail_open: false,
+            commit: None,
+            tx_wait: DEFAULT_TX_WAIT,
+            max_waiters: DEFAULT_MAX_WAITERS,
         }
     }
 
@@ -203,6 +210,22 @@ impl Config {
     /// Whether handlers run unprotected when the store fails.
     pub fn fail_open(&self) -> bool {
         self.fail_open
+    }
+
+    /// The commit path of transactional routes that pick none (`None`: each database's
+    /// default, [`TxDatabase::DEFAULT_COMMIT`](crate::TxDatabase::DEFAULT_COMMIT)).
+    pub fn commit_path(&self) -> Option<CommitPath> {
+        self.commit
+    }
+
+    /// Default [`TxOptions::wait`].
+    pub fn transaction_wait(&self) -> Duration {
+        self.tx_wait
+    }
+
+    /// [`TxOptions::max_waiters`].
+    pub fn max_waiters(&self) -> usize {
+        self.max_waiters
     }
 }
 
@@ -263,9 +286,32 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
-    /// Run handlers unprotected when the store fails (default: refuse with 503).
+    /// Run handlers unprotected when the store fails (default: refuse with 503). Never
+    /// applies to transactional routes, whose transaction is on the store's database.
     pub fn fail_open(mut self, on: bool) -> Self {
         self.config.fail_open = on;
+        self
+    }
+
+    /// The commit path of transactional routes whose attribute sets no `commit` (default:
+    /// single commit on PostgreSQL and SQLite; see [`crate::tx`]).
+    pub fn commit_path(mut self, path: CommitPath) -> Self {
+        self.config.commit = Some(path);
+        self
+    }
+
+    /// How long a request whose key another open transaction holds waits for it before it
+    /// gets 409, for transactional routes whose attribute sets no `wait` (default 50 ms;
+    /// single commit on PostgreSQL).
+    pub fn transaction_wait(mut self, wait: Duration) -> Self {
+        self.config.tx_wait = wait;
+        self
+    }
+
+    /// At most this many requests per key wait in this process (default 4); more get 409 at
+    /// once. 0: none waits.
+    pub fn max_waiters(mut self, n: usize) -> Self {
+        self.config.max_waiters = n;
         self
     }
 
@@ -287,6 +333,12 @@ impl<T: From<Config>> ConfigBuilder<T> {
                 what: "max_request",
             });
         }
+        if c.tx_wait > MAX_DURATION {
+            return Err(ConfigError::TooLong {
+                what: "transaction_wait",
+                value: c.tx_wait,
+            });
+        }
         Ok(T::from(c))
     }
 }
@@ -301,6 +353,8 @@ pub struct Route {
     key: KeyRequirement,
     store_server_errors: bool,
     max_response: Option<usize>,
+    commit: Option<CommitPath>,
+    wait: Option<Duration>,
     reported: AtomicBool,
 }
 
@@ -330,7 +384,32 @@ impl Route {
             key,
             store_server_errors,
             max_response,
+            commit: None,
+            wait: None,
             reported: AtomicBool::new(false),
+        }
+    }
+
+    /// The attribute's `commit` and `wait` of a transactional route (`None` takes the
+    /// configuration's default).
+    #[must_use]
+    pub const fn transactional(
+        mut self,
+        commit: Option<CommitPath>,
+        wait: Option<Duration>,
+    ) -> Self {
+        self.commit = commit;
+        self.wait = wait;
+        self
+    }
+
+    /// The transactional settings of this route under `config`; `database_default` is the
+    /// commit path of the database when neither sets one.
+    pub fn tx_options(&self, config: &Config, database_default: CommitPath) -> TxOptions {
+        TxOptions {
+            commit: self.commit.or(config.commit).unwrap_or(database_default),
+            wait: self.wait.unwrap_or(config.tx_wait),
+            max_waiters: config.max_waiters,
         }
     }
 
@@ -476,6 +555,80 @@ impl From<Begin> for Step {
             Begin::Draining => Step::Respond(Reply::problem(&Problem::shutting_down())),
             Begin::Misconfigured(_) => Step::Respond(Reply::problem(&Problem::misconfigured())),
         }
+    }
+}
+
+/// What an adapter does next on a transactional route ([`TxBegin`](crate::TxBegin) on the
+/// wire): run the handler with the execution's transaction, or answer.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[derive(Debug)]
+pub enum TxStep<DB: crate::TxDatabase> {
+    /// Run the handler with [`TxExecution::transaction`](crate::TxExecution::transaction), read
+    /// its whole response, then [`finish_transactional`].
+    Run(crate::TxExecution<DB>),
+    /// Answer with this; the handler does not run.
+    Respond(Reply),
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+impl<DB: crate::TxDatabase> From<crate::TxBegin<DB>> for TxStep<DB> {
+    fn from(begin: crate::TxBegin<DB>) -> Self {
+        match begin {
+            crate::TxBegin::Run(execution) => TxStep::Run(execution),
+            crate::TxBegin::Respond(begin) => match Step::from(begin) {
+                Step::Respond(reply) => TxStep::Respond(reply),
+                // `begin_transactional` never answers with these.
+                Step::Execute(_) | Step::Unprotected => {
+                    TxStep::Respond(Reply::problem(&Problem::misconfigured()))
+                }
+            },
+            crate::TxBegin::WrongStore { wanted } => {
+                TxStep::Respond(Reply::problem(&Problem::transaction_store_mismatch(wanted)))
+            }
+        }
+    }
+}
+
+/// What the client gets after [`finish_transactional`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TxReply {
+    /// Send the handler's response (its body as read); `first_execution`: add
+    /// [`FIRST_EXECUTION`] (the response was stored).
+    Send {
+        /// Whether the response was stored with the commit.
+        first_execution: bool,
+    },
+    /// Answer with this instead (the commit failed: nothing of the handler's is sent).
+    Respond(Reply),
+}
+
+/// Finishes a transactional execution with the handler's whole response: stores it (up to
+/// `limit` bytes; larger ones store the oversized marker) and commits, or rolls back when the
+/// route does not store its status. Nothing can be sent before COMMIT, so the adapter reads
+/// the whole body first (a failed body: [`TxExecution::abort`](crate::TxExecution::abort)
+/// and [`Problem::response_failed`]).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub async fn finish_transactional<'a, DB: crate::TxDatabase>(
+    execution: crate::TxExecution<DB>,
+    status: u16,
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    body: &[u8],
+    limit: usize,
+) -> TxReply {
+    let mut capture = Capture::new(status, headers, limit);
+    capture.push(body);
+    let protected = execution.is_protected();
+    match execution.finish(capture.finish()).await {
+        crate::TxFinished::Committed => TxReply::Send {
+            first_execution: protected,
+        },
+        crate::TxFinished::RolledBack => TxReply::Send {
+            first_execution: false,
+        },
+        crate::TxFinished::Failed(_) => {
+            TxReply::Respond(Reply::problem(&Problem::store_unavailable()))
+        }
+        crate::TxFinished::Escaped => TxReply::Respond(Reply::problem(&Problem::misconfigured())),
     }
 }
 

@@ -56,6 +56,7 @@ mod scope;
 mod sql;
 mod store;
 mod sweeper;
+pub mod tx;
 
 pub use clock::{Clock, ManualClock, SkewedClock, SystemClock};
 pub use duration::{DurationError, format_duration, parse_duration};
@@ -83,4 +84,7 @@ pub use sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
 pub use sqlx;
 pub use store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 pub use sweeper::Sweeper;
+pub use tx::{CommitPath, TxOptions};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use tx::{Transaction, TxBegin, TxDatabase, TxExecution, TxFinished};
 pub use uuid;

@@ -129,6 +129,13 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError::Unavailable`], [`StoreError::Corrupt`].
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
+
+    /// The store itself, when it can run transactional executions (the SQL stores, see
+    /// [`TxDatabase`](crate::TxDatabase)); `None` (the default) for every other store.
+    /// Wrappers that forward to such a store should forward this too.
+    fn transactional(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 #[async_trait::async_trait]
@@ -161,5 +168,8 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         (**self).get(key).await
+    }
+    fn transactional(&self) -> Option<&dyn std::any::Any> {
+        (**self).transactional()
     }
 }

@@ -16,7 +16,7 @@ enum Kind {
 
 /// Every argument the attribute knows: its name, what it takes, and the example the errors
 /// show. The parser, the "expected one of" list and the hints all read this one table.
-const ARGS: [(&str, Kind, &str); 8] = [
+const ARGS: [(&str, Kind, &str); 10] = [
     ("scope", Kind::Value, "scope = \"account_id\""),
     ("unscoped", Kind::Flag, "unscoped"),
     ("ttl", Kind::Value, "ttl = \"24h\""),
@@ -24,6 +24,8 @@ const ARGS: [(&str, Kind, &str); 8] = [
     ("key", Kind::Value, "key = \"optional\""),
     ("store_server_errors", Kind::Flag, "store_server_errors"),
     ("max_response", Kind::Value, "max_response = \"1MiB\""),
+    ("commit", Kind::Value, "commit = \"two\""),
+    ("wait", Kind::Value, "wait = \"5s\""),
     ("crate", Kind::Value, "crate = \"my_idempotent_axum\""),
 ];
 
@@ -64,6 +66,9 @@ pub(crate) struct Args {
     pub(crate) key: Option<(KeyReq, Span)>,
     pub(crate) store_server_errors: Option<Span>,
     pub(crate) max_response: Option<(u64, Span)>,
+    /// `commit = "single" | "two"`: `true` for two commits.
+    pub(crate) commit: Option<(bool, Span)>,
+    pub(crate) wait: Option<(u64, Span)>,
     pub(crate) krate: Option<(syn::Path, Span)>,
 }
 
@@ -168,6 +173,18 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
                     lspan,
                     format!("`key = \"{other}\"` is not a key requirement; expected `\"required\"` or `\"optional\"`"),
                 )),
+            },
+            "commit" => match lit.value().as_str() {
+                "single" => set(&mut args.commit, (false, lspan), &name, span, &mut errors),
+                "two" => set(&mut args.commit, (true, lspan), &name, span, &mut errors),
+                other => errors.push(syn::Error::new(
+                    lspan,
+                    format!("`commit = \"{other}\"` is not a commit path; expected `\"single\"` or `\"two\"`"),
+                )),
+            },
+            "wait" => match duration(&lit) {
+                Ok(ms) => set(&mut args.wait, (ms, lspan), &name, span, &mut errors),
+                Err(e) => errors.push(e),
             },
             "max_response" => match size(&lit) {
                 Ok(n) => set(&mut args.max_response, (n, lspan), &name, span, &mut errors),

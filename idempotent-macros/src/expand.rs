@@ -39,6 +39,23 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
     let mut errors = signature::check(&func);
     let (parsed, mut arg_errors) = args::parse(args);
     errors.append(&mut arg_errors);
+    let tx = signature::transaction(&func).unwrap_or_else(|e| {
+        errors.push(e);
+        None
+    });
+    if tx.is_none() {
+        for (name, span) in [
+            ("commit", parsed.commit.map(|c| c.1)),
+            ("wait", parsed.wait.map(|w| w.1)),
+        ] {
+            if let Some(span) = span {
+                errors.push(syn::Error::new(
+                    span,
+                    format!("`{name}` applies to transactional handlers: add a `tx: Transaction<DB>` parameter (DB = `Postgres` or `Sqlite`, the store's database)"),
+                ));
+            }
+        }
+    }
     if let Some((path, span)) = &parsed.scope {
         let bound = signature::bindings(&func);
         if !bound.iter().any(|(n, _)| *n == path.param) {
@@ -58,7 +75,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
         }
     }
     if errors.is_empty() {
-        generate(&parsed, func, fw)
+        generate(&parsed, func, fw, tx)
     } else {
         with_errors(item, errors)
     }
@@ -75,7 +92,7 @@ fn with_errors(item: TokenStream, errors: Vec<syn::Error>) -> TokenStream {
     quote!(#item #(#errors)*)
 }
 
-fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
+fn generate(a: &Args, func: ItemFn, fw: Framework, tx: Option<usize>) -> TokenStream {
     let krate = a
         .krate
         .as_ref()
@@ -194,6 +211,20 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
 
     let mut new_sig = sig;
     new_sig.output = syn::parse_quote!(-> #p::Output);
+    // Transactional mode: the transaction is no extractor; the runtime opens it (after the
+    // claim) and passes it to the body, which becomes a closure over it.
+    let tx_param = tx.and_then(|i| {
+        let arg = new_sig.inputs.iter().nth(i).cloned();
+        new_sig.inputs = std::mem::take(&mut new_sig.inputs)
+            .into_iter()
+            .enumerate()
+            .filter_map(|(j, arg)| (j != i).then_some(arg))
+            .collect();
+        match arg {
+            Some(syn::FnArg::Typed(t)) => Some(t),
+            _ => None,
+        }
+    });
     // Axum: the hidden context is the first extractor (axum runs extractors one by one).
     // Actix polls a handler's extractors together, so there the context is the only one and
     // runs the handler's own extractors, as one tuple, after its checks.
@@ -218,21 +249,41 @@ fn generate(a: &Args, func: ItemFn, fw: Framework) -> TokenStream {
         }
     };
     let stmts = &block.stmts;
+    let body = quote! {
+        async move {
+            #anchor
+            #(#stmts)*
+        }
+    };
+    let (route_new, call) = match &tx_param {
+        None => (
+            quote!(#p::Route::new(#name, #ttl, #lease, #key, #store_5xx, #max_response)),
+            quote!(#p::run(#ctx, &#route, #scope_var, #body)),
+        ),
+        Some(t) => {
+            let commit = match a.commit {
+                Some((true, _)) => quote!(::core::option::Option::Some(#p::Commit::Two)),
+                Some((false, _)) => quote!(::core::option::Option::Some(#p::Commit::Single)),
+                None => quote!(::core::option::Option::None),
+            };
+            let wait = opt_ms(a.wait);
+            let (pat, ty) = (&t.pat, &t.ty);
+            (
+                quote!(#p::Route::new(#name, #ttl, #lease, #key, #store_5xx, #max_response)
+                    .transactional(#commit, #wait)),
+                quote!(#p::run_tx(#ctx, &#route, #scope_var, move |#pat: #ty| #body)),
+            )
+        }
+    };
 
     quote! {
         #(#outer)*
         #vis #new_sig {
             #(#inner)*
-            static #route: #p::Route = #p::Route::new(
-                #name, #ttl, #lease, #key, #store_5xx, #max_response,
-            );
+            static #route: #p::Route = #route_new;
             #split
             let #scope_var = #scope_expr;
-            #p::run(#ctx, &#route, #scope_var, async move {
-                #anchor
-                #(#stmts)*
-            })
-            .await
+            #call.await
         }
     }
 }

@@ -32,6 +32,41 @@ pub(crate) fn check(f: &ItemFn) -> Vec<syn::Error> {
     errors
 }
 
+/// The handler's transaction parameter (transactional mode): the one whose type is a path
+/// ending in `Transaction<DB>`. Its index among the inputs, or the errors that make it
+/// ambiguous or wrong (two of them; sqlx's own `Transaction<'c, DB>`).
+pub(crate) fn transaction(f: &ItemFn) -> Result<Option<usize>, syn::Error> {
+    let mut found = None;
+    for (i, arg) in f.sig.inputs.iter().enumerate() {
+        let FnArg::Typed(t) = arg else { continue };
+        let syn::Type::Path(path) = &*t.ty else {
+            continue;
+        };
+        let Some(last) = path.path.segments.last() else {
+            continue;
+        };
+        if last.ident != "Transaction" {
+            continue;
+        }
+        let takes_lifetime = matches!(&last.arguments, syn::PathArguments::AngleBracketed(a)
+            if a.args.iter().any(|g| matches!(g, syn::GenericArgument::Lifetime(_))));
+        if takes_lifetime {
+            return Err(syn::Error::new(
+                t.ty.span(),
+                "take the adapter's `Transaction<DB>` (e.g. `idempotent_axum::Transaction<Postgres>`), not sqlx's `Transaction<'_, DB>`: the library opens, commits and rolls it back with the stored response",
+            ));
+        }
+        if found.is_some() {
+            return Err(syn::Error::new(
+                t.ty.span(),
+                "a handler takes at most one `Transaction`: the stored response commits with exactly one",
+            ));
+        }
+        found = Some(i);
+    }
+    Ok(found)
+}
+
 /// The names bound by the function's parameter patterns, in order, walking tuple-struct,
 /// struct, tuple, reference and typed patterns (`Path(account_id): Path<String>` binds
 /// `account_id`).

@@ -9,9 +9,10 @@ use actix_web::http::{StatusCode, header};
 use actix_web::web::{self, Bytes};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError};
 use clap::Parser;
-use idempotent_actix::{Idempotency, idempotent};
+use idempotent_actix::sqlx::{Postgres, Sqlite};
+use idempotent_actix::{Idempotency, Transaction, idempotent};
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
-use idempotent_examples::charges::{NewCharge, NewRefund};
+use idempotent_examples::charges::{Kind, NewCharge, NewRefund, Writer};
 use std::future::Future;
 use std::io::Write;
 use std::pin::Pin;
@@ -98,13 +99,43 @@ impl<T: ApiBody + 'static> FromRequest for Valid<T> {
     }
 }
 
+/// Memory store: plain mode (the charge and the record are written apart).
 #[idempotent(scope = "account")]
 async fn create_charge(
     api: web::Data<Api>,
     Account(account): Account,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
-    Reply(api.create_charge(&account, req).await)
+    Reply(api.create_charge(Writer::Pool, &account, req).await)
+}
+
+/// SQLite: transactional mode. The charge row commits with the stored response, in one
+/// commit, or not at all (a crash, a 5xx, a panic roll both back).
+#[idempotent(scope = "account")]
+async fn create_charge_sqlite(
+    api: web::Data<Api>,
+    Account(account): Account,
+    mut tx: Transaction<Sqlite>,
+    Valid(req): Valid<NewCharge>,
+) -> Reply {
+    Reply(
+        api.create_charge(Writer::Sqlite(&mut tx), &account, req)
+            .await,
+    )
+}
+
+/// PostgreSQL: transactional mode, as on SQLite.
+#[idempotent(scope = "account")]
+async fn create_charge_postgres(
+    api: web::Data<Api>,
+    Account(account): Account,
+    mut tx: Transaction<Postgres>,
+    Valid(req): Valid<NewCharge>,
+) -> Reply {
+    Reply(
+        api.create_charge(Writer::Postgres(&mut tx), &account, req)
+            .await,
+    )
 }
 
 /// The charge in the path is part of the request: one key used to refund two charges is a 422
@@ -116,7 +147,53 @@ async fn create_refund(
     charge: web::Path<String>,
     Valid(req): Valid<NewRefund>,
 ) -> Reply {
-    Reply(api.create_refund(&account, &charge, req).await)
+    Reply(
+        api.create_refund(Writer::Pool, &account, &charge, req)
+            .await,
+    )
+}
+
+#[idempotent(scope = "account")]
+async fn create_refund_sqlite(
+    api: web::Data<Api>,
+    Account(account): Account,
+    charge: web::Path<String>,
+    mut tx: Transaction<Sqlite>,
+    Valid(req): Valid<NewRefund>,
+) -> Reply {
+    Reply(
+        api.create_refund(Writer::Sqlite(&mut tx), &account, &charge, req)
+            .await,
+    )
+}
+
+#[idempotent(scope = "account")]
+async fn create_refund_postgres(
+    api: web::Data<Api>,
+    Account(account): Account,
+    charge: web::Path<String>,
+    mut tx: Transaction<Postgres>,
+    Valid(req): Valid<NewRefund>,
+) -> Reply {
+    Reply(
+        api.create_refund(Writer::Postgres(&mut tx), &account, &charge, req)
+            .await,
+    )
+}
+
+/// The POST routes for the database kind: transactional on SQL, plain on memory.
+fn posts(kind: Kind) -> (actix_web::Route, actix_web::Route) {
+    match kind {
+        Kind::Memory => (web::post().to(create_charge), web::post().to(create_refund)),
+        Kind::Sqlite => (
+            web::post().to(create_charge_sqlite),
+            web::post().to(create_refund_sqlite),
+        ),
+        Kind::Postgres => (
+            web::post().to(create_charge_postgres),
+            web::post().to(create_refund_postgres),
+        ),
+    }
 }
 
 async fn list_charges(api: web::Data<Api>, Account(account): Account) -> Reply {
@@ -149,24 +226,26 @@ async fn main() -> ExitCode {
         idempotency,
         sweeper,
     } = started;
+    let kind = api.kind();
     let api = web::Data::new(api);
     let middleware = idempotency.middleware();
     let server = HttpServer::new(move || {
         // One resource per path (another method gets 405, as on Axum), HEAD wherever GET is
         // (Axum's `get` serves both), and Axum's default 2 MB body limit.
+        let (charge, refund) = posts(kind);
         actix_web::App::new()
             .wrap(middleware.clone())
             .app_data(api.clone())
             .app_data(web::PayloadConfig::new(2 * 1024 * 1024))
             .service(
                 web::resource("/v1/charges")
-                    .route(web::post().to(create_charge))
+                    .route(charge)
                     .route(web::get().to(list_charges))
                     .route(web::head().to(list_charges)),
             )
             .service(
                 web::resource("/v1/charges/{charge}/refunds")
-                    .route(web::post().to(create_refund))
+                    .route(refund)
                     .route(web::get().to(list_refunds))
                     .route(web::head().to(list_refunds)),
             )

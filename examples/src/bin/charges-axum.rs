@@ -8,11 +8,12 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
 use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use clap::Parser;
-use idempotent_axum::{Idempotency, idempotent};
+use idempotent_axum::sqlx::{Postgres, Sqlite};
+use idempotent_axum::{Idempotency, Transaction, idempotent};
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
-use idempotent_examples::charges::{NewCharge, NewRefund};
+use idempotent_examples::charges::{Kind, NewCharge, NewRefund, Writer};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -75,13 +76,43 @@ impl<S: Send + Sync, T: ApiBody> FromRequest<S> for Valid<T> {
     }
 }
 
+/// Memory store: plain mode (the charge and the record are written apart).
 #[idempotent(scope = "account")]
 async fn create_charge(
     State(api): State<Api>,
     Account(account): Account,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
-    Reply(api.create_charge(&account, req).await)
+    Reply(api.create_charge(Writer::Pool, &account, req).await)
+}
+
+/// SQLite: transactional mode. The charge row commits with the stored response, in one
+/// commit, or not at all (a crash, a 5xx, a panic roll both back).
+#[idempotent(scope = "account")]
+async fn create_charge_sqlite(
+    State(api): State<Api>,
+    Account(account): Account,
+    mut tx: Transaction<Sqlite>,
+    Valid(req): Valid<NewCharge>,
+) -> Reply {
+    Reply(
+        api.create_charge(Writer::Sqlite(&mut tx), &account, req)
+            .await,
+    )
+}
+
+/// PostgreSQL: transactional mode, as on SQLite.
+#[idempotent(scope = "account")]
+async fn create_charge_postgres(
+    State(api): State<Api>,
+    Account(account): Account,
+    mut tx: Transaction<Postgres>,
+    Valid(req): Valid<NewCharge>,
+) -> Reply {
+    Reply(
+        api.create_charge(Writer::Postgres(&mut tx), &account, req)
+            .await,
+    )
 }
 
 /// The charge in the path is part of the request: one key used to refund two charges is a 422
@@ -93,7 +124,47 @@ async fn create_refund(
     Path(charge): Path<String>,
     Valid(req): Valid<NewRefund>,
 ) -> Reply {
-    Reply(api.create_refund(&account, &charge, req).await)
+    Reply(
+        api.create_refund(Writer::Pool, &account, &charge, req)
+            .await,
+    )
+}
+
+#[idempotent(scope = "account")]
+async fn create_refund_sqlite(
+    State(api): State<Api>,
+    Account(account): Account,
+    Path(charge): Path<String>,
+    mut tx: Transaction<Sqlite>,
+    Valid(req): Valid<NewRefund>,
+) -> Reply {
+    Reply(
+        api.create_refund(Writer::Sqlite(&mut tx), &account, &charge, req)
+            .await,
+    )
+}
+
+#[idempotent(scope = "account")]
+async fn create_refund_postgres(
+    State(api): State<Api>,
+    Account(account): Account,
+    Path(charge): Path<String>,
+    mut tx: Transaction<Postgres>,
+    Valid(req): Valid<NewRefund>,
+) -> Reply {
+    Reply(
+        api.create_refund(Writer::Postgres(&mut tx), &account, &charge, req)
+            .await,
+    )
+}
+
+/// The POST handlers for the database kind: transactional on SQL, plain on memory.
+fn posts(kind: Kind) -> (MethodRouter<Api>, MethodRouter<Api>) {
+    match kind {
+        Kind::Memory => (post(create_charge), post(create_refund)),
+        Kind::Sqlite => (post(create_charge_sqlite), post(create_refund_sqlite)),
+        Kind::Postgres => (post(create_charge_postgres), post(create_refund_postgres)),
+    }
 }
 
 async fn list_charges(State(api): State<Api>, Account(account): Account) -> Reply {
@@ -124,12 +195,10 @@ async fn main() -> ExitCode {
         idempotency,
         sweeper,
     } = started;
+    let (charge, refund) = posts(api.kind());
     let app = Router::new()
-        .route("/v1/charges", post(create_charge).get(list_charges))
-        .route(
-            "/v1/charges/{charge}/refunds",
-            post(create_refund).get(list_refunds),
-        )
+        .route("/v1/charges", charge.get(list_charges))
+        .route("/v1/charges/{charge}/refunds", refund.get(list_refunds))
         .route("/healthz", get(healthz))
         .layer(idempotency.layer())
         .with_state(api);

@@ -184,6 +184,10 @@ macro_rules! sql_store_common {
                     row.map(|row| build_record(key, record_columns(&row).map_err(db_error)?))
                         .transpose()
                 }
+
+                fn transactional(&self) -> Option<&dyn std::any::Any> {
+                    Some(self)
+                }
             }
         };
     };

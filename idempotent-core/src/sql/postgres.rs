@@ -87,6 +87,8 @@ struct Statements {
     name: String,
     table: String,
     claim: Arc<str>,
+    read: Arc<str>,
+    tx_claim: Arc<str>,
     take_over: Arc<str>,
     complete: Arc<str>,
     release: Arc<str>,
@@ -133,6 +135,52 @@ impl Statements {
                        COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8,
                        0::int8, status, headers, body, oversized
                 FROM existing"),
+            // Read-only, outside any transaction: settles replays (transactional mode's fast
+            // path); a miss goes on to the claim inside the transaction.
+            read: s("SELECT fingerprint, done, token, expires_at <= {now} AS expired,
+                    (NOT done AND locked_until <= {now}) AS lease_over,
+                    COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8 AS retry_ms,
+                    status, headers, body, oversized
+                FROM {t} WHERE scope = $1 AND key = $2"),
+            // The claim inside a business transaction (single commit). A transaction-scoped
+            // advisory lock on the key ($7) stands for the uncommitted claim row: only its
+            // holder inserts, so a duplicate never blocks on that row's unique-index entry (a
+            // wait that would last as long as the handler) and instead learns at once that the
+            // key is held (`locked` false, no row: the caller waits, bounded, or answers 409).
+            // Try-lock never waits and never touches other keys. The same statement sets the
+            // transaction's idle timeout ($8, the lease), so a session frozen inside the
+            // transaction gives the key back. The lock CTE is volatile, so it is evaluated
+            // once, before the INSERT that reads it.
+            tx_claim: s("WITH lock AS MATERIALIZED (
+                    SELECT pg_try_advisory_xact_lock($7) AS got,
+                           set_config('idle_in_transaction_session_timeout', $8, true) AS idle),
+                existing AS (
+                    SELECT fingerprint, done, token, expires_at, locked_until, status, headers, body, oversized
+                    FROM {t} WHERE scope = $1 AND key = $2),
+                ins AS (
+                    INSERT INTO {t} (scope, key, fingerprint, done, token, locked_until, created_at, expires_at)
+                    SELECT $1, $2, $3, false, $4,
+                           {now} + $5::float8 * interval '1 millisecond', {now},
+                           {now} + $6::float8 * interval '1 millisecond'
+                    FROM lock WHERE lock.got AND lock.idle IS NOT NULL
+                      AND NOT EXISTS (SELECT 1 FROM existing)
+                    ON CONFLICT (scope, key) DO NOTHING
+                    RETURNING locked_until)
+                SELECT true AS inserted, true AS locked, NULL::bytea AS fingerprint, false AS done,
+                       NULL::uuid AS token, false AS expired, false AS lease_over, 0::int8 AS retry_ms,
+                       (extract(epoch FROM locked_until) * 1000)::int8 AS locked_until_ms,
+                       NULL::int4 AS status, NULL::bytea AS headers, NULL::bytea AS body, NULL::int8 AS oversized
+                FROM ins
+                UNION ALL
+                SELECT false, lock.got, fingerprint, done, token,
+                       expires_at <= {now},
+                       (NOT done AND locked_until <= {now}),
+                       COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8,
+                       0::int8, status, headers, body, oversized
+                FROM existing, lock
+                UNION ALL
+                SELECT false, false, NULL, false, NULL, false, false, 0, 0, NULL, NULL, NULL, NULL
+                FROM lock WHERE NOT lock.got AND NOT EXISTS (SELECT 1 FROM existing)"),
             // The rare path: take over an expired record, or a lease that ran out (the caller
             // checked the fingerprint on the row it read). Compare-and-swap on the old token
             // closes the race between two retries taking over at once: only one UPDATE matches
@@ -276,6 +324,121 @@ impl PostgresStore {
             }
         }
         Err(StoreError::unavailable(Contention))
+    }
+}
+
+/// The advisory lock that stands for a key's uncommitted claim: 64 bits of SHA-256 over the
+/// table and the length-prefixed (scope, key), so keys never share a lock by concatenation and
+/// stores on other tables never collide with this one.
+fn lock_id(table: &str, key: &crate::RecordKey) -> i64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [table, key.scope.as_str(), key.key.as_str()] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let digest = h.finalize();
+    let mut first = [0; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+impl crate::tx::TxDatabase for sqlx::Postgres {
+    type Store = PostgresStore;
+    const LABEL: &'static str = "PostgreSQL";
+    const DEFAULT_COMMIT: crate::CommitPath = crate::CommitPath::Single;
+
+    async fn begin_tx(
+        store: &PostgresStore,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        store.pool.begin().await.map_err(db_error)
+    }
+
+    async fn read(
+        store: &PostgresStore,
+        req: ClaimRequest<'_>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        store.sent.bump();
+        let row = sqlx::query(q(&store.sql.read))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .fetch_optional(&store.pool)
+            .await
+            .map_err(db_error)?;
+        match row {
+            None => Ok(None),
+            Some(row) => match PostgresStore::decide_row(&row, &req)? {
+                Decision::Report(outcome) => Ok(Some(outcome)),
+                Decision::TakeOver(_) => Ok(None),
+            },
+        }
+    }
+
+    async fn claim_in(
+        store: &PostgresStore,
+        conn: &mut PgConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
+        let fp = req.fingerprint.to_stored();
+        let lock = lock_id(&store.sql.table, req.key);
+        let idle = millis(req.lease).to_string();
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            let token = LeaseToken::generate();
+            store.sent.bump();
+            let row = sqlx::query(q(&store.sql.tx_claim))
+                .bind(scope)
+                .bind(key)
+                .bind(&fp[..])
+                .bind(token.as_uuid())
+                .bind(millis(req.lease))
+                .bind(millis(req.lease.saturating_add(req.ttl)))
+                .bind(lock)
+                .bind(&idle)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(db_error)?;
+            // No row: a claimer committed after this statement's snapshot; read it again.
+            let Some(row) = row else { continue };
+            if row.try_get::<bool, _>("inserted").map_err(db_error)? {
+                let until: i64 = row.try_get("locked_until_ms").map_err(db_error)?;
+                return Ok(Some(claimed(token, until, false)));
+            }
+            let locked: bool = row.try_get("locked").map_err(db_error)?;
+            if row
+                .try_get::<Option<uuid::Uuid>, _>("token")
+                .map_err(db_error)?
+                .is_none()
+            {
+                // No committed row, and another transaction holds the key.
+                return Ok(None);
+            }
+            match PostgresStore::decide_row(&row, &req)? {
+                Decision::Report(outcome) => return Ok(Some(outcome)),
+                // Taking over writes the row: only the lock's holder may.
+                Decision::TakeOver(_) if !locked => return Ok(None),
+                Decision::TakeOver(old) => {
+                    let until = store
+                        .claim_write(conn, &store.sql.take_over, &req, token, Some(old))
+                        .await?;
+                    if let Some(until) = until {
+                        return Ok(Some(claimed(token, until, true)));
+                    }
+                }
+            }
+        }
+        Err(StoreError::unavailable(Contention))
+    }
+
+    async fn complete_in(
+        store: &PostgresStore,
+        conn: &mut PgConnection,
+        key: &crate::RecordKey,
+        token: LeaseToken,
+        outcome: &crate::StoredOutcome,
+        ttl: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        store.complete_on(conn, key, token, outcome, ttl).await
     }
 }
 

@@ -240,4 +240,63 @@ impl SqliteStore {
     }
 }
 
+impl crate::tx::TxDatabase for sqlx::Sqlite {
+    type Store = SqliteStore;
+    const LABEL: &'static str = "SQLite";
+    const DEFAULT_COMMIT: crate::CommitPath = crate::CommitPath::Single;
+
+    /// `BEGIN IMMEDIATE`: the write lock from the start (waiting up to the busy timeout), so
+    /// a read followed by a write inside the transaction never fails on a snapshot another
+    /// writer moved.
+    async fn begin_tx(
+        store: &SqliteStore,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
+        store
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(db_error)
+    }
+
+    async fn read(
+        store: &SqliteStore,
+        req: ClaimRequest<'_>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        store.sent.bump();
+        let row = sqlx::query(q(&store.sql.read))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .fetch_optional(&store.pool)
+            .await
+            .map_err(db_error)?;
+        match row {
+            None => Ok(None),
+            Some(row) => match SqliteStore::decide_row(&row, &req)? {
+                Decision::Report(outcome) => Ok(Some(outcome)),
+                Decision::TakeOver(_) => Ok(None),
+            },
+        }
+    }
+
+    /// The transaction holds the write lock, so the ordinary claim cannot race.
+    async fn claim_in(
+        store: &SqliteStore,
+        conn: &mut SqliteConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        store.claim_on(conn, req).await.map(Some)
+    }
+
+    async fn complete_in(
+        store: &SqliteStore,
+        conn: &mut SqliteConnection,
+        key: &crate::RecordKey,
+        token: LeaseToken,
+        outcome: &crate::StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        store.complete_on(conn, key, token, outcome, ttl).await
+    }
+}
+
 sql_store_common!(SqliteStore, SqlitePool, sqlx::Sqlite, SqliteConnection);

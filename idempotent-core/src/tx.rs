@@ -1,0 +1,637 @@
+//! Transactional mode (DESIGN.md §4): the handler writes through a transaction on the store's
+//! own database, and its stored response commits **with** those writes, in the same commit.
+//!
+//! Commit if and only if the response is stored: a stored response (2xx, 3xx, 4xx other than
+//! 408/409/425/429) commits the handler's writes together with the record; a releasing one
+//! (5xx, 408/409/425/429), a panic, a failed fence or a failed write rolls everything back.
+//! The handler's response is never sent before COMMIT has succeeded.
+//!
+//! Two ways to get there ([`CommitPath`]):
+//! - **single commit**: BEGIN → claim (the row is inserted inside the business transaction) →
+//!   the handler's statements → complete → COMMIT. One commit per first execution; a crash
+//!   rolls the claim back with everything else, so a retry runs at once, with no lease to wait
+//!   for. A concurrent duplicate meets the uncommitted claim: on PostgreSQL it waits a short,
+//!   bounded time ([`TxOptions::wait`], through a transaction-scoped advisory lock on the key,
+//!   so the wait never applies to the handler's own statements and never holds up other keys),
+//!   then gets the replay if the first committed meanwhile, else 409. On SQLite the
+//!   transaction holds the database's single write lock (`BEGIN IMMEDIATE`), so duplicates and
+//!   every other writer wait for it (the busy timeout).
+//! - **two commits**: the claim commits alone (duplicates see it and get 409 at once) → BEGIN
+//!   → handler → complete, fenced by the lease token, in the handler's transaction → COMMIT.
+//!   For handlers that must not hold the claim row's lock (or the advisory lock) for long; a
+//!   crash leaves the claim, whose lease expires.
+//!
+//! A replay costs one read-only statement on either path (the record is read before any
+//! transaction begins).
+
+use std::time::Duration;
+
+/// How a transactional execution commits (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CommitPath {
+    /// The claim, the handler's writes and the stored response in one transaction: one commit.
+    Single,
+    /// The claim in its own commit, then the handler's writes and the stored response in a
+    /// second, fenced by the lease.
+    Two,
+}
+
+impl CommitPath {
+    /// `"single"` or `"two"`, as the attribute's `commit` argument spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommitPath::Single => "single",
+            CommitPath::Two => "two",
+        }
+    }
+}
+
+/// Default for [`TxOptions::wait`]: how long a duplicate waits for the transaction that holds
+/// its key before it gets 409.
+pub const DEFAULT_TX_WAIT: Duration = Duration::from_millis(50);
+/// Default for [`TxOptions::max_waiters`].
+pub const DEFAULT_MAX_WAITERS: usize = 4;
+
+/// A transactional route's settings, resolved from its attribute and the configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxOptions {
+    /// Single or two commits.
+    pub commit: CommitPath,
+    /// Single commit on PostgreSQL: how long a request whose key is held by another open
+    /// transaction waits for it (polling, bounded) before it gets 409; if the other commits
+    /// meanwhile, the waiter gets the replay. Never applies to the handler's own statements.
+    /// (SQLite waits for its write lock through the pool's busy timeout instead.)
+    pub wait: Duration,
+    /// At most this many requests per key wait in one process; more get 409 at once, so
+    /// duplicates cannot take every pooled connection.
+    pub max_waiters: usize,
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use with_sqlx::*;
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod with_sqlx {
+    use super::{CommitPath, TxOptions};
+    use crate::engine::{Begin, Engine, ExecuteRequest, Execution, InFlight, PanicPayload, Policy};
+    use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+    use crate::{KeyError, KeyRequirement, LeaseToken, RecordKey, StoredOutcome};
+    use futures_util::FutureExt;
+    use std::future::Future;
+    use std::panic::AssertUnwindSafe;
+    use std::sync::{Arc, Mutex, PoisonError};
+    use std::time::Duration;
+
+    type Home<DB> = Arc<Mutex<Option<sqlx::Transaction<'static, DB>>>>;
+
+    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The transaction a transactional handler writes through: a live sqlx transaction on the
+    /// store's own database, dereferencing to its connection, so statements run as
+    /// `query.execute(&mut *tx)`.
+    ///
+    /// The library commits it (with the stored response) or rolls it back after the handler
+    /// returns; there is no `commit` here. Keep it inside the handler: a transaction still
+    /// held elsewhere when the handler returns cannot be committed, so the request is answered
+    /// with a 500 problem and everything it wrote rolls back.
+    ///
+    /// ```no_run
+    /// # async fn demo(mut tx: idempotent_core::Transaction<sqlx::Postgres>) -> Result<(), sqlx::Error> {
+    /// sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+    ///     .bind("ord_1")
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub struct Transaction<DB: sqlx::Database> {
+        tx: Option<sqlx::Transaction<'static, DB>>,
+        home: Home<DB>,
+    }
+
+    impl<DB: sqlx::Database> std::fmt::Debug for Transaction<DB> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Transaction")
+                .field("database", &DB::NAME)
+                .finish_non_exhaustive()
+        }
+    }
+
+    impl<DB: sqlx::Database> std::ops::Deref for Transaction<DB> {
+        type Target = DB::Connection;
+        fn deref(&self) -> &DB::Connection {
+            self.tx
+                .as_ref()
+                .expect("the transaction is held until drop")
+        }
+    }
+
+    impl<DB: sqlx::Database> std::ops::DerefMut for Transaction<DB> {
+        fn deref_mut(&mut self) -> &mut DB::Connection {
+            self.tx
+                .as_mut()
+                .expect("the transaction is held until drop")
+        }
+    }
+
+    impl<DB: sqlx::Database> Drop for Transaction<DB> {
+        fn drop(&mut self) {
+            // Hand it back to the execution, which commits or rolls back.
+            if let Some(tx) = self.tx.take() {
+                *lock(&self.home) = Some(tx);
+            }
+        }
+    }
+
+    mod sealed {
+        pub trait Sealed {}
+    }
+    #[cfg(feature = "postgres")]
+    impl sealed::Sealed for sqlx::Postgres {}
+    #[cfg(feature = "sqlite")]
+    impl sealed::Sealed for sqlx::Sqlite {}
+
+    /// A database whose store runs transactional executions: `sqlx::Postgres`
+    /// ([`PostgresStore`](crate::PostgresStore)) and `sqlx::Sqlite`
+    /// ([`SqliteStore`](crate::SqliteStore)). Sealed.
+    pub trait TxDatabase: sqlx::Database + sealed::Sealed {
+        /// The store on this database.
+        type Store: Store + Clone + std::fmt::Debug;
+        /// The database's name, for errors.
+        const LABEL: &'static str;
+        /// The commit path used when neither the route nor the configuration picks one
+        /// (measured: see BENCHMARKS.md).
+        const DEFAULT_COMMIT: CommitPath;
+
+        /// Opens a transaction on the store's pool for a handler.
+        #[doc(hidden)]
+        fn begin_tx(
+            store: &Self::Store,
+        ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, StoreError>> + Send;
+
+        /// Reads the record outside any transaction: `Some` when that settles the request
+        /// (replay, in progress, mismatch), `None` when a claim must follow.
+        #[doc(hidden)]
+        fn read(
+            store: &Self::Store,
+            req: ClaimRequest<'_>,
+        ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
+
+        /// Claims inside the transaction (single commit). `None`: another open transaction
+        /// holds the key (PostgreSQL's advisory lock); the caller may wait and call again.
+        #[doc(hidden)]
+        fn claim_in(
+            store: &Self::Store,
+            conn: &mut Self::Connection,
+            req: ClaimRequest<'_>,
+        ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
+
+        /// Completes the record inside the transaction, fenced by `token`.
+        #[doc(hidden)]
+        fn complete_in(
+            store: &Self::Store,
+            conn: &mut Self::Connection,
+            key: &RecordKey,
+            token: LeaseToken,
+            outcome: &StoredOutcome,
+            ttl: Duration,
+        ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    }
+
+    /// What [`Engine::begin_transactional`] found.
+    #[derive(Debug)]
+    #[non_exhaustive]
+    pub enum TxBegin<DB: TxDatabase> {
+        /// Run the handler with [`TxExecution::transaction`], then [`TxExecution::finish`].
+        Run(TxExecution<DB>),
+        /// Answer with this, without running the handler (never [`Begin::Claimed`] or
+        /// [`Begin::Unprotected`]).
+        Respond(Begin),
+        /// The engine's store is not a store on `DB`: the route cannot run atomically, so it
+        /// does not run (answer 500, naming both).
+        WrongStore {
+            /// The database the route asked for.
+            wanted: &'static str,
+        },
+    }
+
+    /// What [`TxExecution::finish`] did.
+    #[derive(Debug)]
+    #[non_exhaustive]
+    pub enum TxFinished {
+        /// The response is stored and the handler's writes committed with it: send it.
+        Committed,
+        /// The response is not storable (5xx, 408/409/425/429): everything rolled back and
+        /// the key was released; send the response as it is.
+        RolledBack,
+        /// Completing or committing failed (or the fence refused: another attempt took the
+        /// record over). Nothing of this attempt is known to be committed: answer 503.
+        Failed(StoreError),
+        /// The handler did not give its [`Transaction`] back (it kept it past its return), so
+        /// nothing could be committed: answer 500.
+        Escaped,
+    }
+
+    enum Claim {
+        /// No record (a safe method, or no key where it is optional): commit iff storable.
+        None,
+        /// The claim row is inside the transaction.
+        Single {
+            _slot: InFlight,
+            key: RecordKey,
+            token: LeaseToken,
+        },
+        /// The claim committed alone; the execution keeps its lease alive.
+        Two(Execution),
+    }
+
+    /// One transactional execution: the transaction the handler writes through, and the claim
+    /// whose record commits with it.
+    pub struct TxExecution<DB: TxDatabase> {
+        store: DB::Store,
+        home: Home<DB>,
+        claim: Claim,
+        policy: Policy,
+    }
+
+    impl<DB: TxDatabase> std::fmt::Debug for TxExecution<DB> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            let claim = match &self.claim {
+                Claim::None => "none",
+                Claim::Single { .. } => "single",
+                Claim::Two(_) => "two",
+            };
+            f.debug_struct("TxExecution")
+                .field("database", &DB::LABEL)
+                .field("claim", &claim)
+                .finish_non_exhaustive()
+        }
+    }
+
+    impl<DB: TxDatabase> TxExecution<DB> {
+        fn new(
+            store: DB::Store,
+            tx: sqlx::Transaction<'static, DB>,
+            claim: Claim,
+            policy: Policy,
+        ) -> Self {
+            TxExecution {
+                store,
+                home: Arc::new(Mutex::new(Some(tx))),
+                claim,
+                policy,
+            }
+        }
+
+        /// Whether a record protects this execution (`false` for a safe method or a request
+        /// without a key on a route where the key is optional).
+        pub fn is_protected(&self) -> bool {
+            !matches!(self.claim, Claim::None)
+        }
+
+        /// The transaction for the handler; `None` once handed out.
+        pub fn transaction(&mut self) -> Option<Transaction<DB>> {
+            let tx = lock(&self.home).take()?;
+            Some(Transaction {
+                tx: Some(tx),
+                home: Arc::clone(&self.home),
+            })
+        }
+
+        /// Runs `fut` (the handler, then its response body) to completion, keeping a
+        /// two-commit claim's lease alive; a panic is caught and returned (then call
+        /// [`TxExecution::abort`] and resume it).
+        ///
+        /// # Errors
+        /// The panic's payload, if `fut` panicked.
+        pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
+            match &mut self.claim {
+                Claim::Two(execution) => execution.run(fut).await,
+                Claim::None | Claim::Single { .. } => AssertUnwindSafe(fut).catch_unwind().await,
+            }
+        }
+
+        /// Finishes with the handler's outcome: when the policy stores its status, completes
+        /// the record inside the transaction and commits; otherwise rolls back and releases.
+        pub async fn finish(self, outcome: StoredOutcome) -> TxFinished {
+            let TxExecution {
+                store,
+                home,
+                claim,
+                policy,
+            } = self;
+            let Some(mut tx) = lock(&home).take() else {
+                tracing::error!(
+                    route = policy.route,
+                    "idempotency: the handler kept its transaction past its return; nothing was committed"
+                );
+                if let Claim::Two(execution) = claim {
+                    // That transaction has no commit of its own: it rolls back when dropped.
+                    execution.release().await;
+                }
+                return TxFinished::Escaped;
+            };
+            if !policy.stores(outcome.status()) {
+                rollback(tx, &policy).await;
+                if let Claim::Two(execution) = claim {
+                    execution.release().await;
+                }
+                return TxFinished::RolledBack;
+            }
+            let completed = match &claim {
+                Claim::None => Ok(()),
+                Claim::Single { key, token, .. } => {
+                    DB::complete_in(&store, &mut tx, key, *token, &outcome, policy.ttl).await
+                }
+                Claim::Two(execution) => {
+                    DB::complete_in(
+                        &store,
+                        &mut tx,
+                        execution.key(),
+                        execution.token(),
+                        &outcome,
+                        policy.ttl,
+                    )
+                    .await
+                }
+            };
+            if let Err(error) = completed {
+                rollback(tx, &policy).await;
+                match (claim, &error) {
+                    (Claim::Two(execution), StoreError::StaleLease) => {
+                        tracing::warn!(
+                            route = policy.route,
+                            "idempotency: the fence refused this execution: its lease was taken over; its writes rolled back"
+                        );
+                        execution.settle();
+                    }
+                    (Claim::Two(execution), _) => {
+                        tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; the handler's writes rolled back");
+                        // Nothing committed: a retry may run again.
+                        execution.release().await;
+                    }
+                    _ => {
+                        tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; everything rolled back");
+                    }
+                }
+                return TxFinished::Failed(error);
+            }
+            match tx.commit().await {
+                Ok(()) => {
+                    if let Claim::Two(execution) = claim {
+                        execution.settle();
+                    }
+                    TxFinished::Committed
+                }
+                Err(e) => {
+                    // Whether COMMIT applied is unknown: leave the record as COMMIT left it (a
+                    // two-commit claim stays in progress until its lease ends if it did not).
+                    tracing::error!(
+                        route = policy.route,
+                        error = %e,
+                        "idempotency: COMMIT failed; a retry replays if it applied, else runs again"
+                    );
+                    if let Claim::Two(execution) = claim {
+                        execution.settle();
+                    }
+                    TxFinished::Failed(crate::sql::db_error(e))
+                }
+            }
+        }
+
+        /// Finishes without an outcome (a panic, a response body that failed): rolls back and
+        /// releases the key.
+        pub async fn abort(self) {
+            let tx = lock(&self.home).take();
+            if let Some(tx) = tx {
+                rollback(tx, &self.policy).await;
+            }
+            if let Claim::Two(execution) = self.claim {
+                execution.release().await;
+            }
+        }
+    }
+
+    async fn rollback<DB: sqlx::Database>(tx: sqlx::Transaction<'static, DB>, policy: &Policy) {
+        if let Err(e) = tx.rollback().await {
+            // The server rolls back a transaction whose connection failed.
+            tracing::warn!(route = policy.route, error = %e, "idempotency: ROLLBACK failed");
+        }
+    }
+
+    /// A place among the requests waiting on one key, given back on drop.
+    struct Waiter {
+        engine: Engine,
+        key: RecordKey,
+    }
+
+    impl Waiter {
+        fn join(engine: &Engine, key: &RecordKey, max: usize) -> Option<Waiter> {
+            let mut waiters = lock(&engine.inner.waiters);
+            let n = waiters.entry(key.clone()).or_insert(0);
+            if *n >= max {
+                return None;
+            }
+            *n += 1;
+            Some(Waiter {
+                engine: engine.clone(),
+                key: key.clone(),
+            })
+        }
+    }
+
+    impl Drop for Waiter {
+        fn drop(&mut self) {
+            let mut waiters = lock(&self.engine.inner.waiters);
+            if let Some(n) = waiters.get_mut(&self.key) {
+                *n -= 1;
+                if *n == 0 {
+                    waiters.remove(&self.key);
+                }
+            }
+        }
+    }
+
+    fn wrong_store<DB: TxDatabase>(policy: &Policy) -> TxBegin<DB> {
+        tracing::error!(
+            route = policy.route,
+            "idempotency: this route takes a {} transaction, but the engine's store is not a {} store; its requests are answered 500 and never run non-atomically",
+            DB::LABEL,
+            DB::LABEL
+        );
+        TxBegin::WrongStore { wanted: DB::LABEL }
+    }
+
+    /// How long a 409 tells a request whose key is held by an open transaction to wait.
+    const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+    fn report(outcome: ClaimOutcome) -> Begin {
+        match outcome {
+            ClaimOutcome::Replay(o) => Begin::Replay(o),
+            ClaimOutcome::InProgress { retry_after } => Begin::InProgress { retry_after },
+            ClaimOutcome::Mismatch { in_progress } => Begin::Mismatch { in_progress },
+            // Never produced by a read; a claim inside a transaction is handled by the caller.
+            ClaimOutcome::Claimed(_) => {
+                Begin::StoreUnavailable(StoreError::Corrupt("a read reported a claim".into()))
+            }
+        }
+    }
+
+    impl Engine {
+        /// The engine's store as a store on `DB`, if it is one.
+        pub fn transactional_store<DB: TxDatabase>(&self) -> Option<DB::Store> {
+            self.inner
+                .store
+                .transactional()?
+                .downcast_ref::<DB::Store>()
+                .cloned()
+        }
+
+        /// Claims the request's record for a handler that writes through a transaction on
+        /// `DB` (see the [module docs](crate::tx)). A request without a key on a route where
+        /// it is optional runs with a transaction and no record ([`TxExecution::is_protected`]).
+        /// Fail-open does not apply: the handler's transaction is on the store's database.
+        pub async fn begin_transactional<DB: TxDatabase>(
+            &self,
+            req: ExecuteRequest,
+            policy: &Policy,
+            options: &TxOptions,
+        ) -> TxBegin<DB> {
+            let Some(store) = self.transactional_store::<DB>() else {
+                return wrong_store::<DB>(policy);
+            };
+            if matches!(req.key, Err(KeyError::Missing)) && policy.key == KeyRequirement::Optional {
+                return self.begin_unprotected_on::<DB>(store, policy).await;
+            }
+            let policy = Policy {
+                fail_open: false,
+                ..*policy
+            };
+            match options.commit {
+                CommitPath::Two => match self.begin(req, &policy).await {
+                    Begin::Claimed(execution) => match DB::begin_tx(&store).await {
+                        Ok(tx) => {
+                            TxBegin::Run(TxExecution::new(store, tx, Claim::Two(execution), policy))
+                        }
+                        Err(error) => {
+                            tracing::error!(route = policy.route, error = %error, "idempotency: BEGIN failed");
+                            execution.release().await;
+                            TxBegin::Respond(Begin::StoreUnavailable(error))
+                        }
+                    },
+                    other => TxBegin::Respond(other),
+                },
+                CommitPath::Single => self.begin_single(store, req, &policy, options).await,
+            }
+        }
+
+        /// A transaction with no record, for a request the route does not protect (a safe
+        /// method): commits iff the policy would store the response.
+        pub async fn begin_unprotected<DB: TxDatabase>(&self, policy: &Policy) -> TxBegin<DB> {
+            match self.transactional_store::<DB>() {
+                Some(store) => self.begin_unprotected_on::<DB>(store, policy).await,
+                None => wrong_store::<DB>(policy),
+            }
+        }
+
+        async fn begin_unprotected_on<DB: TxDatabase>(
+            &self,
+            store: DB::Store,
+            policy: &Policy,
+        ) -> TxBegin<DB> {
+            match DB::begin_tx(&store).await {
+                Ok(tx) => TxBegin::Run(TxExecution::new(store, tx, Claim::None, *policy)),
+                Err(error) => {
+                    tracing::error!(route = policy.route, error = %error, "idempotency: BEGIN failed");
+                    TxBegin::Respond(Begin::StoreUnavailable(error))
+                }
+            }
+        }
+
+        async fn begin_single<DB: TxDatabase>(
+            &self,
+            store: DB::Store,
+            req: ExecuteRequest,
+            policy: &Policy,
+            options: &TxOptions,
+        ) -> TxBegin<DB> {
+            let key = match req.key {
+                Ok(key) => key,
+                Err(e) => return TxBegin::Respond(Begin::KeyRejected(e)),
+            };
+            if let Err(e) = policy.check() {
+                tracing::error!(route = policy.route, error = %e, "idempotency: policy out of bounds; refused");
+                return TxBegin::Respond(Begin::Misconfigured(e));
+            }
+            let slot = InFlight::enter(Arc::clone(&self.inner));
+            if self.is_draining() {
+                return TxBegin::Respond(Begin::Draining);
+            }
+            let key = crate::RecordKey::new(req.scope, key);
+            let claim = ClaimRequest {
+                key: &key,
+                fingerprint: &req.fingerprint,
+                lease: policy.lease,
+                ttl: policy.ttl,
+            };
+            let unavailable = |what: &str, error: StoreError| {
+                tracing::error!(route = policy.route, error = %error, "idempotency: {what} failed");
+                TxBegin::Respond(Begin::StoreUnavailable(error))
+            };
+            // Replays (and 409s for two-commit claims, mismatches) settle here, with one
+            // read-only statement and no transaction.
+            match DB::read(&store, claim).await {
+                Ok(Some(outcome)) => return TxBegin::Respond(report(outcome)),
+                Ok(None) => {}
+                Err(error) => return unavailable("the read", error),
+            }
+            let mut tx = match DB::begin_tx(&store).await {
+                Ok(tx) => tx,
+                Err(error) => return unavailable("BEGIN", error),
+            };
+            let start = tokio::time::Instant::now();
+            let mut waiter = None;
+            let mut backoff = Duration::from_millis(2);
+            loop {
+                match DB::claim_in(&store, &mut tx, claim).await {
+                    Ok(Some(ClaimOutcome::Claimed(lease))) => {
+                        if lease.took_over {
+                            tracing::info!(
+                                route = policy.route,
+                                "idempotency: took over a record whose lease or ttl had run out"
+                            );
+                        }
+                        let claim = Claim::Single {
+                            _slot: slot,
+                            token: lease.token,
+                            key,
+                        };
+                        return TxBegin::Run(TxExecution::new(store, tx, claim, *policy));
+                    }
+                    Ok(Some(other)) => {
+                        rollback(tx, policy).await;
+                        return TxBegin::Respond(report(other));
+                    }
+                    Ok(None) => {
+                        if waiter.is_none() {
+                            waiter = Waiter::join(self, &key, options.max_waiters);
+                        }
+                        if waiter.is_none() || start.elapsed() + backoff > options.wait {
+                            rollback(tx, policy).await;
+                            return TxBegin::Respond(Begin::InProgress {
+                                retry_after: BUSY_RETRY_AFTER,
+                            });
+                        }
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(100));
+                    }
+                    Err(error) => {
+                        rollback(tx, policy).await;
+                        return unavailable("the claim", error);
+                    }
+                }
+            }
+        }
+    }
+}
