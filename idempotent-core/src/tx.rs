@@ -321,7 +321,12 @@ mod with_sqlx {
                 claim,
                 policy,
             } = self;
-            let Some(mut tx) = lock(&home).take() else {
+            let taken = lock(&home).take();
+            let Some(mut tx) = taken else {
+                // Let go of the slot: when the handler's copy is dropped, its transaction is
+                // dropped (rolled back) at once instead of waiting here (on SQLite it holds the
+                // write lock the release below needs).
+                drop(home);
                 tracing::error!(
                     route = policy.route,
                     "idempotency: the handler kept its transaction past its return; nothing was committed"

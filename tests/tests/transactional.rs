@@ -1,0 +1,676 @@
+//! Transactional mode (DESIGN.md §4) on real databases, through the engine: commit iff the
+//! response is stored, both commit paths, concurrent duplicates, a stale owner, a session
+//! frozen inside its transaction, a killed connection, a store on another database.
+#![allow(clippy::unwrap_used)] // tests unwrap freely
+
+use idempotent_core::sqlx::{self, AssertSqlSafe};
+use idempotent_core::*;
+use idempotent_tests::conformance::{fp, unique_key};
+use idempotent_tests::fixtures::*;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+const PG_ONLY: &str = "set DATABASE_URL=postgres://… to run the PostgreSQL tests";
+
+fn request(key: &RecordKey, label: &str) -> ExecuteRequest {
+    ExecuteRequest {
+        scope: key.scope.clone(),
+        key: Ok(key.key.clone()),
+        fingerprint: fp(label),
+    }
+}
+
+fn options(commit: CommitPath) -> TxOptions {
+    TxOptions {
+        commit,
+        wait: Duration::from_millis(50),
+        max_waiters: 4,
+    }
+}
+
+fn policy(lease: Duration) -> Policy {
+    Policy {
+        lease,
+        route: "tx-test",
+        ..Policy::default()
+    }
+}
+
+/// What a test database offers: the engine over its store, a business table, and a count of
+/// that table's rows read outside any transaction.
+struct Db<DB: TxDatabase> {
+    engine: Engine,
+    business: String,
+    count: Box<dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = i64> + Send>> + Send + Sync>,
+    _db: std::marker::PhantomData<fn() -> DB>,
+}
+
+impl<DB: TxDatabase> Db<DB> {
+    async fn rows(&self) -> i64 {
+        (self.count)().await
+    }
+}
+
+/// Inserts one business row through the handler's transaction.
+async fn insert<DB: TxDatabase>(tx: &mut Transaction<DB>, table: &str)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let sql = format!(
+        "INSERT INTO {table} (id) VALUES ('{}')",
+        uuid::Uuid::new_v4().simple()
+    );
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(&mut **tx)
+        .await
+        .unwrap();
+}
+
+/// One request: claim, and if it runs, one INSERT then an answer of `status`.
+async fn one<DB: TxDatabase>(
+    db: &Db<DB>,
+    key: &RecordKey,
+    commit: CommitPath,
+    status: u16,
+    runs: &AtomicUsize,
+) -> Result<TxFinished, Begin>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let begin = db
+        .engine
+        .begin_transactional::<DB>(
+            request(key, "a"),
+            &policy(Duration::from_secs(10)),
+            &options(commit),
+        )
+        .await;
+    let mut execution = match begin {
+        TxBegin::Run(execution) => execution,
+        TxBegin::Respond(b) => return Err(b),
+        other => panic!("{other:?}"),
+    };
+    let mut tx = execution.transaction().unwrap();
+    assert!(execution.transaction().is_none(), "handed out once");
+    runs.fetch_add(1, Ordering::SeqCst);
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    Ok(execution
+        .finish(StoredResponse::new(status, format!("{status}")).into())
+        .await)
+}
+
+async fn sqlite_db(dir: &tempfile::TempDir) -> (Db<sqlx::Sqlite>, SqliteStore) {
+    let url = format!(
+        "sqlite://{}",
+        dir.path()
+            .join(format!("{}.db", unique_table("tx")))
+            .display()
+    );
+    let store = SqliteStore::connect(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE business (id TEXT PRIMARY KEY)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let pool = store.pool().clone();
+    let db = Db {
+        engine: Engine::new(store.clone()),
+        business: "business".into(),
+        count: Box::new(move || {
+            let pool = pool.clone();
+            Box::pin(async move {
+                sqlx::query_scalar("SELECT count(*) FROM business")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+            })
+        }),
+        _db: std::marker::PhantomData,
+    };
+    (db, store)
+}
+
+async fn pg_db(pool: sqlx::PgPool) -> (Db<sqlx::Postgres>, PostgresStore) {
+    let table = unique_table("txr");
+    let store = pg_store(pool.clone(), &table).await;
+    let business = format!("idempotent_test.{}", unique_table("biz"));
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {business} (id text PRIMARY KEY)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let count_sql: Arc<str> = format!("SELECT count(*) FROM {business}").into();
+    let db = Db {
+        engine: Engine::new(store.clone()),
+        business,
+        count: Box::new(move || {
+            let (pool, sql) = (pool.clone(), Arc::clone(&count_sql));
+            Box::pin(async move {
+                sqlx::query_scalar(AssertSqlSafe(sql.to_string()))
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+            })
+        }),
+        _db: std::marker::PhantomData,
+    };
+    (db, store)
+}
+
+/// Commit iff stored, on one path: a stored response commits the row with the record and
+/// replays; a releasing one (5xx, 409) rolls the row back and frees the key; a 4xx the
+/// handler chose to store commits its row.
+async fn commit_iff_stored<DB: TxDatabase>(db: &Db<DB>, commit: CommitPath)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let runs = AtomicUsize::new(0);
+    let before = db.rows().await;
+    // Released: nothing of it commits, and the retry runs again.
+    let key = unique_key("tx");
+    for status in [500, 503, 409, 429] {
+        let out = one(db, &key, commit, status, &runs).await.unwrap();
+        assert!(matches!(out, TxFinished::RolledBack), "{status}: {out:?}");
+        assert_eq!(db.rows().await, before, "{status} rolled back");
+        assert!(
+            db.engine.store().get(&key).await.unwrap().is_none(),
+            "{status} released the key"
+        );
+    }
+    // Stored: the row and the record commit together; retries replay and run nothing.
+    let out = one(db, &key, commit, 201, &runs).await.unwrap();
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    assert_eq!(db.rows().await, before + 1);
+    for _ in 0..3 {
+        match one(db, &key, commit, 201, &runs).await {
+            Err(Begin::Replay(StoredOutcome::Response(r))) => assert_eq!(r.status, 201),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 5, "4 released runs + 1 stored");
+    assert_eq!(db.rows().await, before + 1);
+    // A 4xx is stored: the handler's writes commit with it (its choice).
+    let key = unique_key("tx4");
+    let out = one(db, &key, commit, 404, &runs).await.unwrap();
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    assert_eq!(db.rows().await, before + 2);
+    // A different request with the same key: 422, nothing runs.
+    let mismatch = db
+        .engine
+        .begin_transactional::<DB>(
+            request(&key, "other"),
+            &policy(Duration::from_secs(10)),
+            &options(commit),
+        )
+        .await;
+    assert!(
+        matches!(
+            mismatch,
+            TxBegin::Respond(Begin::Mismatch { in_progress: false })
+        ),
+        "{mismatch:?}"
+    );
+}
+
+/// A panic and an escaped transaction roll back and free the key.
+async fn panics_and_escapes_roll_back<DB: TxDatabase>(db: &Db<DB>, commit: CommitPath)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let before = db.rows().await;
+    let key = unique_key("panic");
+    let p = policy(Duration::from_secs(10));
+    let TxBegin::Run(mut execution) = db
+        .engine
+        .begin_transactional::<DB>(request(&key, "a"), &p, &options(commit))
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut tx = execution.transaction().unwrap();
+    let business = db.business.clone();
+    let caught = execution
+        .run(async move {
+            insert(&mut tx, &business).await;
+            panic!("handler panicked");
+        })
+        .await;
+    assert!(caught.is_err());
+    execution.abort().await;
+    assert_eq!(db.rows().await, before);
+    assert!(db.engine.store().get(&key).await.unwrap().is_none());
+    // The handler keeps its transaction past its return: nothing can commit.
+    let TxBegin::Run(mut execution) = db
+        .engine
+        .begin_transactional::<DB>(request(&key, "a"), &p, &options(commit))
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut kept = execution.transaction().unwrap();
+    insert(&mut kept, &db.business).await;
+    // Kept by a task that outlives the handler (on SQLite it holds the write lock, which the
+    // release of a two-commit claim waits for).
+    let keeper = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(kept);
+    });
+    let out = execution
+        .finish(StoredResponse::new(201, "x").into())
+        .await;
+    assert!(matches!(out, TxFinished::Escaped), "{out:?}");
+    keeper.await.unwrap();
+    assert_eq!(db.rows().await, before);
+    assert!(db.engine.store().get(&key).await.unwrap().is_none());
+    assert_eq!(db.engine.running(), 0);
+}
+
+#[tokio::test]
+async fn sqlite_commit_iff_stored_on_both_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, _) = sqlite_db(&dir).await;
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        commit_iff_stored(&db, commit).await;
+        panics_and_escapes_roll_back(&db, commit).await;
+    }
+}
+
+#[tokio::test]
+#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+async fn postgres_commit_iff_stored_on_both_paths() {
+    let _ = PG_ONLY;
+    let (db, _) = pg_db(pg_pool(4).await).await;
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        commit_iff_stored(&db, commit).await;
+        panics_and_escapes_roll_back(&db, commit).await;
+    }
+}
+
+/// Single commit, one statement count: a first execution is read (miss), claim, complete (the
+/// handler's INSERT and BEGIN/COMMIT are not the store's); a replay is the read alone.
+#[tokio::test]
+#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+async fn postgres_single_commit_statements() {
+    let (db, store) = pg_db(pg_pool(4).await).await;
+    let runs = AtomicUsize::new(0);
+    let key = unique_key("stmts");
+    let before = store.statements_sent();
+    let out = one(&db, &key, CommitPath::Single, 201, &runs).await.unwrap();
+    assert!(matches!(out, TxFinished::Committed));
+    assert_eq!(store.statements_sent() - before, 3, "read, claim, complete");
+    let before = store.statements_sent();
+    assert!(matches!(
+        one(&db, &key, CommitPath::Single, 201, &runs).await,
+        Err(Begin::Replay(_))
+    ));
+    assert_eq!(store.statements_sent() - before, 1, "a replay is one read");
+}
+
+/// 64 concurrent duplicates of one key (single commit, PostgreSQL): exactly one runs; the
+/// others get 409 (the key is held by an open transaction) or, once it committed, the replay.
+/// With a long `wait`, every duplicate gets the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+async fn postgres_concurrent_duplicates_run_once() {
+    let (db, _) = pg_db(pg_pool(80).await).await;
+    let db = Arc::new(db);
+    for wait in [Duration::from_millis(50), Duration::from_secs(10)] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let key = unique_key("dup");
+        let before = db.rows().await;
+        let mut tasks = Vec::new();
+        for _ in 0..64 {
+            let (db, runs, key) = (Arc::clone(&db), Arc::clone(&runs), key.clone());
+            tasks.push(tokio::spawn(async move {
+                let opts = TxOptions {
+                    wait,
+                    max_waiters: 64,
+                    ..options(CommitPath::Single)
+                };
+                let begin = db
+                    .engine
+                    .begin_transactional::<sqlx::Postgres>(
+                        request(&key, "a"),
+                        &policy(Duration::from_secs(10)),
+                        &opts,
+                    )
+                    .await;
+                match begin {
+                    TxBegin::Run(mut execution) => {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        let mut tx = execution.transaction().unwrap();
+                        insert(&mut tx, &db.business).await;
+                        // Hold the key long enough that the others meet it.
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        drop(tx);
+                        let out = execution
+                            .finish(StoredResponse::new(201, "x").into())
+                            .await;
+                        assert!(matches!(out, TxFinished::Committed), "{out:?}");
+                        "ran"
+                    }
+                    TxBegin::Respond(Begin::InProgress { .. }) => "409",
+                    TxBegin::Respond(Begin::Replay(_)) => "replay",
+                    other => panic!("{other:?}"),
+                }
+            }));
+        }
+        let mut answers = std::collections::HashMap::new();
+        for t in tasks {
+            *answers.entry(t.await.unwrap()).or_insert(0) += 1;
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{answers:?}");
+        assert_eq!(db.rows().await, before + 1);
+        assert_eq!(answers["ran"], 1);
+        if wait > Duration::from_secs(1) {
+            assert_eq!(answers.get("replay"), Some(&63), "{answers:?}");
+        } else {
+            assert!(answers.get("409").is_some(), "{answers:?}");
+        }
+    }
+}
+
+/// 1,000 keys × 8 duplicates across two pools (two "instances"), single commit: 1,000 rows,
+/// every key run once. On SQLite (two pools on one file) with 200 keys.
+async fn many_keys<DB: TxDatabase>(a: Arc<Db<DB>>, b: Arc<Db<DB>>, keys: usize)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let before = a.rows().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let sem = Arc::new(tokio::sync::Semaphore::new(48));
+    let mut tasks = Vec::new();
+    for k in 0..keys {
+        let key = unique_key(&format!("many{k}"));
+        for d in 0..8 {
+            let db = if d % 2 == 0 {
+                Arc::clone(&a)
+            } else {
+                Arc::clone(&b)
+            };
+            let (key, runs, sem) = (key.clone(), Arc::clone(&runs), Arc::clone(&sem));
+            tasks.push(tokio::spawn(async move {
+                let _permit = sem.acquire().await.unwrap();
+                // Retry 409s as a client would, until the replay.
+                for _ in 0..200 {
+                    match one(&db, &key, CommitPath::Single, 201, &runs).await {
+                        Ok(TxFinished::Committed) | Err(Begin::Replay(_)) => return,
+                        Err(Begin::InProgress { .. }) => {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+                panic!("never settled");
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), keys);
+    assert_eq!(a.rows().await - before, i64::try_from(keys).unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+async fn postgres_thousand_keys_by_eight_across_two_pools() {
+    let (a, store) = pg_db(pg_pool(24).await).await;
+    // A second instance: its own pool and engine on the same tables.
+    let other = PostgresStore::builder(pg_pool(24).await)
+        .schema("idempotent_test")
+        .table(store.table().trim_start_matches("idempotent_test."))
+        .build()
+        .unwrap();
+    let b = Db {
+        engine: Engine::new(other),
+        business: a.business.clone(),
+        count: Box::new(|| Box::pin(async { 0 })),
+        _db: std::marker::PhantomData,
+    };
+    many_keys(Arc::new(a), Arc::new(b), 1_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_keys_by_eight_across_two_pools() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, store) = sqlite_db(&dir).await;
+    // The same file through a second pool.
+    let file = store
+        .pool()
+        .connect_options()
+        .get_filename()
+        .to_string_lossy()
+        .into_owned();
+    let other = SqliteStore::connect(&format!("sqlite://{file}"))
+        .await
+        .unwrap();
+    let b = Db {
+        engine: Engine::new(other),
+        business: a.business.clone(),
+        count: Box::new(|| Box::pin(async { 0 })),
+        _db: std::marker::PhantomData,
+    };
+    many_keys(Arc::new(a), Arc::new(b), 200).await;
+}
+
+/// Two commits, stale owner: the first execution's lease runs out while its handler is slow
+/// (forced here by moving `locked_until` into the past, as a lost heartbeat would), a retry
+/// takes over and commits; the first one's complete is refused by the fence and its writes
+/// roll back. One row, the taker-over's.
+async fn stale_owner_rolls_back<DB: TxDatabase>(db: &Db<DB>, expire: impl Future<Output = ()>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let before = db.rows().await;
+    let key = unique_key("stale");
+    let p = policy(Duration::from_secs(10));
+    let TxBegin::Run(mut first) = db
+        .engine
+        .begin_transactional::<DB>(request(&key, "a"), &p, &options(CommitPath::Two))
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut tx = first.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    // A duplicate now: 409 (the claim committed alone).
+    assert!(matches!(
+        db.engine
+            .begin_transactional::<DB>(request(&key, "a"), &p, &options(CommitPath::Two))
+            .await,
+        TxBegin::Respond(Begin::InProgress { .. })
+    ));
+    expire.await;
+    let runs = AtomicUsize::new(0);
+    let second = one(db, &key, CommitPath::Two, 201, &runs).await.unwrap();
+    assert!(matches!(second, TxFinished::Committed), "{second:?}");
+    let out = first.finish(StoredResponse::new(201, "first").into()).await;
+    assert!(
+        matches!(out, TxFinished::Failed(StoreError::StaleLease)),
+        "{out:?}"
+    );
+    assert_eq!(db.rows().await, before + 1, "only the taker-over's row");
+    match db.engine.store().get(&key).await.unwrap().unwrap().state {
+        RecordState::Done {
+            outcome: StoredOutcome::Response(r),
+            ..
+        } => assert_eq!(r.body, b"201"),
+        other => panic!("{other:?}"),
+    }
+}
+
+// SQLite has no stale-owner interleaving to test: the handler's transaction holds the
+// database's write lock from BEGIN IMMEDIATE to its end, so a take-over (a write) waits for it.
+
+#[tokio::test]
+#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+async fn postgres_two_commits_stale_owner_rolls_back() {
+    let (db, store) = pg_db(pg_pool(4).await).await;
+    let pool = store.pool().clone();
+    let sql = format!(
+        "UPDATE {} SET locked_until = now() - interval '1 second' WHERE NOT done",
+        store.table()
+    );
+    stale_owner_rolls_back(&db, async move {
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+    })
+    .await;
+}
+
+/// Single commit on PostgreSQL: a session frozen inside its transaction (no statement for
+/// longer than the lease) is ended by the server (`idle_in_transaction_session_timeout`, set
+/// to the lease by the claim), which releases the key: a retry then runs, once, and the frozen
+/// execution's commit fails with nothing of it written.
+#[tokio::test]
+#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+async fn postgres_frozen_transaction_gives_the_key_back() {
+    let (db, _) = pg_db(pg_pool(4).await).await;
+    let before = db.rows().await;
+    let key = unique_key("frozen");
+    let p = policy(Duration::from_millis(300));
+    let TxBegin::Run(mut frozen) = db
+        .engine
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(CommitPath::Single))
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut tx = frozen.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    // While it holds the key: 409.
+    assert!(matches!(
+        db.engine
+            .begin_transactional::<sqlx::Postgres>(
+                request(&key, "a"),
+                &p,
+                &options(CommitPath::Single)
+            )
+            .await,
+        TxBegin::Respond(Begin::InProgress { .. })
+    ));
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let runs = AtomicUsize::new(0);
+    let TxBegin::Run(mut retry) = db
+        .engine
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(CommitPath::Single))
+        .await
+    else {
+        panic!("the frozen session still holds the key")
+    };
+    runs.fetch_add(1, Ordering::SeqCst);
+    let mut tx2 = retry.transaction().unwrap();
+    insert(&mut tx2, &db.business).await;
+    drop(tx2);
+    assert!(matches!(
+        retry.finish(StoredResponse::new(201, "retry").into()).await,
+        TxFinished::Committed
+    ));
+    drop(tx);
+    let out = frozen.finish(StoredResponse::new(201, "frozen").into()).await;
+    assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
+    assert_eq!(db.rows().await, before + 1);
+}
+
+/// A store on another database (or the memory store) is refused: the route never runs
+/// non-atomically.
+#[tokio::test]
+async fn a_store_on_another_database_is_refused() {
+    let engine = Engine::new(MemoryStore::new());
+    let key = unique_key("wrong");
+    let begin = engine
+        .begin_transactional::<sqlx::Sqlite>(
+            request(&key, "a"),
+            &Policy::default(),
+            &options(CommitPath::Single),
+        )
+        .await;
+    assert!(matches!(begin, TxBegin::WrongStore { wanted: "SQLite" }), "{begin:?}");
+    assert!(matches!(
+        engine.begin_unprotected::<sqlx::Postgres>(&Policy::default()).await,
+        TxBegin::WrongStore { wanted: "PostgreSQL" }
+    ));
+    let sqlite = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    let engine = Engine::new(sqlite);
+    assert!(matches!(
+        engine
+            .begin_transactional::<sqlx::Postgres>(
+                request(&key, "a"),
+                &Policy::default(),
+                &options(CommitPath::Single)
+            )
+            .await,
+        TxBegin::WrongStore { wanted: "PostgreSQL" }
+    ));
+    assert!(engine.transactional_store::<sqlx::Sqlite>().is_some());
+}
+
+/// The handler's connection is killed mid-transaction (`pg_terminate_backend`): the finish
+/// fails (503 for the client), nothing is half-written, and the retry runs once.
+#[tokio::test]
+#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+async fn postgres_killed_connection_mid_transaction() {
+    let pool = pg_pool(4).await;
+    let (db, _) = pg_db(pool.clone()).await;
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        let before = db.rows().await;
+        let key = unique_key("killed");
+        let p = policy(Duration::from_millis(500));
+        let TxBegin::Run(mut execution) = db
+            .engine
+            .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(commit))
+            .await
+        else {
+            panic!("claim")
+        };
+        let mut tx = execution.transaction().unwrap();
+        insert(&mut tx, &db.business).await;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert!(killed);
+        drop(tx);
+        let out = execution
+            .finish(StoredResponse::new(201, "x").into())
+            .await;
+        assert!(matches!(out, TxFinished::Failed(_)), "{commit:?}: {out:?}");
+        assert_eq!(
+            idempotent_core::http::Reply::problem(&Problem::store_unavailable()).status,
+            503
+        );
+        assert_eq!(db.rows().await, before, "nothing half-written");
+        // The retry: at once on the single path; after the lease on the two-commit path,
+        // whose claim committed alone.
+        let runs = AtomicUsize::new(0);
+        let mut settled = false;
+        for _ in 0..40 {
+            match one(&db, &key, commit, 201, &runs).await {
+                Ok(TxFinished::Committed) => {
+                    settled = true;
+                    break;
+                }
+                Err(Begin::InProgress { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(settled);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(db.rows().await, before + 1);
+    }
+}
