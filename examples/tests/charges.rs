@@ -41,6 +41,15 @@ impl Bin {
 }
 
 fn start(bin: Bin, database: &str, extra: &[&str]) -> Server {
+    start_reading(bin, database, extra).0
+}
+
+/// [`start`], keeping the server's stdout for what it prints after its first line.
+fn start_reading(
+    bin: Bin,
+    database: &str,
+    extra: &[&str],
+) -> (Server, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(bin.path())
         .args(["--listen", "127.0.0.1:0", "--database", database])
         .args(extra)
@@ -48,15 +57,66 @@ fn start(bin: Bin, database: &str, extra: &[&str]) -> Server {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    out.read_line(&mut line).unwrap();
     let base = line
         .trim()
         .strip_prefix("listening on ")
         .unwrap_or_else(|| panic!("first line: {line:?}"))
         .to_owned();
-    Server { child, base }
+    (Server { child, base }, out)
+}
+
+/// Whether a duplicate meets the first attempt's open transaction and waits for its commit
+/// (then gets the replay) instead of a 409: transactional mode's single commit on SQLite,
+/// whose one write lock the first attempt holds.
+fn duplicates_wait(database: &str) -> bool {
+    database.starts_with("sqlite:")
+}
+
+/// SIGKILL while the handler sleeps inside its transaction (the server prints `working`
+/// there), then a new process and the retry: the charge row rolled back with the claim (single
+/// commit) or stayed unwritten under an expiring claim (two commits), so the retry runs once.
+/// Business rows equal logical operations: none duplicated, none lost. Trials alternate the
+/// commit paths; `CRASH_TRIALS` sets how many (default 10 per binary, 20 per database).
+async fn crash_inside_the_transaction(bin: Bin, database: &str) {
+    let trials: usize = std::env::var("CRASH_TRIALS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(10);
+    let acct = account();
+    for i in 0..trials {
+        let commit = if i % 2 == 0 { "single" } else { "two" };
+        let common = ["--lease", "1s", "--commit", commit];
+        let (mut doomed, mut out) = start_reading(
+            bin,
+            database,
+            &[&common[..], &["--work-delay", "30s", "--announce-work"]].concat(),
+        );
+        let k = key();
+        let pending = tokio::spawn(Api::new(&doomed).json(&acct, &k, CHARGE).send());
+        let line = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            line
+        })
+        .await
+        .unwrap();
+        assert_eq!(line.trim(), "working", "trial {i}");
+        doomed.child.kill().unwrap();
+        doomed.child.wait().unwrap();
+        assert!(pending.await.unwrap().is_err(), "the client saw the crash");
+        let fresh = start(bin, database, &common);
+        let api = Api::new(&fresh);
+        let res = api.until_not_busy(|| api.json(&acct, &k, CHARGE)).await;
+        assert_eq!(res.status(), 201, "trial {i} ({commit})");
+        assert_eq!(res.headers()["idempotent-replayed"], "false");
+        let body = res.bytes().await.unwrap();
+        let again = api.json(&acct, &k, CHARGE).send().await.unwrap();
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(again.bytes().await.unwrap(), body);
+        assert_eq!(api.count(&acct).await, i + 1, "trial {i} ({commit})");
+    }
 }
 
 fn account() -> String {
@@ -354,15 +414,20 @@ async fn contract(bin: Bin, database: &str) {
     let first = tokio::spawn(api.json(&acct, &k4, CHARGE).send());
     tokio::time::sleep(Duration::from_millis(500)).await;
     let busy = api.json(&acct, &k4, CHARGE).send().await.unwrap();
-    assert_eq!(busy.status(), 409);
-    assert!(
-        busy.headers()["retry-after"]
-            .to_str()
-            .unwrap()
-            .parse::<u64>()
-            .unwrap()
-            >= 1
-    );
+    if duplicates_wait(database) {
+        assert_eq!(busy.status(), 201);
+        assert_eq!(busy.headers()["idempotent-replayed"], "true");
+    } else {
+        assert_eq!(busy.status(), 409);
+        assert!(
+            busy.headers()["retry-after"]
+                .to_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+                >= 1
+        );
+    }
     let first = first.await.unwrap().unwrap();
     assert_eq!(first.status(), 201);
     let after = api.json(&acct, &k4, CHARGE).send().await.unwrap();
@@ -380,8 +445,12 @@ async fn contract(bin: Bin, database: &str) {
         .expect_err("the client gave up");
     assert!(gone.is_timeout(), "the timeout fired: {gone}");
     let busy = api.json(&timer, &k6, CHARGE).send().await.unwrap();
-    assert_eq!(busy.status(), 409);
-    assert!(busy.headers().contains_key("retry-after"));
+    if duplicates_wait(database) {
+        assert_eq!(busy.headers()["idempotent-replayed"], "true");
+    } else {
+        assert_eq!(busy.status(), 409);
+        assert!(busy.headers().contains_key("retry-after"));
+    }
     let done = api.until_not_busy(|| api.json(&timer, &k6, CHARGE)).await;
     assert_eq!(done.status(), 201);
     assert_eq!(done.headers()["idempotent-replayed"], "true");
@@ -448,6 +517,16 @@ async fn charges_on_postgres(bin: Bin) {
     let url = std::env::var("DATABASE_URL").unwrap();
     contract(bin, &url).await;
     drains_on_shutdown(bin, &url).await;
+}
+
+async fn crash_on_sqlite(bin: Bin) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    crash_inside_the_transaction(bin, &url).await;
+}
+
+async fn crash_on_postgres(bin: Bin) {
+    crash_inside_the_transaction(bin, &std::env::var("DATABASE_URL").unwrap()).await;
 }
 
 async fn charges_on_memory(bin: Bin) {
@@ -541,6 +620,12 @@ both_binaries!(
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
     )]
     charges_on_postgres,
+    crash_on_sqlite,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    crash_on_postgres,
     bad_flags_fail_clearly,
     handler_errors_carry_no_database_text,
 );

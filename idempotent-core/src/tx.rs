@@ -160,8 +160,8 @@ mod with_sqlx {
         type Store: Store + Clone + std::fmt::Debug;
         /// The database's name, for errors.
         const LABEL: &'static str;
-        /// The commit path used when neither the route nor the configuration picks one
-        /// (measured: see BENCHMARKS.md).
+        /// The commit path used when neither the route nor the configuration picks one:
+        /// single commit on both (one commit instead of two; measured in BENCHMARKS.md).
         const DEFAULT_COMMIT: CommitPath;
 
         /// Opens a transaction on the store's pool for a handler.
@@ -371,6 +371,12 @@ mod with_sqlx {
                         );
                         execution.settle();
                     }
+                    (claim, _) if is_aborted(&error) => {
+                        tracing::error!(route = policy.route, error = %error, "idempotency: a statement of the handler failed and aborted its transaction, so nothing could be stored; run statements whose failure the handler answers inside a savepoint (`tx.begin()`)");
+                        if let Claim::Two(execution) = claim {
+                            execution.release().await;
+                        }
+                    }
                     (Claim::Two(execution), _) => {
                         tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; the handler's writes rolled back");
                         // Nothing committed: a retry may run again.
@@ -418,6 +424,18 @@ mod with_sqlx {
         }
     }
 
+    /// Whether a store error is PostgreSQL's "current transaction is aborted" (SQLSTATE 25P02).
+    fn is_aborted(error: &StoreError) -> bool {
+        let StoreError::Unavailable(source) = error else {
+            return false;
+        };
+        source
+            .downcast_ref::<sqlx::Error>()
+            .and_then(|e| e.as_database_error())
+            .and_then(|e| e.code())
+            .is_some_and(|code| code == "25P02")
+    }
+
     async fn rollback<DB: sqlx::Database>(tx: sqlx::Transaction<'static, DB>, policy: &Policy) {
         if let Err(e) = tx.rollback().await {
             // The server rolls back a transaction whose connection failed.
@@ -433,6 +451,9 @@ mod with_sqlx {
 
     impl Waiter {
         fn join(engine: &Engine, key: &RecordKey, max: usize) -> Option<Waiter> {
+            if max == 0 {
+                return None;
+            }
             let mut waiters = lock(&engine.inner.waiters);
             let n = waiters.entry(key.clone()).or_insert(0);
             if *n >= max {

@@ -70,7 +70,7 @@ where
     };
     let mut tx = execution.transaction().unwrap();
     sqlx::raw_sql(AssertSqlSafe(insert_sql(table)))
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await
         .unwrap();
     drop(tx);
@@ -175,13 +175,17 @@ fn main() {
             .unwrap();
         store.migrate().await.unwrap();
         let business = format!("idempotent_bench.{table}_biz");
-        sqlx::raw_sql(AssertSqlSafe(format!("CREATE TABLE {business} (id text PRIMARY KEY)")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE {business} (id text PRIMARY KEY)"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
         compare::<sqlx::Postgres>("postgres", Engine::new(store), &business).await;
-        let _ = sqlx::raw_sql(AssertSqlSafe("DROP SCHEMA idempotent_bench CASCADE".to_owned()))
-            .execute(&pool)
-            .await;
+        let _ = sqlx::raw_sql(AssertSqlSafe(
+            "DROP SCHEMA idempotent_bench CASCADE".to_owned(),
+        ))
+        .execute(&pool)
+        .await;
     });
 }

@@ -259,9 +259,7 @@ where
         tokio::time::sleep(Duration::from_millis(200)).await;
         drop(kept);
     });
-    let out = execution
-        .finish(StoredResponse::new(201, "x").into())
-        .await;
+    let out = execution.finish(StoredResponse::new(201, "x").into()).await;
     assert!(matches!(out, TxFinished::Escaped), "{out:?}");
     keeper.await.unwrap();
     assert_eq!(db.rows().await, before);
@@ -280,7 +278,10 @@ async fn sqlite_commit_iff_stored_on_both_paths() {
 }
 
 #[tokio::test]
-#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
 async fn postgres_commit_iff_stored_on_both_paths() {
     let _ = PG_ONLY;
     let (db, _) = pg_db(pg_pool(4).await).await;
@@ -293,13 +294,18 @@ async fn postgres_commit_iff_stored_on_both_paths() {
 /// Single commit, one statement count: a first execution is read (miss), claim, complete (the
 /// handler's INSERT and BEGIN/COMMIT are not the store's); a replay is the read alone.
 #[tokio::test]
-#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
 async fn postgres_single_commit_statements() {
     let (db, store) = pg_db(pg_pool(4).await).await;
     let runs = AtomicUsize::new(0);
     let key = unique_key("stmts");
     let before = store.statements_sent();
-    let out = one(&db, &key, CommitPath::Single, 201, &runs).await.unwrap();
+    let out = one(&db, &key, CommitPath::Single, 201, &runs)
+        .await
+        .unwrap();
     assert!(matches!(out, TxFinished::Committed));
     assert_eq!(store.statements_sent() - before, 3, "read, claim, complete");
     let before = store.statements_sent();
@@ -314,7 +320,10 @@ async fn postgres_single_commit_statements() {
 /// others get 409 (the key is held by an open transaction) or, once it committed, the replay.
 /// With a long `wait`, every duplicate gets the replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
 async fn postgres_concurrent_duplicates_run_once() {
     let (db, _) = pg_db(pg_pool(80).await).await;
     let db = Arc::new(db);
@@ -347,9 +356,7 @@ async fn postgres_concurrent_duplicates_run_once() {
                         // Hold the key long enough that the others meet it.
                         tokio::time::sleep(Duration::from_millis(300)).await;
                         drop(tx);
-                        let out = execution
-                            .finish(StoredResponse::new(201, "x").into())
-                            .await;
+                        let out = execution.finish(StoredResponse::new(201, "x").into()).await;
                         assert!(matches!(out, TxFinished::Committed), "{out:?}");
                         "ran"
                     }
@@ -417,7 +424,10 @@ where
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
 async fn postgres_thousand_keys_by_eight_across_two_pools() {
     let (a, store) = pg_db(pg_pool(24).await).await;
     // A second instance: its own pool and engine on the same tables.
@@ -509,7 +519,10 @@ where
 // database's write lock from BEGIN IMMEDIATE to its end, so a take-over (a write) waits for it.
 
 #[tokio::test]
-#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
 async fn postgres_two_commits_stale_owner_rolls_back() {
     let (db, store) = pg_db(pg_pool(4).await).await;
     let pool = store.pool().clone();
@@ -531,7 +544,10 @@ async fn postgres_two_commits_stale_owner_rolls_back() {
 /// to the lease by the claim), which releases the key: a retry then runs, once, and the frozen
 /// execution's commit fails with nothing of it written.
 #[tokio::test]
-#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
 async fn postgres_frozen_transaction_gives_the_key_back() {
     let (db, _) = pg_db(pg_pool(4).await).await;
     let before = db.rows().await;
@@ -575,7 +591,9 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
         TxFinished::Committed
     ));
     drop(tx);
-    let out = frozen.finish(StoredResponse::new(201, "frozen").into()).await;
+    let out = frozen
+        .finish(StoredResponse::new(201, "frozen").into())
+        .await;
     assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
     assert_eq!(db.rows().await, before + 1);
 }
@@ -593,10 +611,17 @@ async fn a_store_on_another_database_is_refused() {
             &options(CommitPath::Single),
         )
         .await;
-    assert!(matches!(begin, TxBegin::WrongStore { wanted: "SQLite" }), "{begin:?}");
+    assert!(
+        matches!(begin, TxBegin::WrongStore { wanted: "SQLite" }),
+        "{begin:?}"
+    );
     assert!(matches!(
-        engine.begin_unprotected::<sqlx::Postgres>(&Policy::default()).await,
-        TxBegin::WrongStore { wanted: "PostgreSQL" }
+        engine
+            .begin_unprotected::<sqlx::Postgres>(&Policy::default())
+            .await,
+        TxBegin::WrongStore {
+            wanted: "PostgreSQL"
+        }
     ));
     let sqlite = SqliteStore::connect("sqlite::memory:").await.unwrap();
     let engine = Engine::new(sqlite);
@@ -608,7 +633,9 @@ async fn a_store_on_another_database_is_refused() {
                 &options(CommitPath::Single)
             )
             .await,
-        TxBegin::WrongStore { wanted: "PostgreSQL" }
+        TxBegin::WrongStore {
+            wanted: "PostgreSQL"
+        }
     ));
     assert!(engine.transactional_store::<sqlx::Sqlite>().is_some());
 }
@@ -616,7 +643,10 @@ async fn a_store_on_another_database_is_refused() {
 /// The handler's connection is killed mid-transaction (`pg_terminate_backend`): the finish
 /// fails (503 for the client), nothing is half-written, and the retry runs once.
 #[tokio::test]
-#[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
 async fn postgres_killed_connection_mid_transaction() {
     let pool = pg_pool(4).await;
     let (db, _) = pg_db(pool.clone()).await;
@@ -644,14 +674,8 @@ async fn postgres_killed_connection_mid_transaction() {
             .unwrap();
         assert!(killed);
         drop(tx);
-        let out = execution
-            .finish(StoredResponse::new(201, "x").into())
-            .await;
+        let out = execution.finish(StoredResponse::new(201, "x").into()).await;
         assert!(matches!(out, TxFinished::Failed(_)), "{commit:?}: {out:?}");
-        assert_eq!(
-            idempotent_core::http::Reply::problem(&Problem::store_unavailable()).status,
-            503
-        );
         assert_eq!(db.rows().await, before, "nothing half-written");
         // The retry: at once on the single path; after the lease on the two-commit path,
         // whose claim committed alone.

@@ -351,7 +351,13 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
     async fn begin_tx(
         store: &PostgresStore,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        store.pool.begin().await.map_err(db_error)
+        // READ COMMITTED whatever the database's default: the claim's retry loop and the
+        // fenced complete rely on each statement seeing what committed before it.
+        store
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+            .map_err(db_error)
     }
 
     async fn read(
@@ -382,7 +388,8 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
         let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
         let fp = req.fingerprint.to_stored();
         let lock = lock_id(&store.sql.table, req.key);
-        let idle = millis(req.lease).to_string();
+        // The server's limit for this setting is i32::MAX ms (about 24.8 days).
+        let idle = millis(req.lease).min(i64::from(i32::MAX)).to_string();
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
             store.sent.bump();
