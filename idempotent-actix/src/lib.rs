@@ -52,6 +52,16 @@
 //! value the client chooses freely (a path segment or body field nobody checked): a client
 //! could then name another account's scope and replay its stored responses.
 //!
+//! # Exactly-once local writes: transactional mode
+//! A handler that takes a `idempotent_actix::Transaction<DB>` parameter (features `sqlite` /
+//! `postgres`; `DB` is `sqlx::Sqlite` or `sqlx::Postgres`, the store's own database) writes
+//! through that transaction, and its stored response commits **with** those writes, in one
+//! commit, or not at all: a 5xx, 408/409/425/429, a panic, a killed connection or a crash
+//! rolls both back, and the response is sent only after COMMIT succeeded. Calls to other
+//! systems are not covered (give them keys derived from the request's). The attribute's
+//! `commit = "single" | "two"` and `wait = "5s"` tune it; a store on another database is
+//! refused with a logged error and a 500. See `idempotent_core::tx` for the two commit paths.
+//!
 //! # The attribute
 //! See [`idempotent`] for its arguments, what it checks at compile time and the code it
 //! generates; it is the same attribute as the Axum adapter's, with the same arguments and

@@ -44,7 +44,13 @@ mod signature;
 /// | `key = "required"` / `"optional"` | whether requests without a key are refused (400) or run unprotected | `required` |
 /// | `store_server_errors` | store and replay 5xx too (Stripe style) instead of releasing the key | off |
 /// | `max_response = "1MiB"` | larger responses are sent but not stored; retries get a 410 problem | the configuration's (1 MiB) |
+/// | `commit = "single"` / `"two"` | transactional handlers (a `Transaction<DB>` parameter): the claim inside the handler's transaction (one commit), or committed first | the configuration's (single) |
+/// | `wait = "5s"` | transactional, single commit on PostgreSQL: how long a duplicate waits for the first to commit (then replays) before 409 | the configuration's (50 ms) |
 /// | `crate = "path"` | where the adapter crate is, if renamed | `::idempotent_axum` |
+///
+/// A parameter whose type is `Transaction<DB>` (the adapter's, not sqlx's) makes the handler
+/// transactional: it is no extractor; the runtime opens the transaction after the claim and
+/// commits it with the stored response (see the adapter's docs).
 ///
 /// Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`, from 100 ms to 365 days; sizes are
 /// `<n>` (bytes), `<n>KiB`, `<n>MiB` or `<n>GiB`. An argument written here overrides the
@@ -52,7 +58,8 @@ mod signature;
 ///
 /// # Checked at compile time
 /// Unknown or duplicate arguments, malformed or out-of-bounds durations, zero sizes, a scope
-/// that names no parameter (the error lists the parameters), `scope` together with `unscoped`
+/// that names no parameter (the error lists the parameters), two `Transaction` parameters,
+/// sqlx's own `Transaction<'_, DB>`, `commit` or `wait` without a transaction, `scope` together with `unscoped`
 /// or neither, a `ttl` shorter than a `lease` written next to it, and a function that is not
 /// a free `async fn`. All errors are reported together, next to the unchanged function. A
 /// `ttl` shorter than the *configured* lease can only be seen at run time: the route then
