@@ -102,6 +102,29 @@ macro_rules! sql_store_common {
                     }
                 }
 
+                /// Reads the record outside any transaction (one read-only statement): the
+                /// outcome when the row settles the request (replay, in progress, mismatch),
+                /// `None` when a claim must follow (no row, or one to take over).
+                pub(crate) async fn read_settled(
+                    &self,
+                    req: &ClaimRequest<'_>,
+                ) -> Result<Option<ClaimOutcome>, StoreError> {
+                    self.sent.bump();
+                    let row = sqlx::query(q(&self.sql.read))
+                        .bind(req.key.scope.as_str())
+                        .bind(req.key.key.as_str())
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err(db_error)?;
+                    match row {
+                        None => Ok(None),
+                        Some(row) => match Self::decide_row(&row, req)? {
+                            $crate::sql::Decision::Report(outcome) => Ok(Some(outcome)),
+                            $crate::sql::Decision::TakeOver(_) => Ok(None),
+                        },
+                    }
+                }
+
                 async fn conn(&self) -> Result<sqlx::pool::PoolConnection<$db>, StoreError> {
                     self.pool.acquire().await.map_err(db_error)
                 }

@@ -262,20 +262,7 @@ impl crate::tx::TxDatabase for sqlx::Sqlite {
         store: &SqliteStore,
         req: ClaimRequest<'_>,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        store.sent.bump();
-        let row = sqlx::query(q(&store.sql.read))
-            .bind(req.key.scope.as_str())
-            .bind(req.key.key.as_str())
-            .fetch_optional(&store.pool)
-            .await
-            .map_err(db_error)?;
-        match row {
-            None => Ok(None),
-            Some(row) => match SqliteStore::decide_row(&row, &req)? {
-                Decision::Report(outcome) => Ok(Some(outcome)),
-                Decision::TakeOver(_) => Ok(None),
-            },
-        }
+        store.read_settled(&req).await
     }
 
     /// The transaction holds the write lock, so the ordinary claim cannot race.
