@@ -164,10 +164,12 @@ mod with_sqlx {
         /// single commit on both (one commit instead of two; measured in BENCHMARKS.md).
         const DEFAULT_COMMIT: CommitPath;
 
-        /// Opens a transaction on the store's pool for a handler.
+        /// Opens a transaction on the store's pool for a handler; on PostgreSQL the server ends
+        /// it if it stays idle (no statement) for `idle` (the lease).
         #[doc(hidden)]
         fn begin_tx(
             store: &Self::Store,
+            idle: Duration,
         ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, StoreError>> + Send;
 
         /// Reads the record outside any transaction: `Some` when that settles the request
@@ -536,7 +538,7 @@ mod with_sqlx {
             };
             match options.commit {
                 CommitPath::Two => match self.begin(req, &policy).await {
-                    Begin::Claimed(execution) => match DB::begin_tx(&store).await {
+                    Begin::Claimed(execution) => match DB::begin_tx(&store, policy.lease).await {
                         Ok(tx) => {
                             TxBegin::Run(TxExecution::new(store, tx, Claim::Two(execution), policy))
                         }
@@ -566,7 +568,7 @@ mod with_sqlx {
             store: DB::Store,
             policy: &Policy,
         ) -> TxBegin<DB> {
-            match DB::begin_tx(&store).await {
+            match DB::begin_tx(&store, policy.lease).await {
                 Ok(tx) => TxBegin::Run(TxExecution::new(store, tx, Claim::None, *policy)),
                 Err(error) => {
                     tracing::error!(route = policy.route, error = %error, "idempotency: BEGIN failed");
@@ -612,7 +614,7 @@ mod with_sqlx {
                 Ok(None) => {}
                 Err(error) => return unavailable("the read", error),
             }
-            let mut tx = match DB::begin_tx(&store).await {
+            let mut tx = match DB::begin_tx(&store, policy.lease).await {
                 Ok(tx) => tx,
                 Err(error) => return unavailable("BEGIN", error),
             };

@@ -48,7 +48,7 @@ where
     let Arm::Tx(commit) = arm else {
         // The bare handler: BEGIN, INSERT, COMMIT on the store's pool.
         let store = engine.transactional_store::<DB>().unwrap();
-        let mut tx = DB::begin_tx(&store).await.unwrap();
+        let mut tx = DB::begin_tx(&store, Duration::from_secs(30)).await.unwrap();
         sqlx::raw_sql(AssertSqlSafe(insert_sql(table)))
             .execute(&mut *tx)
             .await

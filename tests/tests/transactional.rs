@@ -539,10 +539,10 @@ async fn postgres_two_commits_stale_owner_rolls_back() {
     .await;
 }
 
-/// Single commit on PostgreSQL: a session frozen inside its transaction (no statement for
-/// longer than the lease) is ended by the server (`idle_in_transaction_session_timeout`, set
-/// to the lease by the claim), which releases the key: a retry then runs, once, and the frozen
-/// execution's commit fails with nothing of it written.
+/// PostgreSQL: a session frozen inside its transaction (no statement for longer than the
+/// lease) is ended by the server (`idle_in_transaction_session_timeout`, set to the lease by
+/// the transaction's BEGIN). Single commit: that releases the key, a retry runs once, and the
+/// frozen execution's commit fails with nothing of it written. Two commits: see below.
 #[tokio::test]
 #[cfg_attr(
     not(pg),
@@ -596,6 +596,42 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
         .await;
     assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
     assert_eq!(db.rows().await, before + 1);
+
+    // Two commits: the claim committed alone and its heartbeat (alive here: only the handler
+    // is idle) keeps it, so retries get 409; the idle handler's transaction is ended by the
+    // server all the same, so its finish fails, writes nothing and releases the key.
+    let key = unique_key("frozen2");
+    let two = options(CommitPath::Two);
+    let TxBegin::Run(mut frozen) = db
+        .engine
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &two)
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut tx = frozen.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    frozen
+        .run(tokio::time::sleep(Duration::from_millis(1_000)))
+        .await
+        .unwrap();
+    let busy = db
+        .engine
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &two)
+        .await;
+    assert!(
+        matches!(busy, TxBegin::Respond(Begin::InProgress { .. })),
+        "{busy:?}"
+    );
+    drop(tx);
+    let out = frozen
+        .finish(StoredResponse::new(201, "frozen").into())
+        .await;
+    assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
+    assert_eq!(db.rows().await, before + 1, "nothing of the frozen one");
+    let out = one(&db, &key, CommitPath::Two, 201, &runs).await.unwrap();
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    assert_eq!(db.rows().await, before + 2);
 }
 
 /// A store on another database (or the memory store) is refused: the route never runs

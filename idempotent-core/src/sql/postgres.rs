@@ -147,13 +147,10 @@ impl Statements {
             // holder inserts, so a duplicate never blocks on that row's unique-index entry (a
             // wait that would last as long as the handler) and instead learns at once that the
             // key is held (`locked` false, no row: the caller waits, bounded, or answers 409).
-            // Try-lock never waits and never touches other keys. The same statement sets the
-            // transaction's idle timeout ($8, the lease), so a session frozen inside the
-            // transaction gives the key back. The lock CTE is volatile, so it is evaluated
-            // once, before the INSERT that reads it.
+            // Try-lock never waits and never touches other keys. The lock CTE is volatile, so
+            // it is evaluated once, before the INSERT that reads it.
             tx_claim: s("WITH lock AS MATERIALIZED (
-                    SELECT pg_try_advisory_xact_lock($7) AS got,
-                           set_config('idle_in_transaction_session_timeout', $8, true) AS idle),
+                    SELECT pg_try_advisory_xact_lock($7) AS got),
                 existing AS (
                     SELECT fingerprint, done, token, expires_at, locked_until, status, headers, body, oversized
                     FROM {t} WHERE scope = $1 AND key = $2),
@@ -162,7 +159,7 @@ impl Statements {
                     SELECT $1, $2, $3, false, $4,
                            {now} + $5::float8 * interval '1 millisecond', {now},
                            {now} + $6::float8 * interval '1 millisecond'
-                    FROM lock WHERE lock.got AND lock.idle IS NOT NULL
+                    FROM lock WHERE lock.got
                       AND NOT EXISTS (SELECT 1 FROM existing)
                     ON CONFLICT (scope, key) DO NOTHING
                     RETURNING locked_until)
@@ -348,14 +345,21 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
     const LABEL: &'static str = "PostgreSQL";
     const DEFAULT_COMMIT: crate::CommitPath = crate::CommitPath::Single;
 
+    /// READ COMMITTED whatever the database's default (the claim's retry loop and the fenced
+    /// complete rely on each statement seeing what committed before it), and an idle timeout
+    /// of `idle` for this transaction only, so a session frozen inside it (a stopped process)
+    /// gives its locks and its key back. One round trip: both go in BEGIN's simple query.
     async fn begin_tx(
         store: &PostgresStore,
+        idle: std::time::Duration,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        // READ COMMITTED whatever the database's default: the claim's retry loop and the
-        // fenced complete rely on each statement seeing what committed before it.
+        // The server's limit for this setting is i32::MAX ms (about 24.8 days).
+        let ms = millis(idle).clamp(1, i64::from(i32::MAX));
         store
             .pool
-            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .begin_with(AssertSqlSafe(format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+            )))
             .await
             .map_err(db_error)
     }
@@ -375,8 +379,6 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
         let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
         let fp = req.fingerprint.to_stored();
         let lock = lock_id(&store.sql.table, req.key);
-        // The server's limit for this setting is i32::MAX ms (about 24.8 days).
-        let idle = millis(req.lease).min(i64::from(i32::MAX)).to_string();
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
             store.sent.bump();
@@ -388,7 +390,6 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
                 .bind(millis(req.lease))
                 .bind(millis(req.lease.saturating_add(req.ttl)))
                 .bind(lock)
-                .bind(&idle)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(db_error)?;

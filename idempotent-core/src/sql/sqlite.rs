@@ -250,6 +250,7 @@ impl crate::tx::TxDatabase for sqlx::Sqlite {
     /// writer moved.
     async fn begin_tx(
         store: &SqliteStore,
+        _idle: Duration,
     ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
         store
             .pool
