@@ -318,7 +318,7 @@ impl Api {
         charge_id: &str,
         req: NewRefund,
     ) -> Reply {
-        let charge = match self.charges.get(account, charge_id).await {
+        let charge = match self.charges.get(&mut w, account, charge_id).await {
             Ok(Some(charge)) => charge,
             Ok(None) => return Reply::no_such_charge(charge_id),
             Err(e) => return Reply::internal(&e),
@@ -350,7 +350,11 @@ impl Api {
 
     /// `GET /v1/charges/{charge}/refunds`: the charge's refunds, oldest first.
     pub async fn list_refunds(&self, account: &str, charge_id: &str) -> Reply {
-        match self.charges.get(account, charge_id).await {
+        match self
+            .charges
+            .get(&mut Writer::Pool, account, charge_id)
+            .await
+        {
             Ok(Some(_)) => {}
             Ok(None) => return Reply::no_such_charge(charge_id),
             Err(e) => return Reply::internal(&e),

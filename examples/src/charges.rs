@@ -384,11 +384,18 @@ impl Charges {
 }
 
 impl Charges {
-    /// The account's charge `id`, if it exists.
+    /// The account's charge `id`, if it exists, read through `w`: inside a transactional
+    /// handler, on its own transaction (a second pooled connection there could wait for the
+    /// pool its own transactions fill).
     ///
     /// # Errors
     /// [`DbError`] when the database fails.
-    pub async fn get(&self, account: &str, id: &str) -> Result<Option<Charge>, DbError> {
+    pub async fn get(
+        &self,
+        w: &mut Writer<'_>,
+        account: &str,
+        id: &str,
+    ) -> Result<Option<Charge>, DbError> {
         match self {
             Charges::Memory(tables) => Ok(tables
                 .lock()
@@ -398,17 +405,21 @@ impl Charges {
                 .find(|c| c.account == account && c.id == id)
                 .cloned()),
             Charges::Sqlite(pool) => {
-                let row: Option<Row> = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = ?1 AND id = ?2")
-                    .bind(account).bind(id)
-                    .fetch_optional(pool)
-                    .await?;
+                let q = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = ?1 AND id = ?2")
+                    .bind(account).bind(id);
+                let row: Option<Row> = match w {
+                    Writer::Sqlite(tx) => q.fetch_optional(&mut **tx).await?,
+                    _ => q.fetch_optional(pool).await?,
+                };
                 Ok(row.map(from_row))
             }
             Charges::Postgres(pool) => {
-                let row: Option<Row> = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = $1 AND id = $2")
-                    .bind(account).bind(id)
-                    .fetch_optional(pool)
-                    .await?;
+                let q = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = $1 AND id = $2")
+                    .bind(account).bind(id);
+                let row: Option<Row> = match w {
+                    Writer::Postgres(tx) => q.fetch_optional(&mut **tx).await?,
+                    _ => q.fetch_optional(pool).await?,
+                };
                 Ok(row.map(from_row))
             }
         }
