@@ -5,7 +5,8 @@ use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer};
-use idempotent_actix::{Idempotency, idempotent};
+use idempotent_actix::sqlx::{Postgres, Sqlite};
+use idempotent_actix::{Idempotency, Transaction, idempotent};
 use idempotent_core::http::Config;
 use serde_json::{Value, json};
 use std::future::{Ready, ready};
@@ -181,6 +182,35 @@ async fn short_ttl(app: web::Data<App>) -> HttpResponse {
     HttpResponse::Created().finish()
 }
 
+fn status_of(v: &Value) -> StatusCode {
+    v["status"]
+        .as_u64()
+        .and_then(|s| u16::try_from(s).ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED)
+}
+
+#[idempotent(unscoped)]
+async fn tx_sqlite(
+    app: web::Data<App>,
+    mut tx: Transaction<Sqlite>,
+    v: web::Json<Value>,
+) -> HttpResponse {
+    crate::tx_work(&app, &mut tx).await;
+    HttpResponse::build(status_of(&v)).finish()
+}
+
+#[idempotent(unscoped)]
+async fn tx_postgres(
+    app: web::Data<App>,
+    mut tx: Transaction<Postgres>,
+    v: web::Json<Value>,
+) -> HttpResponse {
+    crate::tx_record_pid(&app, &mut tx).await;
+    crate::tx_work(&app, &mut tx).await;
+    HttpResponse::build(status_of(&v)).finish()
+}
+
 fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/charges", web::post().to(create_charge))
         .route("/v1/charges", web::get().to(list))
@@ -196,7 +226,9 @@ fn routes(cfg: &mut web::ServiceConfig) {
         .route("/stream/fails-late", web::post().to(stream_fails_late))
         .route("/stream/gate", web::post().to(stream_gate))
         .route("/stream/endless", web::post().to(stream_endless))
-        .route("/short-ttl", web::post().to(short_ttl));
+        .route("/short-ttl", web::post().to(short_ttl))
+        .route("/tx/sqlite", web::post().to(tx_sqlite))
+        .route("/tx/postgres", web::post().to(tx_postgres));
 }
 
 /// Serves the routes on 127.0.0.1 in a thread of its own (an actix system with one worker),

@@ -7,7 +7,8 @@ use axum::http::{StatusCode, request::Parts};
 use axum::response::AppendHeaders;
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_axum::{Idempotency, idempotent};
+use idempotent_axum::sqlx::{Postgres, Sqlite};
+use idempotent_axum::{Idempotency, Transaction, idempotent};
 use idempotent_core::http::Config;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
@@ -186,6 +187,35 @@ async fn short_ttl(State(app): State<App>) -> StatusCode {
     StatusCode::CREATED
 }
 
+fn status_of(v: &Value) -> StatusCode {
+    v["status"]
+        .as_u64()
+        .and_then(|s| u16::try_from(s).ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED)
+}
+
+#[idempotent(unscoped)]
+async fn tx_sqlite(
+    State(app): State<App>,
+    mut tx: Transaction<Sqlite>,
+    Json(v): Json<Value>,
+) -> StatusCode {
+    crate::tx_work(&app, &mut tx).await;
+    status_of(&v)
+}
+
+#[idempotent(unscoped)]
+async fn tx_postgres(
+    State(app): State<App>,
+    mut tx: Transaction<Postgres>,
+    Json(v): Json<Value>,
+) -> StatusCode {
+    crate::tx_record_pid(&app, &mut tx).await;
+    crate::tx_work(&app, &mut tx).await;
+    status_of(&v)
+}
+
 fn router(app: &App, idempotency: &Idempotency) -> Router {
     let nested = Router::new().route("/orders/{order}/refund", post(refund_order));
     Router::new()
@@ -203,6 +233,8 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/stream/gate", post(stream_gate))
         .route("/stream/endless", post(stream_endless))
         .route("/short-ttl", post(short_ttl))
+        .route("/tx/sqlite", post(tx_sqlite))
+        .route("/tx/postgres", post(tx_postgres))
         .layer(idempotency.layer())
         .with_state(app.clone())
 }

@@ -27,6 +27,53 @@ pub(crate) struct App {
     pub(crate) panicked_once: Arc<AtomicBool>,
     /// Releases the second half of `/stream/gate`.
     pub(crate) gate: Arc<tokio::sync::Notify>,
+    /// What the transactional routes (`/tx/sqlite`, `/tx/postgres`) write and report.
+    pub(crate) tx: Arc<TxHooks>,
+}
+
+/// The transactional routes' business table, the PostgreSQL backend of the last handler (for
+/// the fault test), and how long a handler holds its transaction after writing.
+#[derive(Default)]
+pub(crate) struct TxHooks {
+    pub(crate) table: std::sync::Mutex<String>,
+    pub(crate) pid: std::sync::Mutex<Option<i32>>,
+    pub(crate) hold_ms: std::sync::atomic::AtomicU64,
+}
+
+/// The transactional handlers' body (both frameworks): one row through the transaction, then
+/// the hold. The status comes from the request's `{"status": …}`.
+pub(crate) async fn tx_work<DB: idempotent_core::TxDatabase>(
+    app: &App,
+    tx: &mut idempotent_core::Transaction<DB>,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    let table = app.tx.table.lock().unwrap().clone();
+    let sql = format!(
+        "INSERT INTO {table} (id) VALUES ('{}')",
+        uuid::Uuid::new_v4().simple()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut **tx)
+        .await
+        .unwrap();
+    let hold = app.tx.hold_ms.load(Ordering::SeqCst);
+    if hold > 0 {
+        tokio::time::sleep(Duration::from_millis(hold)).await;
+    }
+}
+
+/// Records the handler's PostgreSQL backend, for the fault test.
+pub(crate) async fn tx_record_pid(
+    app: &App,
+    tx: &mut idempotent_core::Transaction<sqlx::Postgres>,
+) {
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap();
+    *app.tx.pid.lock().unwrap() = Some(pid);
 }
 
 /// Which framework serves the routes.
@@ -615,6 +662,167 @@ async fn contract_on_postgres_store(fw: Fw) {
     idempotent_tests::fixtures::pg_drop(&pool, &table).await;
 }
 
+/// Transactional routes on a store of their database: a stored response commits the row with
+/// the record (then replays, nothing runs); a 5xx rolls it back and the retry runs again; a
+/// 4xx is stored and commits its row. `rows` counts the business table outside any
+/// transaction.
+async fn tx_cycle<F, Fut>(s: &Server, path: &str, rows: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = i64>,
+{
+    let (runs, before) = (s.runs(), rows().await);
+    let k = key();
+    let first = s
+        .post(path, "", Some(&k), r#"{"status": 201}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.headers()["idempotent-replayed"], "false");
+    assert_eq!(rows().await, before + 1);
+    let again = s
+        .post(path, "", Some(&k), r#"{"status": 201}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!((s.runs() - runs, rows().await), (1, before + 1));
+    let k = key();
+    for n in 1..=2 {
+        let failed = s
+            .post(path, "", Some(&k), r#"{"status": 502}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(failed.status(), 502, "the handler's own answer");
+        assert!(!failed.headers().contains_key("idempotent-replayed"));
+        assert_eq!(s.runs() - runs, 1 + n, "a 5xx releases: the retry runs");
+        assert_eq!(rows().await, before + 1, "and its row rolled back");
+    }
+    let k = key();
+    let refused = s
+        .post(path, "", Some(&k), r#"{"status": 422}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 422);
+    assert_eq!(rows().await, before + 2, "a stored 4xx commits its writes");
+    let replay = s
+        .post(path, "", Some(&k), r#"{"status": 422}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+}
+
+/// A transactional route whose store is on another database (or the memory store) answers
+/// 500 naming the database, and never runs.
+async fn refuses_the_wrong_database(s: &Server, path: &str, wanted: &str) {
+    let runs = s.runs();
+    let res = s
+        .post(path, "", Some(&key()), r#"{"status": 201}"#)
+        .send()
+        .await
+        .unwrap();
+    let body = problem(res, 500, "idempotency-misconfigured").await;
+    assert!(body["detail"].as_str().unwrap().contains(wanted), "{body}");
+    assert_eq!(s.runs(), runs);
+}
+
+async fn transactional_routes_on_memory_and_sqlite(fw: Fw) {
+    let s = serve(fw, config(MemoryStore::new())).await;
+    refuses_the_wrong_database(&s, "/tx/postgres", "PostgreSQL").await;
+    refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = idempotent_core::SqliteStore::connect(&format!(
+        "sqlite://{}",
+        dir.path().join("tx.db").display()
+    ))
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE tx_business (id TEXT PRIMARY KEY)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let pool = store.pool().clone();
+    let s = serve(fw, config(store)).await;
+    "tx_business".clone_into(&mut s.app.tx.table.lock().unwrap());
+    tx_cycle(&s, "/tx/sqlite", || async {
+        sqlx::query_scalar("SELECT count(*) FROM tx_business")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    refuses_the_wrong_database(&s, "/tx/postgres", "PostgreSQL").await;
+}
+
+/// On PostgreSQL, plus the fault: the handler's connection is terminated while it holds its
+/// transaction (`pg_terminate_backend`): the client gets a 503 problem with `Retry-After`,
+/// nothing is half-written, and the retry runs once.
+async fn transactional_routes_on_postgres(fw: Fw) {
+    let pool = idempotent_tests::fixtures::pg_pool(16).await;
+    let table = idempotent_tests::fixtures::unique_table("e2etx");
+    let store = idempotent_tests::fixtures::pg_store(pool.clone(), &table).await;
+    let business = format!("idempotent_test.{table}_biz");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {business} (id text PRIMARY KEY)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let s = serve(fw, config(store)).await;
+    s.app.tx.table.lock().unwrap().clone_from(&business);
+    let count = format!("SELECT count(*) FROM {business}");
+    let rows = || async {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(count.clone()))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    tx_cycle(&s, "/tx/postgres", rows).await;
+    refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
+
+    let (runs, before) = (s.runs(), rows().await);
+    *s.app.tx.pid.lock().unwrap() = None;
+    s.app.tx.hold_ms.store(1_000, Ordering::SeqCst);
+    let k = key();
+    let pending = tokio::spawn(
+        s.post("/tx/postgres", "", Some(&k), r#"{"status": 201}"#)
+            .send(),
+    );
+    let pid = loop {
+        if let Some(pid) = *s.app.tx.pid.lock().unwrap() {
+            break pid;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(killed);
+    let res = pending.await.unwrap().unwrap();
+    assert_eq!(res.headers()["retry-after"], "1");
+    problem(res, 503, "idempotency-store-unavailable").await;
+    assert_eq!(rows().await, before, "nothing half-written");
+    s.app.tx.hold_ms.store(0, Ordering::SeqCst);
+    let retry = s
+        .until_not_busy(|| s.post("/tx/postgres", "", Some(&k), r#"{"status": 201}"#))
+        .await;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "false");
+    assert_eq!((s.runs() - runs, rows().await), (2, before + 1));
+    idempotent_tests::fixtures::pg_drop(&pool, &table).await;
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {business}")))
+        .execute(&pool)
+        .await;
+}
+
 async fn failing_store_answers_503_and_never_runs_the_handler(fw: Fw) {
     // A store that cannot hold a single record fails every claim.
     let s = serve(fw, config(MemoryStore::builder().max_entries(0).build())).await;
@@ -1086,6 +1294,12 @@ on_both!(
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
     )]
     contract_on_postgres_store,
+    transactional_routes_on_memory_and_sqlite,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    transactional_routes_on_postgres,
     failing_store_answers_503_and_never_runs_the_handler,
     problems_carry_no_internals,
     oversized_responses_optional_keys_and_request_limits,
