@@ -164,6 +164,7 @@ pub struct Config {
     commit: Option<CommitPath>,
     tx_wait: Duration,
     max_waiters: usize,
+    tx_read_first: bool,
 }
 
 impl Config {
@@ -179,6 +180,7 @@ impl Config {
             commit: None,
             tx_wait: DEFAULT_TX_WAIT,
             max_waiters: DEFAULT_MAX_WAITERS,
+            tx_read_first: true,
         }
     }
 
@@ -226,6 +228,11 @@ impl Config {
     /// [`TxOptions::max_waiters`].
     pub fn max_waiters(&self) -> usize {
         self.max_waiters
+    }
+
+    /// [`TxOptions::read_first`].
+    pub fn transaction_read_first(&self) -> bool {
+        self.tx_read_first
     }
 }
 
@@ -312,6 +319,14 @@ impl<T: From<Config>> ConfigBuilder<T> {
     /// once. 0: none waits.
     pub fn max_waiters(mut self, n: usize) -> Self {
         self.config.max_waiters = n;
+        self
+    }
+
+    /// Single commit: read the record before opening a transaction, so a replay is one
+    /// read-only statement (default `true`); `false` saves first executions that round trip
+    /// (see [`TxOptions::read_first`]).
+    pub fn transaction_read_first(mut self, on: bool) -> Self {
+        self.config.tx_read_first = on;
         self
     }
 
@@ -410,6 +425,7 @@ impl Route {
             commit: self.commit.or(config.commit).unwrap_or(database_default),
             wait: self.wait.unwrap_or(config.tx_wait),
             max_waiters: config.max_waiters,
+            read_first: config.tx_read_first,
         }
     }
 

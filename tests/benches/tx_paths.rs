@@ -39,28 +39,35 @@ fn insert_sql(table: &str) -> String {
 enum Arm {
     Bare,
     Tx(CommitPath),
+    /// Single commit without the read-first fast path.
+    SingleNoRead,
 }
 
 async fn one<DB: TxDatabase>(engine: &Engine, arm: Arm, table: &str)
 where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
 {
-    let Arm::Tx(commit) = arm else {
-        // The bare handler: BEGIN, INSERT, COMMIT on the store's pool.
-        let store = engine.transactional_store::<DB>().unwrap();
-        let mut tx = DB::begin_tx(&store, Duration::from_secs(30)).await.unwrap();
-        sqlx::raw_sql(AssertSqlSafe(insert_sql(table)))
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-        return;
+    let (commit, read_first) = match arm {
+        Arm::Tx(commit) => (commit, true),
+        Arm::SingleNoRead => (CommitPath::Single, false),
+        Arm::Bare => {
+            // The bare handler: BEGIN, INSERT, COMMIT on the store's pool.
+            let store = engine.transactional_store::<DB>().unwrap();
+            let mut tx = DB::begin_tx(&store, Duration::from_secs(30)).await.unwrap();
+            sqlx::raw_sql(AssertSqlSafe(insert_sql(table)))
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            return;
+        }
     };
     let k = key();
     let options = TxOptions {
         commit,
         wait: Duration::from_millis(50),
         max_waiters: 4,
+        read_first,
     };
     let TxBegin::Run(mut execution) = engine
         .begin_transactional::<DB>(request(&k), &Policy::default(), &options)
@@ -114,6 +121,7 @@ where
     let arms = [
         Arm::Bare,
         Arm::Tx(CommitPath::Single),
+        Arm::SingleNoRead,
         Arm::Tx(CommitPath::Two),
     ];
     // Warm-up.

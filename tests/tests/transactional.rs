@@ -27,6 +27,7 @@ fn options(commit: CommitPath) -> TxOptions {
         commit,
         wait: Duration::from_millis(50),
         max_waiters: 4,
+        read_first: true,
     }
 }
 
@@ -314,6 +315,41 @@ async fn postgres_single_commit_statements() {
         Err(Begin::Replay(_))
     ));
     assert_eq!(store.statements_sent() - before, 1, "a replay is one read");
+
+    // Without the read first: a first execution is claim + complete; a replay is the claim
+    // statement alone (inside a transaction that writes nothing).
+    let key = unique_key("stmts-nr");
+    let opts = TxOptions {
+        read_first: false,
+        ..options(CommitPath::Single)
+    };
+    let p = policy(Duration::from_secs(10));
+    let before = store.statements_sent();
+    let TxBegin::Run(mut execution) = db
+        .engine
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &opts)
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut tx = execution.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    assert!(matches!(
+        execution.finish(StoredResponse::new(201, "x").into()).await,
+        TxFinished::Committed
+    ));
+    assert_eq!(store.statements_sent() - before, 2, "claim, complete");
+    let before = store.statements_sent();
+    let replay = db
+        .engine
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &opts)
+        .await;
+    assert!(
+        matches!(replay, TxBegin::Respond(Begin::Replay(_))),
+        "{replay:?}"
+    );
+    assert_eq!(store.statements_sent() - before, 1, "the claim alone");
 }
 
 /// 64 concurrent duplicates of one key (single commit, PostgreSQL): exactly one runs; the
