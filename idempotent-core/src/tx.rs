@@ -67,8 +67,8 @@ pub struct TxOptions {
     pub max_waiters: usize,
     /// Single commit: read the record before opening a transaction (default `true`). A
     /// replay then costs one read-only statement, as in plain mode, and a first execution one
-    /// more round trip; with `false` a first execution saves that round trip (measured: +18%
-    /// first executions on SQLite, +40% on PostgreSQL, see BENCHMARKS.md) and a replay costs
+    /// more round trip; with `false` a first execution saves that round trip (measured in
+    /// BENCHMARKS.md: PostgreSQL first executions about a quarter faster) and a replay costs
     /// BEGIN, the claim statement (which writes nothing) and a ROLLBACK sent with the
     /// connection's next use. Choose `false` where retries are rare.
     pub read_first: bool,
