@@ -65,12 +65,13 @@ pub struct TxOptions {
     /// At most this many requests per key wait in one process; more get 409 at once, so
     /// duplicates cannot take every pooled connection.
     pub max_waiters: usize,
-    /// Single commit: read the record before opening a transaction (default `true`). A
-    /// replay then costs one read-only statement, as in plain mode, and a first execution one
-    /// more round trip; with `false` a first execution saves that round trip (measured in
-    /// BENCHMARKS.md: PostgreSQL first executions about a quarter faster) and a replay costs
-    /// BEGIN, the claim statement (which writes nothing) and a ROLLBACK sent with the
-    /// connection's next use. Choose `false` where retries are rare.
+    /// Single commit on PostgreSQL: read the record before opening a transaction (default
+    /// `true`). A replay then costs one read-only statement, as in plain mode, and a first
+    /// execution one more round trip; with `false` a first execution saves that round trip
+    /// (measured in BENCHMARKS.md: PostgreSQL first executions about a quarter faster) and a
+    /// replay costs three: BEGIN, the claim statement (which writes nothing) and ROLLBACK.
+    /// Choose `false` where retries are rare. SQLite always reads first (a claim there takes
+    /// the database's one write lock).
     pub read_first: bool,
 }
 
@@ -170,13 +171,17 @@ mod with_sqlx {
         /// The commit path used when neither the route nor the configuration picks one:
         /// single commit on both (one commit instead of two; measured in BENCHMARKS.md).
         const DEFAULT_COMMIT: CommitPath;
+        /// Whether single commit reads the record first whatever [`TxOptions::read_first`]
+        /// says (SQLite: a claim inside a transaction holds the one write lock, which a
+        /// replay must not wait for).
+        const ALWAYS_READ_FIRST: bool;
 
-        /// Opens a transaction on the store's pool for a handler; on PostgreSQL the server ends
-        /// it if it stays idle (no statement) for `idle` (the lease).
+        /// Opens a transaction on the store's pool for a handler; with `idle` (single commit:
+        /// the lease), PostgreSQL ends it if it stays idle (no statement) that long.
         #[doc(hidden)]
         fn begin_tx(
             store: &Self::Store,
-            idle: Duration,
+            idle: Option<Duration>,
         ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, StoreError>> + Send;
 
         /// Reads the record outside any transaction: `Some` when that settles the request
@@ -545,7 +550,8 @@ mod with_sqlx {
             };
             match options.commit {
                 CommitPath::Two => match self.begin(req, &policy).await {
-                    Begin::Claimed(execution) => match DB::begin_tx(&store, policy.lease).await {
+                    // The heartbeat holds a two-commit claim: no idle limit on the handler.
+                    Begin::Claimed(execution) => match DB::begin_tx(&store, None).await {
                         Ok(tx) => {
                             TxBegin::Run(TxExecution::new(store, tx, Claim::Two(execution), policy))
                         }
@@ -575,7 +581,7 @@ mod with_sqlx {
             store: DB::Store,
             policy: &Policy,
         ) -> TxBegin<DB> {
-            match DB::begin_tx(&store, policy.lease).await {
+            match DB::begin_tx(&store, None).await {
                 Ok(tx) => TxBegin::Run(TxExecution::new(store, tx, Claim::None, *policy)),
                 Err(error) => {
                     tracing::error!(route = policy.route, error = %error, "idempotency: BEGIN failed");
@@ -616,14 +622,16 @@ mod with_sqlx {
             };
             // Replays (and 409s for two-commit claims, mismatches) settle here, with one
             // read-only statement and no transaction.
-            if options.read_first {
+            if options.read_first || DB::ALWAYS_READ_FIRST {
                 match DB::read(&store, claim).await {
                     Ok(Some(outcome)) => return TxBegin::Respond(report(outcome)),
                     Ok(None) => {}
                     Err(error) => return unavailable("the read", error),
                 }
             }
-            let mut tx = match DB::begin_tx(&store, policy.lease).await {
+            // The uncommitted claim holds the key while this transaction lives: a session
+            // frozen inside it must give the key back, so it may idle a lease at most.
+            let mut tx = match DB::begin_tx(&store, Some(policy.lease)).await {
                 Ok(tx) => tx,
                 Err(error) => return unavailable("BEGIN", error),
             };

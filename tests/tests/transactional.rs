@@ -575,10 +575,10 @@ async fn postgres_two_commits_stale_owner_rolls_back() {
     .await;
 }
 
-/// PostgreSQL: a session frozen inside its transaction (no statement for longer than the
-/// lease) is ended by the server (`idle_in_transaction_session_timeout`, set to the lease by
-/// the transaction's BEGIN). Single commit: that releases the key, a retry runs once, and the
-/// frozen execution's commit fails with nothing of it written. Two commits: see below.
+/// PostgreSQL, single commit: a session frozen inside its transaction (no statement for
+/// longer than the lease) is ended by the server (`idle_in_transaction_session_timeout`, set
+/// to the lease by the transaction's BEGIN), which releases the key: a retry runs once, and
+/// the frozen execution's commit fails with nothing of it written. Two commits: see below.
 #[tokio::test]
 #[cfg_attr(
     not(pg),
@@ -633,22 +633,23 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
     assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
     assert_eq!(db.rows().await, before + 1);
 
-    // Two commits: the claim committed alone and its heartbeat (alive here: only the handler
-    // is idle) keeps it, so retries get 409; the idle handler's transaction is ended by the
-    // server all the same, so its finish fails, writes nothing and releases the key.
-    let key = unique_key("frozen2");
+    // Two commits: no idle limit on the handler. Its claim committed alone and the
+    // heartbeat keeps it past the lease while the handler waits on something else (here, 2.5
+    // leases without a statement): retries get 409 meanwhile, and the handler's transaction
+    // still commits.
+    let key = unique_key("idle2");
+    let p = policy(Duration::from_secs(1));
     let two = options(CommitPath::Two);
-    let TxBegin::Run(mut frozen) = db
+    let TxBegin::Run(mut slow) = db
         .engine
         .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &two)
         .await
     else {
         panic!("claim")
     };
-    let mut tx = frozen.transaction().unwrap();
+    let mut tx = slow.transaction().unwrap();
     insert(&mut tx, &db.business).await;
-    frozen
-        .run(tokio::time::sleep(Duration::from_millis(1_000)))
+    slow.run(tokio::time::sleep(Duration::from_millis(2_500)))
         .await
         .unwrap();
     let busy = db
@@ -659,15 +660,12 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
         matches!(busy, TxBegin::Respond(Begin::InProgress { .. })),
         "{busy:?}"
     );
+    insert(&mut tx, &db.business).await;
     drop(tx);
-    let out = frozen
-        .finish(StoredResponse::new(201, "frozen").into())
-        .await;
-    assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
-    assert_eq!(db.rows().await, before + 1, "nothing of the frozen one");
-    let out = one(&db, &key, CommitPath::Two, 201, &runs).await.unwrap();
+    let out = slow.finish(StoredResponse::new(201, "slow").into()).await;
     assert!(matches!(out, TxFinished::Committed), "{out:?}");
-    assert_eq!(db.rows().await, before + 2);
+    assert_eq!(db.rows().await, before + 3);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 /// A store on another database (or the memory store) is refused: the route never runs
@@ -769,4 +767,41 @@ async fn postgres_killed_connection_mid_transaction() {
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         assert_eq!(db.rows().await, before + 1);
     }
+}
+
+/// SQLite always reads first: a replay never waits for the database's write lock, which an
+/// open transactional handler holds for its whole run (here another connection holds it).
+#[tokio::test]
+async fn sqlite_replays_never_wait_for_the_write_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, store) = sqlite_db(&dir).await;
+    let runs = AtomicUsize::new(0);
+    let key = unique_key("lock");
+    let out = one(&db, &key, CommitPath::Single, 201, &runs)
+        .await
+        .unwrap();
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    let writer = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    for read_first in [true, false] {
+        let opts = TxOptions {
+            read_first,
+            ..options(CommitPath::Single)
+        };
+        let replay = tokio::time::timeout(
+            Duration::from_secs(2),
+            db.engine.begin_transactional::<sqlx::Sqlite>(
+                request(&key, "a"),
+                &policy(Duration::from_secs(10)),
+                &opts,
+            ),
+        )
+        .await
+        .expect("a replay waited for the write lock (the busy timeout is 5 s)");
+        assert!(
+            matches!(replay, TxBegin::Respond(Begin::Replay(_))),
+            "{replay:?}"
+        );
+    }
+    writer.rollback().await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

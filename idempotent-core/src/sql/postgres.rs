@@ -345,21 +345,32 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
     const LABEL: &'static str = "PostgreSQL";
     const DEFAULT_COMMIT: crate::CommitPath = crate::CommitPath::Single;
 
+    const ALWAYS_READ_FIRST: bool = false;
+
     /// READ COMMITTED whatever the database's default (the claim's retry loop and the fenced
-    /// complete rely on each statement seeing what committed before it), and an idle timeout
-    /// of `idle` for this transaction only, so a session frozen inside it (a stopped process)
-    /// gives its locks and its key back. One round trip: both go in BEGIN's simple query.
+    /// complete rely on each statement seeing what committed before it), and, with `idle`, an
+    /// idle timeout for this transaction only, so a session frozen inside it (a stopped
+    /// process) gives its locks and its key back. One round trip: both go in BEGIN's simple
+    /// query. (sqlx 0.9 raises its transaction depth only if that whole query succeeds; the
+    /// SET cannot fail here: any role may set this setting, and the value is an integer
+    /// clamped to the server's range.)
     async fn begin_tx(
         store: &PostgresStore,
-        idle: std::time::Duration,
+        idle: Option<std::time::Duration>,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        // The server's limit for this setting is i32::MAX ms (about 24.8 days).
-        let ms = millis(idle).clamp(1, i64::from(i32::MAX));
+        let begin = match idle {
+            Some(idle) => {
+                // The server's limit for this setting is i32::MAX ms (about 24.8 days).
+                let ms = millis(idle).clamp(1, i64::from(i32::MAX));
+                format!(
+                    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+                )
+            }
+            None => "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned(),
+        };
         store
             .pool
-            .begin_with(AssertSqlSafe(format!(
-                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = {ms}"
-            )))
+            .begin_with(AssertSqlSafe(begin))
             .await
             .map_err(db_error)
     }

@@ -244,13 +244,15 @@ impl crate::tx::TxDatabase for sqlx::Sqlite {
     type Store = SqliteStore;
     const LABEL: &'static str = "SQLite";
     const DEFAULT_COMMIT: crate::CommitPath = crate::CommitPath::Single;
+    /// A claim inside a transaction takes SQLite's one write lock: replays must not.
+    const ALWAYS_READ_FIRST: bool = true;
 
     /// `BEGIN IMMEDIATE`: the write lock from the start (waiting up to the busy timeout), so
     /// a read followed by a write inside the transaction never fails on a snapshot another
     /// writer moved.
     async fn begin_tx(
         store: &SqliteStore,
-        _idle: Duration,
+        _idle: Option<Duration>,
     ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
         store
             .pool

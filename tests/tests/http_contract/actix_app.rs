@@ -197,6 +197,7 @@ async fn tx_sqlite(
     v: web::Json<Value>,
 ) -> HttpResponse {
     crate::tx_work(&app, &mut tx).await;
+    crate::tx_hold(&app).await;
     HttpResponse::build(status_of(&v)).finish()
 }
 
@@ -206,8 +207,9 @@ async fn tx_postgres(
     mut tx: Transaction<Postgres>,
     v: web::Json<Value>,
 ) -> HttpResponse {
-    crate::tx_record_pid(&app, &mut tx).await;
     crate::tx_work(&app, &mut tx).await;
+    crate::tx_record_pid(&app, &mut tx).await;
+    crate::tx_hold(&app).await;
     HttpResponse::build(status_of(&v)).finish()
 }
 

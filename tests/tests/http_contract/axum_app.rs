@@ -202,6 +202,7 @@ async fn tx_sqlite(
     Json(v): Json<Value>,
 ) -> StatusCode {
     crate::tx_work(&app, &mut tx).await;
+    crate::tx_hold(&app).await;
     status_of(&v)
 }
 
@@ -211,8 +212,9 @@ async fn tx_postgres(
     mut tx: Transaction<Postgres>,
     Json(v): Json<Value>,
 ) -> StatusCode {
-    crate::tx_record_pid(&app, &mut tx).await;
     crate::tx_work(&app, &mut tx).await;
+    crate::tx_record_pid(&app, &mut tx).await;
+    crate::tx_hold(&app).await;
     status_of(&v)
 }
 

@@ -40,8 +40,8 @@ pub(crate) struct TxHooks {
     pub(crate) hold_ms: std::sync::atomic::AtomicU64,
 }
 
-/// The transactional handlers' body (both frameworks): one row through the transaction, then
-/// the hold. The status comes from the request's `{"status": …}`.
+/// The transactional handlers' write (both frameworks): one row through the transaction. The
+/// status comes from the request's `{"status": …}`.
 pub(crate) async fn tx_work<DB: idempotent_core::TxDatabase>(
     app: &App,
     tx: &mut idempotent_core::Transaction<DB>,
@@ -58,6 +58,10 @@ pub(crate) async fn tx_work<DB: idempotent_core::TxDatabase>(
         .execute(&mut **tx)
         .await
         .unwrap();
+}
+
+/// Holds the transaction open after the write, as long as the test set.
+pub(crate) async fn tx_hold(app: &App) {
     let hold = app.tx.hold_ms.load(Ordering::SeqCst);
     if hold > 0 {
         tokio::time::sleep(Duration::from_millis(hold)).await;
@@ -794,12 +798,16 @@ async fn transactional_routes_on_postgres(fw: Fw) {
         s.post("/tx/postgres", "", Some(&k), r#"{"status": 201}"#)
             .send(),
     );
-    let pid = loop {
-        if let Some(pid) = *s.app.tx.pid.lock().unwrap() {
-            break pid;
+    // Recorded after the handler's INSERT, while it holds its transaction.
+    let mut pid = None;
+    for _ in 0..1_000 {
+        pid = *s.app.tx.pid.lock().unwrap();
+        if pid.is_some() || pending.is_finished() {
+            break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    }
+    let pid = pid.expect("the handler reached its hold");
     let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(pid)
         .fetch_one(&pool)
