@@ -249,7 +249,8 @@ mod with_sqlx {
 
     enum Claim {
         /// No record (a safe method, or no key where it is optional): commit iff storable.
-        None,
+        /// Counted towards [`Engine::drain`] all the same (it commits at its end).
+        None { _slot: InFlight },
         /// The claim row is inside the transaction.
         Single {
             _slot: InFlight,
@@ -272,7 +273,7 @@ mod with_sqlx {
     impl<DB: TxDatabase> std::fmt::Debug for TxExecution<DB> {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             let claim = match &self.claim {
-                Claim::None => "none",
+                Claim::None { .. } => "none",
                 Claim::Single { .. } => "single",
                 Claim::Two(_) => "two",
             };
@@ -301,7 +302,7 @@ mod with_sqlx {
         /// Whether a record protects this execution (`false` for a safe method or a request
         /// without a key on a route where the key is optional).
         pub fn is_protected(&self) -> bool {
-            !matches!(self.claim, Claim::None)
+            !matches!(self.claim, Claim::None { .. })
         }
 
         /// The transaction for the handler; `None` once handed out.
@@ -322,7 +323,9 @@ mod with_sqlx {
         pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
             match &mut self.claim {
                 Claim::Two(execution) => execution.run(fut).await,
-                Claim::None | Claim::Single { .. } => AssertUnwindSafe(fut).catch_unwind().await,
+                Claim::None { .. } | Claim::Single { .. } => {
+                    AssertUnwindSafe(fut).catch_unwind().await
+                }
             }
         }
 
@@ -359,7 +362,7 @@ mod with_sqlx {
                 return TxFinished::RolledBack;
             }
             let completed = match &claim {
-                Claim::None => Ok(()),
+                Claim::None { .. } => Ok(()),
                 Claim::Single { key, token, .. } => {
                     DB::complete_in(&store, &mut tx, key, *token, &outcome, policy.ttl).await
                 }
@@ -582,7 +585,12 @@ mod with_sqlx {
             policy: &Policy,
         ) -> TxBegin<DB> {
             match DB::begin_tx(&store, None).await {
-                Ok(tx) => TxBegin::Run(TxExecution::new(store, tx, Claim::None, *policy)),
+                Ok(tx) => {
+                    let claim = Claim::None {
+                        _slot: InFlight::enter(Arc::clone(&self.inner)),
+                    };
+                    TxBegin::Run(TxExecution::new(store, tx, claim, *policy))
+                }
                 Err(error) => {
                     tracing::error!(route = policy.route, error = %error, "idempotency: BEGIN failed");
                     TxBegin::Respond(Begin::StoreUnavailable(error))

@@ -805,3 +805,36 @@ async fn sqlite_replays_never_wait_for_the_write_lock() {
     writer.rollback().await.unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// Requests a transactional route runs without a record (a safe method, no key where it is
+/// optional) still count towards the drain until their transaction ends.
+#[tokio::test]
+async fn unprotected_transactions_count_towards_the_drain() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, _) = sqlite_db(&dir).await;
+    let TxBegin::Run(mut execution) = db
+        .engine
+        .begin_unprotected::<sqlx::Sqlite>(&policy(Duration::from_secs(10)))
+        .await
+    else {
+        panic!("begin")
+    };
+    assert!(!execution.is_protected());
+    assert_eq!(db.engine.running(), 1);
+    let mut tx = execution.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    let engine = db.engine.clone();
+    let drain = tokio::spawn(async move { engine.drain(Duration::from_secs(10)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !drain.is_finished(),
+        "the drain waits for the open transaction"
+    );
+    let out = execution
+        .finish(StoredResponse::new(200, "ok").into())
+        .await;
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    assert_eq!(drain.await.unwrap().still_running, 0);
+    assert_eq!(db.rows().await, 1);
+}
