@@ -18,7 +18,9 @@ use std::future::{Future, ready};
 use std::pin::Pin;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use {
-    idempotent_core::http::{FIRST_EXECUTION, TxReply, TxStep, finish_transactional},
+    idempotent_core::http::{
+        FIRST_EXECUTION, TxReply, TxStep, begin_transactional, finish_transactional,
+    },
     idempotent_core::{Transaction, TxDatabase},
 };
 
@@ -298,21 +300,11 @@ where
     };
     let task = actix_rt::spawn(async move {
         let policy = &resolved.policy;
-        let begin = match request {
-            Some(request) => {
-                engine
-                    .begin_transactional::<DB>(request, policy, &options)
-                    .await
-            }
-            None => engine.begin_unprotected::<DB>(policy).await,
-        };
-        let mut execution = match TxStep::from(begin) {
-            TxStep::Respond(r) => return reply(r),
-            TxStep::Run(execution) => execution,
-        };
-        let Some(tx) = execution.transaction() else {
-            return problem(&Problem::misconfigured());
-        };
+        let (mut execution, tx) =
+            match begin_transactional::<DB>(&engine, request, policy, &options).await {
+                TxStep::Respond(r) => return reply(r),
+                TxStep::Run(execution, tx) => (execution, tx),
+            };
         let read = execution
             .run(async {
                 let response = handler(tx).await.respond_to(&req);

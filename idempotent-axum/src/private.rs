@@ -19,7 +19,9 @@ use std::future::Future;
 use {
     axum::body::Body,
     http_body_util::{BodyExt, Collected},
-    idempotent_core::http::{FIRST_EXECUTION, TxReply, TxStep, finish_transactional},
+    idempotent_core::http::{
+        FIRST_EXECUTION, TxReply, TxStep, begin_transactional, finish_transactional,
+    },
     idempotent_core::{Transaction, TxDatabase},
 };
 
@@ -259,21 +261,11 @@ where
     };
     Detached::new(async move {
         let policy = &policy;
-        let begin = match request {
-            Some(request) => {
-                engine
-                    .begin_transactional::<DB>(request, policy, &options)
-                    .await
-            }
-            None => engine.begin_unprotected::<DB>(policy).await,
-        };
-        let mut execution = match TxStep::from(begin) {
-            TxStep::Respond(r) => return reply(r),
-            TxStep::Run(execution) => execution,
-        };
-        let Some(tx) = execution.transaction() else {
-            return problem(&Problem::misconfigured());
-        };
+        let (mut execution, tx) =
+            match begin_transactional::<DB>(&engine, request, policy, &options).await {
+                TxStep::Respond(r) => return reply(r),
+                TxStep::Run(execution, tx) => (execution, tx),
+            };
         let read = execution
             .run(async move {
                 let (parts, body) = handler(tx).await.into_response().into_parts();

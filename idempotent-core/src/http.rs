@@ -578,10 +578,12 @@ impl From<Begin> for Step {
 /// wire): run the handler with the execution's transaction, or answer.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[derive(Debug)]
+// Made and taken apart once per request: boxing the large variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum TxStep<DB: crate::TxDatabase> {
-    /// Run the handler with [`TxExecution::transaction`](crate::TxExecution::transaction), read
-    /// its whole response, then [`finish_transactional`].
-    Run(crate::TxExecution<DB>),
+    /// Run the handler with this transaction (under [`TxExecution::run`](crate::TxExecution::run)),
+    /// read its whole response, then [`finish_transactional`].
+    Run(crate::TxExecution<DB>, crate::Transaction<DB>),
     /// Answer with this; the handler does not run.
     Respond(Reply),
 }
@@ -590,7 +592,11 @@ pub enum TxStep<DB: crate::TxDatabase> {
 impl<DB: crate::TxDatabase> From<crate::TxBegin<DB>> for TxStep<DB> {
     fn from(begin: crate::TxBegin<DB>) -> Self {
         match begin {
-            crate::TxBegin::Run(execution) => TxStep::Run(execution),
+            crate::TxBegin::Run(mut execution) => match execution.transaction() {
+                Some(tx) => TxStep::Run(execution, tx),
+                // A fresh execution always holds its transaction.
+                None => TxStep::Respond(Reply::problem(&Problem::misconfigured())),
+            },
             crate::TxBegin::Respond(begin) => match Step::from(begin) {
                 Step::Respond(reply) => TxStep::Respond(reply),
                 // `begin_transactional` never answers with these.
@@ -603,6 +609,27 @@ impl<DB: crate::TxDatabase> From<crate::TxBegin<DB>> for TxStep<DB> {
             }
         }
     }
+}
+
+/// Begins a transactional route's request: claimed under `options` when `request` is
+/// protected, or with a transaction and no record (`None`: a safe method, or no key where it
+/// is optional).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub async fn begin_transactional<DB: crate::TxDatabase>(
+    engine: &Engine,
+    request: Option<crate::ExecuteRequest>,
+    policy: &crate::Policy,
+    options: &TxOptions,
+) -> TxStep<DB> {
+    let begin = match request {
+        Some(request) => {
+            engine
+                .begin_transactional::<DB>(request, policy, options)
+                .await
+        }
+        None => engine.begin_unprotected::<DB>(policy).await,
+    };
+    TxStep::from(begin)
 }
 
 /// What the client gets after [`finish_transactional`].

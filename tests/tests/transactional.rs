@@ -54,6 +54,19 @@ impl<DB: TxDatabase> Db<DB> {
     }
 }
 
+/// Claims for a transactional execution that must run (a fresh key, or one that is free).
+async fn claimed<DB: TxDatabase>(
+    engine: &Engine,
+    req: ExecuteRequest,
+    policy: &Policy,
+    options: &TxOptions,
+) -> TxExecution<DB> {
+    match engine.begin_transactional::<DB>(req, policy, options).await {
+        TxBegin::Run(execution) => execution,
+        other => panic!("expected to run: {other:?}"),
+    }
+}
+
 /// Inserts one business row through the handler's transaction.
 async fn insert<DB: TxDatabase>(tx: &mut Transaction<DB>, table: &str)
 where
@@ -225,13 +238,7 @@ where
     let before = db.rows().await;
     let key = unique_key("panic");
     let p = policy(Duration::from_secs(10));
-    let TxBegin::Run(mut execution) = db
-        .engine
-        .begin_transactional::<DB>(request(&key, "a"), &p, &options(commit))
-        .await
-    else {
-        panic!("claim")
-    };
+    let mut execution = claimed::<DB>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
     let mut tx = execution.transaction().unwrap();
     let business = db.business.clone();
     let caught = execution
@@ -245,13 +252,7 @@ where
     assert_eq!(db.rows().await, before);
     assert!(db.engine.store().get(&key).await.unwrap().is_none());
     // The handler keeps its transaction past its return: nothing can commit.
-    let TxBegin::Run(mut execution) = db
-        .engine
-        .begin_transactional::<DB>(request(&key, "a"), &p, &options(commit))
-        .await
-    else {
-        panic!("claim")
-    };
+    let mut execution = claimed::<DB>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
     let mut kept = execution.transaction().unwrap();
     insert(&mut kept, &db.business).await;
     // Kept by a task that outlives the handler (on SQLite it holds the write lock, which the
@@ -325,13 +326,7 @@ async fn postgres_single_commit_statements() {
     };
     let p = policy(Duration::from_secs(10));
     let before = store.statements_sent();
-    let TxBegin::Run(mut execution) = db
-        .engine
-        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &opts)
-        .await
-    else {
-        panic!("claim")
-    };
+    let mut execution = claimed::<sqlx::Postgres>(&db.engine, request(&key, "a"), &p, &opts).await;
     let mut tx = execution.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     drop(tx);
@@ -515,13 +510,13 @@ where
     let before = db.rows().await;
     let key = unique_key("stale");
     let p = policy(Duration::from_secs(10));
-    let TxBegin::Run(mut first) = db
-        .engine
-        .begin_transactional::<DB>(request(&key, "a"), &p, &options(CommitPath::Two))
-        .await
-    else {
-        panic!("claim")
-    };
+    let mut first = claimed::<DB>(
+        &db.engine,
+        request(&key, "a"),
+        &p,
+        &options(CommitPath::Two),
+    )
+    .await;
     let mut tx = first.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     drop(tx);
@@ -589,13 +584,13 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
     let before = db.rows().await;
     let key = unique_key("frozen");
     let p = policy(Duration::from_millis(300));
-    let TxBegin::Run(mut frozen) = db
-        .engine
-        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(CommitPath::Single))
-        .await
-    else {
-        panic!("claim")
-    };
+    let mut frozen = claimed::<sqlx::Postgres>(
+        &db.engine,
+        request(&key, "a"),
+        &p,
+        &options(CommitPath::Single),
+    )
+    .await;
     let mut tx = frozen.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     // While it holds the key: 409.
@@ -611,13 +606,13 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
     ));
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     let runs = AtomicUsize::new(0);
-    let TxBegin::Run(mut retry) = db
-        .engine
-        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(CommitPath::Single))
-        .await
-    else {
-        panic!("the frozen session still holds the key")
-    };
+    let mut retry = claimed::<sqlx::Postgres>(
+        &db.engine,
+        request(&key, "a"),
+        &p,
+        &options(CommitPath::Single),
+    )
+    .await;
     runs.fetch_add(1, Ordering::SeqCst);
     let mut tx2 = retry.transaction().unwrap();
     insert(&mut tx2, &db.business).await;
@@ -640,13 +635,7 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
     let key = unique_key("idle2");
     let p = policy(Duration::from_secs(1));
     let two = options(CommitPath::Two);
-    let TxBegin::Run(mut slow) = db
-        .engine
-        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &two)
-        .await
-    else {
-        panic!("claim")
-    };
+    let mut slow = claimed::<sqlx::Postgres>(&db.engine, request(&key, "a"), &p, &two).await;
     let mut tx = slow.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     slow.run(tokio::time::sleep(Duration::from_millis(2_500)))
@@ -724,13 +713,8 @@ async fn postgres_killed_connection_mid_transaction() {
         let before = db.rows().await;
         let key = unique_key("killed");
         let p = policy(Duration::from_millis(500));
-        let TxBegin::Run(mut execution) = db
-            .engine
-            .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(commit))
-            .await
-        else {
-            panic!("claim")
-        };
+        let mut execution =
+            claimed::<sqlx::Postgres>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
         let mut tx = execution.transaction().unwrap();
         insert(&mut tx, &db.business).await;
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")

@@ -288,18 +288,11 @@ impl PostgresStore {
         conn: &mut PgConnection,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
-        let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
         let fp = req.fingerprint.to_stored();
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
             self.sent.bump();
-            let row = sqlx::query(q(&self.sql.claim))
-                .bind(scope)
-                .bind(key)
-                .bind(&fp[..])
-                .bind(token.as_uuid())
-                .bind(millis(req.lease))
-                .bind(millis(req.lease.saturating_add(req.ttl)))
+            let row = claim_query(&self.sql.claim, &req, &fp, token)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(db_error)?;
@@ -322,6 +315,23 @@ impl PostgresStore {
         }
         Err(StoreError::unavailable(Contention))
     }
+}
+
+/// A claim statement (`claim`, `tx_claim`) with its common parameters bound: scope, key,
+/// fingerprint, the new token, the lease and the initial expiry (lease + ttl).
+fn claim_query<'q>(
+    sql: &Arc<str>,
+    req: &ClaimRequest<'q>,
+    fingerprint: &'q [u8],
+    token: LeaseToken,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(q(sql))
+        .bind(req.key.scope.as_str())
+        .bind(req.key.key.as_str())
+        .bind(fingerprint)
+        .bind(token.as_uuid())
+        .bind(millis(req.lease))
+        .bind(millis(req.lease.saturating_add(req.ttl)))
 }
 
 /// The advisory lock that stands for a key's uncommitted claim: 64 bits of SHA-256 over the
@@ -387,19 +397,12 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
         conn: &mut PgConnection,
         req: ClaimRequest<'_>,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
         let fp = req.fingerprint.to_stored();
         let lock = lock_id(&store.sql.table, req.key);
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
             store.sent.bump();
-            let row = sqlx::query(q(&store.sql.tx_claim))
-                .bind(scope)
-                .bind(key)
-                .bind(&fp[..])
-                .bind(token.as_uuid())
-                .bind(millis(req.lease))
-                .bind(millis(req.lease.saturating_add(req.ttl)))
+            let row = claim_query(&store.sql.tx_claim, &req, &fp, token)
                 .bind(lock)
                 .fetch_optional(&mut *conn)
                 .await
