@@ -19,6 +19,36 @@ fn json_1k() -> Vec<u8> {
     format!("{{{}}}", fields.join(",")).into_bytes()
 }
 
+/// The same members as [`json_1k`] in descending order, so every object is rewritten.
+fn json_1k_unsorted() -> Vec<u8> {
+    let mut fields = Vec::new();
+    let mut i = 0;
+    while fields.iter().map(|f: &String| f.len() + 1).sum::<usize>() < 1000 {
+        fields.push(format!(
+            r#""field_{i:03}":{{"label":"item number {i}","amount":{}}}"#,
+            i * 37
+        ));
+        i += 1;
+    }
+    fields.reverse();
+    format!("{{{}}}", fields.join(",")).into_bytes()
+}
+
+/// About 1 KiB of form fields, out of order, some with encoded bytes.
+fn form_1k() -> Vec<u8> {
+    let mut out = String::new();
+    let mut i = 0;
+    while out.len() < 1000 {
+        if i > 0 {
+            out.push('&');
+        }
+        out.push_str(&format!("field_{:02}=value+number+{i}%21&", 40 - i));
+        out.push_str(&format!("meta[{i}]=x{i}"));
+        i += 1;
+    }
+    out.into_bytes()
+}
+
 fn fp() -> Fingerprint {
     Fingerprint::compute(&FingerprintInput {
         method: "POST",
@@ -63,6 +93,35 @@ fn benches(c: &mut Criterion) {
                 query: None,
                 content_type: Some("application/json"),
                 body: black_box(&body),
+            })
+        })
+    });
+    let unsorted = json_1k_unsorted();
+    let form = form_1k();
+    assert!((1000..1200).contains(&form.len()), "{}", form.len());
+    c.bench_function("canonical_json/1KiB", |b| {
+        b.iter(|| canonical_json(black_box(&body)))
+    });
+    c.bench_function("canonical_json/1KiB_unsorted", |b| {
+        b.iter(|| canonical_json(black_box(&unsorted)))
+    });
+    c.bench_function("canonical_json/serde_jcs_1KiB", |b| {
+        b.iter(|| {
+            let value: serde_json::Value = serde_json::from_slice(black_box(&body)).expect("json");
+            serde_jcs::to_vec(&value).expect("jcs")
+        })
+    });
+    c.bench_function("canonical_form/1KiB", |b| {
+        b.iter(|| canonical_form(black_box(&form)))
+    });
+    c.bench_function("fingerprint/form_1KiB", |b| {
+        b.iter(|| {
+            Fingerprint::compute(&FingerprintInput {
+                method: "POST",
+                path: "/v1/charges",
+                query: None,
+                content_type: Some("application/x-www-form-urlencoded"),
+                body: black_box(&form),
             })
         })
     });

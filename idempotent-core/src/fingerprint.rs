@@ -1,6 +1,7 @@
 //! Request fingerprints: what makes two requests "the same request".
 
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::fmt;
 
 /// SHA-256 over a request's method, concrete path, query, body media type and (canonicalised)
@@ -283,45 +284,40 @@ fn is_json(media: &str) -> bool {
     media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
 }
 
-fn canonical_body(media: &str, body: &[u8], form: fn(&[u8]) -> Vec<u8>) -> (BodyKind, Vec<u8>) {
+fn canonical_body<'b>(
+    media: &str,
+    body: &'b [u8],
+    form: fn(&[u8]) -> Vec<u8>,
+) -> (BodyKind, Cow<'b, [u8]>) {
     if is_json(media) {
         if let Some(canon) = canonical_json(body) {
-            return (BodyKind::Json, canon);
+            return (BodyKind::Json, Cow::Owned(canon));
         }
     } else if media == "application/x-www-form-urlencoded" {
-        return (BodyKind::Form, form(body));
+        return (BodyKind::Form, Cow::Owned(form(body)));
     }
-    (BodyKind::Raw, body.to_vec())
+    (BodyKind::Raw, Cow::Borrowed(body))
 }
 
-/// RFC 8785 canonical form of a JSON text, or `None` when it does not parse.
+/// RFC 8785 (JCS) canonical form of a JSON text, or `None` when it does not parse.
 ///
-/// Numbers are IEEE 754 doubles in JCS; integers beyond ±2^53 are converted to the nearest
-/// double first (`serde_json` would otherwise keep them exact, which JCS does not).
+/// Numbers are IEEE 754 doubles, as JCS requires (integers beyond ±2^53 become the nearest
+/// double); of members with the same name the last one wins, as in `JSON.parse`; texts
+/// nested deeper than 127 arrays and objects, numbers that overflow a double, lone
+/// surrogates and anything else `serde_json` refuses are not JSON. Written in one pass
+/// without building a tree, and tested byte for byte against `serde_jcs` as the oracle.
+///
+/// ```
+/// use idempotent_core::canonical_json;
+/// let canon = canonical_json(br#"{ "b": [1.0, 2e3, "\u00e9"], "a": {"y": null, "x": true} }"#);
+/// let canon = String::from_utf8(canon.expect("JSON")).expect("UTF-8");
+/// assert_eq!(canon, r#"{"a":{"x":true,"y":null},"b":[1,2000,"é"]}"#);
+/// assert_eq!(canonical_json(br#"{"a":1,"a":2}"#).as_deref(), Some(&br#"{"a":2}"#[..]));
+/// assert_eq!(canonical_json(b"[1e400]"), None);
+/// assert_eq!(canonical_json(b"{"), None);
+/// ```
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    to_doubles(&mut value);
-    serde_jcs::to_vec(&value).ok()
-}
-
-fn to_doubles(value: &mut serde_json::Value) {
-    use serde_json::Value;
-    const EXACT: u64 = 1 << 53;
-    match value {
-        Value::Number(n) => {
-            let big = match (n.as_u64(), n.as_i64()) {
-                (Some(u), _) => u > EXACT,
-                (None, Some(i)) => i.unsigned_abs() > EXACT,
-                _ => false,
-            };
-            if big && let Some(f) = n.as_f64().and_then(serde_json::Number::from_f64) {
-                *n = f;
-            }
-        }
-        Value::Array(items) => items.iter_mut().for_each(to_doubles),
-        Value::Object(map) => map.values_mut().for_each(to_doubles),
-        _ => {}
-    }
+    crate::jcs::canonicalize(body)
 }
 
 /// A form body with its pairs decoded, stably sorted by field name and re-encoded: field
@@ -330,37 +326,214 @@ fn to_doubles(value: &mut serde_json::Value) {
 /// compared as the bytes they decode to, so bodies that differ only in bytes that are not
 /// UTF-8 stay different; empty segments (`a=1&&b=2`) are dropped.
 pub fn canonical_form(body: &[u8]) -> Vec<u8> {
-    let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = body
-        .split(|b| *b == b'&')
-        .filter(|segment| !segment.is_empty())
-        .map(|segment| {
-            let (name, value) = match segment.iter().position(|b| *b == b'=') {
-                Some(i) => (&segment[..i], &segment[i + 1..]),
-                None => (segment, &b""[..]),
-            };
-            (form_decode(name), form_decode(value))
-        })
-        .collect();
-    pairs.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut out = Vec::with_capacity(body.len());
-    for (i, (name, value)) in pairs.iter().enumerate() {
+    /// One field. Its name as decoded is `decoded[name.0..name.1]`, or `body[..]` when
+    /// `name_in_body`; `prefix` is that name's first 8 bytes, big-endian, zero-padded, which
+    /// decides most comparisons without touching the bytes. When the segment is already in
+    /// canonical encoding (`raw`), it is copied as it is; otherwise the decoded value
+    /// (`decoded[name.1..value_end]`) is encoded again.
+    struct Pair<'b> {
+        prefix: u64,
+        name: (usize, usize),
+        name_in_body: bool,
+        value_end: usize,
+        raw: Option<(&'b [u8], bool)>,
+    }
+    let mut decoded = Vec::new();
+    let mut pairs = Vec::new();
+    for segment in body.split(|b| *b == b'&').filter(|s| !s.is_empty()) {
+        let scan = scan_form_segment(segment);
+        let (name, value) = match scan.eq {
+            Some(i) => (&segment[..i], &segment[i + 1..]),
+            None => (segment, &b""[..]),
+        };
+        let offset = name.as_ptr() as usize - body.as_ptr() as usize;
+        let (name_at, name_in_body) = if scan.name_plain {
+            ((offset, offset + name.len()), true)
+        } else {
+            let start = decoded.len();
+            form_decode_into(&mut decoded, name);
+            ((start, decoded.len()), false)
+        };
+        let value_end = if scan.canonical {
+            name_at.1
+        } else {
+            if name_in_body {
+                decoded.extend_from_slice(name);
+            }
+            let mid = decoded.len();
+            form_decode_into(&mut decoded, value);
+            let end = decoded.len();
+            pairs.push(Pair {
+                prefix: 0,
+                name: (mid - (name_at.1 - name_at.0), mid),
+                name_in_body: false,
+                value_end: end,
+                raw: None,
+            });
+            continue;
+        };
+        pairs.push(Pair {
+            prefix: 0,
+            name: name_at,
+            name_in_body,
+            value_end,
+            raw: Some((segment, scan.eq.is_none())),
+        });
+    }
+    let name_of = |p: &Pair<'_>| {
+        let source = if p.name_in_body { body } else { &decoded[..] };
+        &source[p.name.0..p.name.1]
+    };
+    for pair in &mut pairs {
+        let mut prefix = [0u8; 8];
+        let name = name_of(pair);
+        let head = &name[..name.len().min(8)];
+        prefix[..head.len()].copy_from_slice(head);
+        pair.prefix = u64::from_be_bytes(prefix);
+    }
+    let by_name = |a: &Pair<'_>, b: &Pair<'_>| {
+        a.prefix
+            .cmp(&b.prefix)
+            .then_with(|| name_of(a).cmp(name_of(b)))
+    };
+    if !pairs.is_sorted_by(|a, b| by_name(a, b).is_le()) {
+        // Stable: a repeated field's values keep their order.
+        pairs.sort_by(by_name);
+    }
+    let mut out = Vec::with_capacity(body.len() + body.len() / 4);
+    for (i, pair) in pairs.iter().enumerate() {
         if i > 0 {
             out.push(b'&');
         }
-        out.extend(form_urlencoded::byte_serialize(name).flat_map(str::bytes));
-        out.push(b'=');
-        out.extend(form_urlencoded::byte_serialize(value).flat_map(str::bytes));
+        match pair.raw {
+            Some((segment, add_eq)) => {
+                out.extend_from_slice(segment);
+                if add_eq {
+                    out.push(b'=');
+                }
+            }
+            None => {
+                form_encode(&mut out, &decoded[pair.name.0..pair.name.1]);
+                out.push(b'=');
+                form_encode(&mut out, &decoded[pair.name.1..pair.value_end]);
+            }
+        }
     }
     out
 }
 
-/// `application/x-www-form-urlencoded` decoding to bytes: `+` is a space, `%XX` a byte.
-fn form_decode(input: &[u8]) -> Vec<u8> {
-    let plus_as_space: Vec<u8> = input
-        .iter()
-        .map(|b| if *b == b'+' { b' ' } else { *b })
-        .collect();
-    percent_encoding::percent_decode(&plus_as_space).collect()
+/// What one pass over a form segment finds.
+struct SegmentScan {
+    /// Index of the first `=`.
+    eq: Option<usize>,
+    /// The name decodes to itself (no `+`, no `%`).
+    name_plain: bool,
+    /// The segment is exactly the encoding [`form_encode`] would give its decoding.
+    canonical: bool,
+}
+
+fn scan_form_segment(segment: &[u8]) -> SegmentScan {
+    let mut scan = SegmentScan {
+        eq: None,
+        name_plain: true,
+        canonical: true,
+    };
+    let mut i = 0;
+    while i < segment.len() {
+        let b = segment[i];
+        if !FORM_PLAIN[usize::from(b)] {
+            match b {
+                b'=' if scan.eq.is_none() => scan.eq = Some(i),
+                b'+' => scan.name_plain &= scan.eq.is_some(),
+                b'%' => {
+                    scan.name_plain &= scan.eq.is_some();
+                    // Canonical only as upper-case hex of a byte that must be encoded
+                    // (not a plain byte, not a space, which encodes as `+`).
+                    let hex = |at: usize| {
+                        segment
+                            .get(at)
+                            .filter(|h| h.is_ascii_digit() || (b'A'..=b'F').contains(*h))
+                            .and_then(|h| (*h as char).to_digit(16))
+                    };
+                    match (hex(i + 1), hex(i + 2)) {
+                        (Some(hi), Some(lo)) => {
+                            let byte = (hi * 16 + lo) as u8;
+                            scan.canonical &= !FORM_PLAIN[usize::from(byte)] && byte != b' ';
+                            i += 2;
+                        }
+                        _ => {
+                            scan.canonical = false;
+                            // A `%` that is not an escape decodes to itself; the name is then
+                            // not plain either way, which only costs a decode.
+                        }
+                    }
+                }
+                _ => scan.canonical = false,
+            }
+        }
+        i += 1;
+    }
+    scan
+}
+
+/// Appends the `application/x-www-form-urlencoded` decoding of `input` to `out`: `+` is a
+/// space, `%XX` a byte (a `%` without two hex digits stays as it is).
+fn form_decode_into(out: &mut Vec<u8>, input: &[u8]) {
+    let mut rest = input;
+    while let Some(at) = rest.iter().position(|b| *b == b'+' || *b == b'%') {
+        out.extend_from_slice(&rest[..at]);
+        if rest[at] == b'+' {
+            out.push(b' ');
+            rest = &rest[at + 1..];
+            continue;
+        }
+        let hex = |i: usize| rest.get(at + i).and_then(|h| (*h as char).to_digit(16));
+        if let (Some(hi), Some(lo)) = (hex(1), hex(2)) {
+            out.push((hi * 16 + lo) as u8);
+            rest = &rest[at + 3..];
+        } else {
+            out.push(b'%');
+            rest = &rest[at + 1..];
+        }
+    }
+    out.extend_from_slice(rest);
+}
+
+/// Bytes form encoding leaves as they are.
+static FORM_PLAIN: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric() || matches!(c, b'*' | b'-' | b'.' | b'_');
+        b += 1;
+    }
+    table
+};
+
+/// `application/x-www-form-urlencoded` encoding as `form_urlencoded::byte_serialize` does it
+/// (alphanumerics and `*-._` as they are, space as `+`, every other byte as `%XX` in
+/// upper-case hex), a run of plain bytes at a time.
+fn form_encode(out: &mut Vec<u8>, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let run = rest
+            .iter()
+            .position(|b| !FORM_PLAIN[usize::from(*b)])
+            .unwrap_or(rest.len());
+        out.extend_from_slice(&rest[..run]);
+        if let Some(&b) = rest.get(run) {
+            if b == b' ' {
+                out.push(b'+');
+            } else {
+                out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
+            }
+            rest = &rest[run + 1..];
+        } else {
+            rest = &[];
+        }
+    }
 }
 
 /// Version 1's form canonicalisation (decoded as text, every pair sorted), kept only to compare
@@ -441,6 +614,53 @@ mod tests {
             let at = out.find(name).unwrap();
             assert!(at > last, "{name} out of order in {out}");
             last = at;
+        }
+    }
+
+    /// The form canonicalisation before it was rewritten without allocations (the oracle):
+    /// what is hashed must not change.
+    fn canonical_form_reference(body: &[u8]) -> Vec<u8> {
+        let decode = |input: &[u8]| -> Vec<u8> {
+            let plus: Vec<u8> = input
+                .iter()
+                .map(|b| if *b == b'+' { b' ' } else { *b })
+                .collect();
+            percent_encoding::percent_decode(&plus).collect()
+        };
+        let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = body
+            .split(|b| *b == b'&')
+            .filter(|segment| !segment.is_empty())
+            .map(|segment| match segment.iter().position(|b| *b == b'=') {
+                Some(i) => (decode(&segment[..i]), decode(&segment[i + 1..])),
+                None => (decode(segment), Vec::new()),
+            })
+            .collect();
+        pairs.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut out = Vec::new();
+        for (i, (name, value)) in pairs.iter().enumerate() {
+            if i > 0 {
+                out.push(b'&');
+            }
+            out.extend(form_urlencoded::byte_serialize(name).flat_map(str::bytes));
+            out.push(b'=');
+            out.extend(form_urlencoded::byte_serialize(value).flat_map(str::bytes));
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn form_canonicalisation_is_unchanged(
+            body in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::sample::select(b"&=+%aAzZ09*-._ ~/".to_vec()),
+                    proptest::sample::select(b"0123456789abcdefABCDEF".to_vec()),
+                    proptest::prelude::any::<u8>(),
+                ],
+                0..64,
+            )
+        ) {
+            proptest::prop_assert_eq!(canonical_form(&body), canonical_form_reference(&body));
         }
     }
 

@@ -47,6 +47,7 @@ mod duration;
 mod engine;
 mod fingerprint;
 pub mod http;
+mod jcs;
 mod key;
 mod memory;
 mod problem;

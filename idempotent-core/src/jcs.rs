@@ -1,0 +1,784 @@
+//! RFC 8785 (JSON Canonicalization Scheme) in one pass: the input is parsed and the canonical
+//! form written as it goes, without building a tree. Objects are the only place that needs a
+//! second look: their members are written in input order, then rewritten in sorted order
+//! (UTF-16 code units of the decoded names) when the input was not already sorted.
+//!
+//! What is accepted is exactly what `serde_json` accepts (RFC 8259, no trailing commas, no
+//! comments, no lone surrogates, at most 127 nested arrays and objects), and the output is
+//! byte-for-byte what `serde_jcs` writes for `serde_json`'s parse of the same text; the tests
+//! check both against those crates as the oracle. Behaviours this module decides:
+//!
+//! - **Duplicate member names**: the last one wins, as `JSON.parse` (whose serialisation JCS
+//!   is defined by), `serde_json::Value` and fingerprint version 2 before this writer do.
+//!   `{"a":1,"a":2}` canonicalises to `{"a":2}`.
+//! - **Numbers** are IEEE 754 doubles, as JCS requires: integers beyond ±2^53 become the
+//!   nearest double; a number that overflows a double (`1e400`) makes the text invalid.
+//! - **Bounds**: nesting deeper than [`MAX_DEPTH`] makes the text invalid (no recursion past
+//!   it, so hostile input cannot exhaust the stack). The output is at most a small constant
+//!   times the input (the worst case is a short number such as `1e20` written out in full,
+//!   21 bytes for 4), and the working memory is linear in the input.
+
+use std::cmp::Ordering;
+
+/// Deepest nesting of arrays and objects accepted (`serde_json`'s limit).
+pub(crate) const MAX_DEPTH: usize = 127;
+
+/// The canonical form of `input`, or `None` when it is not a JSON text (see the module docs).
+pub(crate) fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
+    let mut w = Writer {
+        input,
+        pos: 0,
+        out: Vec::with_capacity(input.len()),
+        members: Vec::new(),
+        scratch: Vec::new(),
+    };
+    w.ws();
+    w.value(0)?;
+    w.ws();
+    (w.pos == input.len()).then_some(w.out)
+}
+
+/// A member of an object being written: its bytes in `out` are `start..end` (`"name":value`,
+/// without the separating comma), its name's canonical text `start + 1..name_end`.
+#[derive(Clone, Copy)]
+struct Member {
+    start: usize,
+    name_end: usize,
+    end: usize,
+    /// The written name contains an escape, so it must be decoded to be compared.
+    escaped: bool,
+}
+
+struct Writer<'a> {
+    input: &'a [u8],
+    pos: usize,
+    out: Vec<u8>,
+    /// Members of every object still open, innermost last.
+    members: Vec<Member>,
+    /// Copy of an object's members while they are rewritten in order.
+    scratch: Vec<u8>,
+}
+
+impl Writer<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.input.get(self.pos).copied()
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    fn eat(&mut self, byte: u8) -> Option<()> {
+        (self.peek()? == byte).then(|| self.pos += 1)
+    }
+
+    fn literal(&mut self, text: &[u8]) -> Option<()> {
+        let end = self.pos.checked_add(text.len())?;
+        (self.input.get(self.pos..end)? == text).then(|| {
+            self.out.extend_from_slice(text);
+            self.pos = end;
+        })
+    }
+
+    /// One value at nesting `depth` (the number of arrays and objects around it).
+    fn value(&mut self, depth: usize) -> Option<()> {
+        match self.peek()? {
+            b'{' => self.object(depth),
+            b'[' => self.array(depth),
+            b'"' => self.string().map(drop),
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            b'-' | b'0'..=b'9' => self.number(),
+            _ => None,
+        }
+    }
+
+    fn array(&mut self, depth: usize) -> Option<()> {
+        if depth >= MAX_DEPTH {
+            return None;
+        }
+        self.pos += 1;
+        self.out.push(b'[');
+        self.ws();
+        if self.eat(b']').is_none() {
+            loop {
+                self.ws();
+                self.value(depth + 1)?;
+                self.ws();
+                match self.peek()? {
+                    b',' => {
+                        self.pos += 1;
+                        self.out.push(b',');
+                    }
+                    b']' => {
+                        self.pos += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        self.out.push(b']');
+        Some(())
+    }
+
+    fn object(&mut self, depth: usize) -> Option<()> {
+        if depth >= MAX_DEPTH {
+            return None;
+        }
+        self.pos += 1;
+        self.out.push(b'{');
+        self.ws();
+        if self.eat(b'}').is_some() {
+            self.out.push(b'}');
+            return Some(());
+        }
+        let base = self.members.len();
+        loop {
+            self.ws();
+            if self.peek()? != b'"' {
+                return None;
+            }
+            if self.members.len() > base {
+                self.out.push(b',');
+            }
+            let start = self.out.len();
+            let escaped = self.string()?;
+            let name_end = self.out.len() - 1;
+            self.ws();
+            self.eat(b':')?;
+            self.out.push(b':');
+            self.ws();
+            self.value(depth + 1)?;
+            self.members.push(Member {
+                start,
+                name_end,
+                end: self.out.len(),
+                escaped,
+            });
+            self.ws();
+            match self.peek()? {
+                b',' => self.pos += 1,
+                b'}' => {
+                    self.pos += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+        self.order_members(base);
+        self.members.truncate(base);
+        self.out.push(b'}');
+        Some(())
+    }
+
+    /// Rewrites the members from `base` on in canonical order, keeping only the last of
+    /// members with equal names; nothing to do when they already are strictly ascending.
+    fn order_members(&mut self, base: usize) {
+        let out = &self.out;
+        let name = |m: &Member| &out[m.start + 1..m.name_end];
+        let cmp = |a: &Member, b: &Member| {
+            if a.escaped || b.escaped {
+                cmp_utf16(&unescape(name(a)), &unescape(name(b)))
+            } else {
+                cmp_utf16(name(a), name(b))
+            }
+        };
+        let members = &mut self.members[base..];
+        if members
+            .windows(2)
+            .all(|pair| cmp(&pair[0], &pair[1]) == Ordering::Less)
+        {
+            return;
+        }
+        let region = members[0].start;
+        // A stable sort keeps equal names in input order: the last of each run wins.
+        members.sort_by(cmp);
+        self.scratch.clear();
+        self.scratch.extend_from_slice(&self.out[region..]);
+        self.out.truncate(region);
+        let members = &self.members[base..];
+        let mut first = true;
+        for (i, m) in members.iter().enumerate() {
+            let name = |m: &Member| &self.scratch[m.start + 1 - region..m.name_end - region];
+            // Canonical text is unique per name, so equal texts are equal names.
+            let superseded = members.get(i + 1).is_some_and(|next| name(m) == name(next));
+            if superseded {
+                continue;
+            }
+            if !first {
+                self.out.push(b',');
+            }
+            first = false;
+            self.out
+                .extend_from_slice(&self.scratch[m.start - region..m.end - region]);
+        }
+    }
+
+    /// A string, written canonically; `Some(true)` when the written form holds an escape.
+    /// Runs of plain ASCII are copied as they are; other UTF-8 is validated a character at a
+    /// time (outside strings the grammar admits no byte above 0x7F).
+    fn string(&mut self) -> Option<bool> {
+        self.pos += 1;
+        self.out.push(b'"');
+        let mut escaped = false;
+        loop {
+            let rest = &self.input[self.pos..];
+            let run = rest.iter().position(|&b| STOP[usize::from(b)])?;
+            self.out.extend_from_slice(&rest[..run]);
+            self.pos += run;
+            match self.input[self.pos] {
+                b'"' => {
+                    self.pos += 1;
+                    self.out.push(b'"');
+                    return Some(escaped);
+                }
+                b'\\' => {
+                    let c = self.escape()?;
+                    escaped |= write_char(&mut self.out, c);
+                }
+                lead @ 0x80.. => {
+                    let len = utf8_len(lead)?;
+                    let bytes = self.input.get(self.pos..self.pos + len)?;
+                    std::str::from_utf8(bytes).ok()?;
+                    self.out.extend_from_slice(bytes);
+                    self.pos += len;
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// The character an escape sequence stands for (`pos` at the backslash).
+    fn escape(&mut self) -> Option<char> {
+        let kind = *self.input.get(self.pos + 1)?;
+        self.pos += 2;
+        Some(match kind {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => {
+                let high = self.hex4()?;
+                match high {
+                    0xD800..=0xDBFF => {
+                        if self.input.get(self.pos..self.pos + 2)? != b"\\u" {
+                            return None;
+                        }
+                        self.pos += 2;
+                        let low = self.hex4()?;
+                        if !(0xDC00..=0xDFFF).contains(&low) {
+                            return None;
+                        }
+                        let c = 0x10000
+                            + ((u32::from(high) - 0xD800) << 10)
+                            + (u32::from(low) - 0xDC00);
+                        char::from_u32(c)?
+                    }
+                    0xDC00..=0xDFFF => return None,
+                    _ => char::from_u32(u32::from(high))?,
+                }
+            }
+            _ => return None,
+        })
+    }
+
+    fn hex4(&mut self) -> Option<u16> {
+        let digits = self.input.get(self.pos..self.pos + 4)?;
+        let mut n = 0u16;
+        for &d in digits {
+            n = n << 4 | u16::from((d as char).to_digit(16)? as u8);
+        }
+        self.pos += 4;
+        Some(n)
+    }
+
+    /// A number, validated against the JSON grammar and written as JCS writes its double.
+    fn number(&mut self) -> Option<()> {
+        let start = self.pos;
+        self.eat(b'-');
+        match self.peek()? {
+            b'0' => self.pos += 1,
+            b'1'..=b'9' => self.digits(),
+            _ => return None,
+        }
+        let int_end = self.pos;
+        let mut integer = true;
+        if self.eat(b'.').is_some() {
+            integer = false;
+            self.some_digits()?;
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            integer = false;
+            self.pos += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.pos += 1;
+            }
+            self.some_digits()?;
+        }
+        let text = &self.input[start..self.pos];
+        let negative = text[0] == b'-';
+        // Integers of up to 15 digits are exact doubles, written the same way: skip the
+        // conversion (the common case: amounts, counts, ids).
+        if integer && int_end - start - usize::from(negative) <= 15 {
+            if text == b"-0" {
+                self.out.push(b'0');
+            } else {
+                self.out.extend_from_slice(text);
+            }
+            return Some(());
+        }
+        // The grammar was checked above; Rust's parser rounds correctly, as `serde_json`
+        // (with `float_roundtrip`, which `serde_jcs` enables) does.
+        let value: f64 = std::str::from_utf8(text).ok()?.parse().ok()?;
+        if !value.is_finite() {
+            return None;
+        }
+        let mut buffer = ryu_js::Buffer::new();
+        self.out
+            .extend_from_slice(buffer.format_finite(value).as_bytes());
+        Some(())
+    }
+
+    fn digits(&mut self) {
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    fn some_digits(&mut self) -> Option<()> {
+        let start = self.pos;
+        self.digits();
+        (self.pos > start).then_some(())
+    }
+}
+
+/// Bytes that end a run of plain string content: `"`, `\\`, controls, and non-ASCII.
+static STOP: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = b < 0x20 || b == b'"' as usize || b == b'\\' as usize || b >= 0x80;
+        b += 1;
+    }
+    table
+};
+
+/// The length of the UTF-8 sequence a lead byte starts (`None` for a continuation byte or a
+/// byte that never appears in UTF-8).
+fn utf8_len(lead: u8) -> Option<usize> {
+    match lead {
+        0xC2..=0xDF => Some(2),
+        0xE0..=0xEF => Some(3),
+        0xF0..=0xF4 => Some(4),
+        _ => None,
+    }
+}
+
+/// Writes `c` as JCS does (the `serde_json` escapes: the short forms, `\u00XX` in lower-case
+/// hex for other controls, `\"` and `\\`; everything else as UTF-8); `true` when escaped.
+fn write_char(out: &mut Vec<u8>, c: char) -> bool {
+    let short = match c {
+        '"' => b'"',
+        '\\' => b'\\',
+        '\u{8}' => b'b',
+        '\u{c}' => b'f',
+        '\n' => b'n',
+        '\r' => b'r',
+        '\t' => b't',
+        c if (c as u32) < 0x20 => {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            let b = c as u8;
+            out.extend_from_slice(&[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[usize::from(b >> 4)],
+                HEX[usize::from(b & 0xf)],
+            ]);
+            return true;
+        }
+        c => {
+            let mut buf = [0; 4];
+            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+            return false;
+        }
+    };
+    out.extend_from_slice(&[b'\\', short]);
+    true
+}
+
+/// Decodes a name as [`write_char`] wrote it.
+fn unescape(text: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len());
+    let mut i = 0;
+    while i < text.len() {
+        if text[i] != b'\\' {
+            out.push(text[i]);
+            i += 1;
+            continue;
+        }
+        match text.get(i + 1) {
+            Some(b'u') => {
+                let hex = text.get(i + 4..i + 6).unwrap_or_default();
+                let value = std::str::from_utf8(hex)
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .unwrap_or_default();
+                out.push(value);
+                i += 6;
+            }
+            Some(&b) => {
+                out.push(match b {
+                    b'b' => 0x8,
+                    b'f' => 0xc,
+                    b'n' => b'\n',
+                    b'r' => b'\r',
+                    b't' => b'\t',
+                    other => other,
+                });
+                i += 2;
+            }
+            None => i += 1,
+        }
+    }
+    out
+}
+
+/// Orders two UTF-8 texts by their UTF-16 code units (RFC 8785 §3.2.3). Byte order is code
+/// point order, which differs from UTF-16 order only where a character at or above U+10000
+/// (4 UTF-8 bytes, lead 0xF0–0xF4; a surrogate pair in UTF-16, 0xD800–0xDBFF first) meets
+/// one in U+E000–U+FFFF (lead 0xEE or 0xEF): the pair sorts first. Where the first differing
+/// bytes are continuation bytes, the characters share a lead byte and so a length.
+fn cmp_utf16(a: &[u8], b: &[u8]) -> Ordering {
+    match a.iter().zip(b).position(|(x, y)| x != y) {
+        None => a.len().cmp(&b.len()),
+        Some(i) => {
+            let (x, y) = (a[i], b[i]);
+            if x >= 0xEE && y >= 0xEE && (x >= 0xF0) != (y >= 0xF0) {
+                y.cmp(&x)
+            } else {
+                x.cmp(&y)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Differential tests: `serde_json` + `serde_jcs` (the previous implementation) is the
+    //! oracle, for valid and invalid texts alike. `PROPTEST_CASES` raises the case count.
+    use super::*;
+    use proptest::prelude::*;
+
+    fn oracle(body: &[u8]) -> Option<Vec<u8>> {
+        let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+        serde_jcs::to_vec(&value).ok()
+    }
+
+    #[track_caller]
+    fn agrees(text: &[u8]) {
+        let ours = canonicalize(text);
+        let theirs = oracle(text);
+        assert_eq!(
+            ours.as_deref().map(String::from_utf8_lossy),
+            theirs.as_deref().map(String::from_utf8_lossy),
+            "input {:?}",
+            String::from_utf8_lossy(text)
+        );
+    }
+
+    /// The RFC 8785 test data (cyberphone/json-canonicalization `testdata/input` →
+    /// `output`), plus the sorting example of §3.2.3.
+    #[test]
+    fn rfc8785_vectors() {
+        let cases: &[(&str, &str)] = &[
+            (
+                r#"[56, {"d": true, "10": null, "1": [ ]}]"#,
+                r#"[56,{"1":[],"10":null,"d":true}]"#,
+            ),
+            (
+                r#"{"peach": "This sorting order", "péché": "is wrong according to French", "pêche": "but canonicalization MUST", "sin": "ignore locale"}"#,
+                r#"{"peach":"This sorting order","péché":"is wrong according to French","pêche":"but canonicalization MUST","sin":"ignore locale"}"#,
+            ),
+            (
+                r#"{"1": {"f": {"f": "hi","F": 5} ,"\n": 56.0}, "10": { }, "": "empty", "a": { }, "111": [ {"e": "yes","E": "no" } ], "A": { }}"#,
+                r#"{"":"empty","1":{"\n":56,"f":{"F":5,"f":"hi"}},"10":{},"111":[{"E":"no","e":"yes"}],"A":{},"a":{}}"#,
+            ),
+            (
+                r#"{"Unnormalized Unicode":"A\u030a"}"#,
+                "{\"Unnormalized Unicode\":\"A\u{30a}\"}",
+            ),
+            (
+                r#"{"numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001], "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/", "literals": [null, true, false]}"#,
+                r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#,
+            ),
+            (
+                r#"{"\u20ac": "Euro Sign", "\r": "Carriage Return", "\u000a": "Newline", "1": "One", "\u0080": "Control\u007f", "\ud83d\ude02": "Smiley", "\u00f6": "Latin Small Letter O With Diaeresis", "\ufb33": "Hebrew Letter Dalet With Dagesh", "</script>": "Browser Challenge"}"#,
+                "{\"\\n\":\"Newline\",\"\\r\":\"Carriage Return\",\"1\":\"One\",\"</script>\":\"Browser Challenge\",\"\u{80}\":\"Control\u{7f}\",\"ö\":\"Latin Small Letter O With Diaeresis\",\"€\":\"Euro Sign\",\"😂\":\"Smiley\",\"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}",
+            ),
+        ];
+        for (input, want) in cases {
+            let got = canonicalize(input.as_bytes()).map(|v| String::from_utf8(v).expect("UTF-8"));
+            assert_eq!(got.as_deref(), Some(*want), "{input}");
+            agrees(input.as_bytes());
+        }
+    }
+
+    /// RFC 8785 Appendix B: every double of the table, written in JCS form.
+    #[test]
+    fn rfc8785_appendix_b_numbers() {
+        for (bits, want) in [
+            (0x0000000000000000u64, "0"),
+            (0x8000000000000000, "0"),
+            (0x0000000000000001, "5e-324"),
+            (0x8000000000000001, "-5e-324"),
+            (0x7fefffffffffffff, "1.7976931348623157e+308"),
+            (0xffefffffffffffff, "-1.7976931348623157e+308"),
+            (0x4340000000000000, "9007199254740992"),
+            (0xc340000000000000, "-9007199254740992"),
+            (0x4430000000000000, "295147905179352830000"),
+            (0x44b52d02c7e14af5, "9.999999999999997e+22"),
+            (0x44b52d02c7e14af6, "1e+23"),
+            (0x44b52d02c7e14af7, "1.0000000000000001e+23"),
+            (0x444b1ae4d6e2ef4e, "999999999999999700000"),
+            (0x444b1ae4d6e2ef4f, "999999999999999900000"),
+            (0x444b1ae4d6e2ef50, "1e+21"),
+            (0x3eb0c6f7a0b5ed8c, "9.999999999999997e-7"),
+            (0x3eb0c6f7a0b5ed8d, "0.000001"),
+            (0x41b3de4355555553, "333333333.3333332"),
+            (0x41b3de4355555554, "333333333.33333325"),
+            (0x41b3de4355555555, "333333333.3333333"),
+            (0x41b3de4355555556, "333333333.3333334"),
+            (0x41b3de4355555557, "333333333.33333343"),
+            (0xbecbf647612f3696, "-0.0000033333333333333333"),
+            (0x43143ff3c1cb0959, "1424953923781206.2"),
+        ] {
+            let value = f64::from_bits(bits);
+            // Rust's shortest round-trip text in both notations, and the expected text itself.
+            for text in [format!("{value:e}"), format!("{value:?}"), want.to_string()] {
+                let got = canonicalize(format!("[{text}]").as_bytes());
+                assert_eq!(got, Some(format!("[{want}]").into_bytes()), "{text}");
+                agrees(format!("[{text}]").as_bytes());
+            }
+        }
+    }
+
+    #[test]
+    fn edge_cases_agree_with_the_oracle() {
+        let mut cases: Vec<Vec<u8>> = [
+            "",
+            " ",
+            "0",
+            "-0",
+            "-0.0",
+            "01",
+            "1.",
+            ".1",
+            "-",
+            "1e",
+            "1e+",
+            "1E-0",
+            "+1",
+            "1e400",
+            "-1e400",
+            "1e-400",
+            "123456789012345",
+            "1234567890123456",
+            "9007199254740993",
+            "-9007199254740993",
+            "18446744073709551615",
+            "18446744073709551616",
+            "-9223372036854775809",
+            "100000000000000000000000",
+            "0.1e1",
+            "1.5e308",
+            "[1,]",
+            "[,1]",
+            "{\"a\":1,}",
+            "{\"a\" 1}",
+            "{1:2}",
+            "{\"a\"}",
+            "\"\\ud800\"",
+            "\"\\udc00\"",
+            "\"\\ud800\\u0041\"",
+            "\"\\ud800x\"",
+            "\"\\ud83d\\ude00\"",
+            "\"\\uD83D\\uDE00\"",
+            "\"\\u00zz\"",
+            "\"\\x\"",
+            "\"\\u12\"",
+            "\"a\tb\"",
+            "\"\u{7f}\"",
+            "\"\\u007f\\u001f\\u0000\"",
+            "\"\\u2028\\u2029\"",
+            "\"é\"",
+            "tru",
+            "true ",
+            " true",
+            "truex",
+            "nul",
+            "[true false]",
+            "{}",
+            "[]",
+            "[[]]",
+            "{\"\":{}}",
+            "\u{feff}{}",
+            "{} {}",
+            "\"\\/\"",
+            "[1]\u{0}",
+            "[\r\n\t1 ]",
+            "{\"a\":1,\"a\":2}",
+            "{\"b\":1,\"a\":2,\"b\":3}",
+            "{\"a\":1,\"\\u0061\":2}",
+            "{\"a\\n\":1,\"a\\u000a\":2,\"a\":3}",
+            "{\"\\u0000\":1,\"\":2}",
+            "{\"\u{e000}\":1,\"\u{10000}\":2,\"\u{ffff}\":3}",
+        ]
+        .iter()
+        .map(|s| s.as_bytes().to_vec())
+        .collect();
+        cases.push(b"\"\xff\"".to_vec());
+        cases.push(b"[\"\xc3\"]".to_vec());
+        cases.push(b"\xef\xbb\xbf{}".to_vec());
+        for depth in [1, 126, 127, 128, 129, 5000] {
+            cases.push(format!("{}{}", "[".repeat(depth), "]".repeat(depth)).into_bytes());
+            cases.push(format!("{}1{}", "{\"a\":".repeat(depth), "}".repeat(depth)).into_bytes());
+            cases.push("[".repeat(depth).into_bytes());
+        }
+        for case in &cases {
+            agrees(case);
+        }
+        // Deep nesting is refused without recursing past the limit.
+        assert_eq!(canonicalize("[".repeat(1 << 20).as_bytes()), None);
+    }
+
+    /// Strings with every kind of escape, and names chosen to collide and to sort differently
+    /// in UTF-8 and UTF-16.
+    fn json_string() -> impl Strategy<Value = String> {
+        let piece = prop_oneof![
+            4 => "[a-zA-Z0-9 ]{0,6}",
+            1 => Just("é".to_string()),
+            1 => Just("\u{e000}".to_string()),
+            1 => Just("\u{ffff}".to_string()),
+            1 => Just("😀".to_string()),
+            1 => Just("\u{10ffff}".to_string()),
+            1 => Just("\u{7f}".to_string()),
+            1 => prop::sample::select(vec!["\\\"", "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t"])
+                .prop_map(str::to_string),
+            2 => prop_oneof![0u16..0xD800, 0xE000u16..=0xFFFF].prop_map(|u| format!("\\u{u:04x}")),
+            1 => (0xD800u16..0xDC00, 0xDC00u16..0xE000)
+                .prop_map(|(h, l)| format!("\\u{h:04X}\\u{l:04x}")),
+            1 => (0u8..0x20).prop_map(|c| format!("\\u{c:04x}")),
+        ];
+        prop::collection::vec(piece, 0..4).prop_map(|p| format!("\"{}\"", p.concat()))
+    }
+
+    fn name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => prop::sample::select(vec![
+                "\"a\"", "\"\\u0061\"", "\"b\"", "\"A\"", "\"\"", "\"aa\"", "\"é\"", "\"\\u00e9\"",
+                "\"\u{e000}\"", "\"😀\"", "\"\\ud83d\\ude00\"", "\"\\n\"", "\"\\u000a\"", "\"\\u0000\"",
+            ])
+            .prop_map(str::to_string),
+            1 => json_string(),
+        ]
+    }
+
+    fn number() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<i64>().prop_map(|n| n.to_string()),
+            any::<u64>().prop_map(|n| n.to_string()),
+            (-1000i32..1000).prop_map(|n| n.to_string()),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(|f| format!("{f:?}")),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(|f| format!("{f:e}")),
+            (
+                "-?[1-9][0-9]{0,30}",
+                "(\\.[0-9]{1,25})?",
+                "([eE][+-]?[0-9]{1,2})?"
+            )
+                .prop_map(|(i, f, e)| format!("{i}{f}{e}")),
+            "-?[1-9](\\.[0-9]{1,25})?[eE]([+]?30[0-7]|-3[0-2][0-9])",
+            Just("-0".to_string()),
+            Just("0.0".to_string()),
+        ]
+    }
+
+    fn ws() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec!["", "", "", " ", "\n", "\t ", "\r\n"])
+    }
+
+    fn json() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            Just("null".to_string()),
+            Just("true".to_string()),
+            Just("false".to_string()),
+            number(),
+            json_string(),
+        ];
+        leaf.prop_recursive(6, 64, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec((ws(), inner.clone(), ws()), 0..6).prop_map(|items| {
+                    let items: Vec<String> = items
+                        .into_iter()
+                        .map(|(a, v, b)| format!("{a}{v}{b}"))
+                        .collect();
+                    format!("[{}]", items.join(","))
+                }),
+                prop::collection::vec((ws(), name(), ws(), inner, ws()), 0..6).prop_map(
+                    |members| {
+                        let members: Vec<String> = members
+                            .into_iter()
+                            .map(|(a, k, b, v, c)| format!("{a}{k}{b}:{v}{c}"))
+                            .collect();
+                        format!("{{{}}}", members.join(","))
+                    }
+                ),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Valid texts: the same canonical bytes as the oracle.
+        #[test]
+        fn generated_json_agrees(text in json(), pad in ws()) {
+            let text = format!("{pad}{text}{pad}");
+            prop_assert!(oracle(text.as_bytes()).is_some(), "generator made invalid JSON: {}", text);
+            agrees(text.as_bytes());
+        }
+
+        /// Damaged texts (a byte changed, removed or inserted): both refuse, or both accept
+        /// with the same canonical bytes.
+        #[test]
+        fn damaged_json_agrees(text in json(), at in any::<prop::sample::Index>(), byte in any::<u8>(), how in 0..3u8) {
+            let mut bytes = text.into_bytes();
+            let i = at.index(bytes.len() + 1);
+            match how {
+                0 if i < bytes.len() => bytes[i] = byte,
+                1 if i < bytes.len() => { bytes.remove(i); }
+                _ => bytes.insert(i, byte),
+            }
+            agrees(&bytes);
+        }
+
+        /// Canonical output is a fixed point.
+        #[test]
+        fn canonical_form_is_stable(text in json()) {
+            let once = canonicalize(text.as_bytes()).expect("valid");
+            let twice = canonicalize(&once);
+            prop_assert_eq!(twice.as_deref(), Some(&once[..]));
+        }
+    }
+}
