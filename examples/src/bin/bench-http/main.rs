@@ -1,0 +1,616 @@
+//! The HTTP benchmark: the same handler **bare** and **annotated** (`#[idempotent]`), on Axum
+//! and Actix-web, on the memory store, SQLite and PostgreSQL, driven by 64 keep-alive
+//! connections for a fixed time, arms alternating round by round, medians reported with the
+//! ratio annotated ÷ bare from the same run.
+//!
+//! ```text
+//! cargo run --release -p idempotent-examples --bin bench-http -- --out bench-http.md
+//! ```
+//!
+//! Each arm is its own server process (this binary's hidden `serve` command). On a machine
+//! with two or more CPUs the load generator runs on CPU 0 and every server on CPU 1
+//! (`taskset`), so they do not take each other's time; PostgreSQL runs where the kernel puts
+//! it. The handler parses a JSON order and answers a JSON object; on SQL stores the bare arm
+//! writes one row in its own transaction, the `tx` arm writes it in transactional mode (single
+//! commit, the default path on both databases) and the `plain` arm in its own transaction
+//! under the attribute's plain mode. Every run checks the server's execution count against
+//! what the scenario allows (a new key runs the handler exactly once, a replay never), so a
+//! benchmark that replays instead of executing fails. On PostgreSQL a second pass through a
+//! counting proxy reports statements, round trips and write transactions per request.
+//! See BENCHMARKS.md for the figures.
+
+mod actix_arm;
+mod axum_arm;
+mod load;
+mod server;
+mod wire;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use load::Scenario;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::process::{ExitCode, Stdio};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+#[derive(Debug, Parser)]
+#[command(about = "HTTP benchmark: the same handler bare and annotated, side by side")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serves one arm (started by the benchmark itself).
+    #[command(hide = true)]
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Stores to measure.
+    #[arg(long, value_delimiter = ',', default_values = ["memory", "sqlite", "postgres"])]
+    stores: Vec<StoreKind>,
+    /// Frameworks to measure.
+    #[arg(long, value_delimiter = ',', default_values = ["axum", "actix"])]
+    frameworks: Vec<Framework>,
+    /// Scenarios to run.
+    #[arg(long, value_delimiter = ',', default_values = ["first", "replay", "mix", "dup8"])]
+    scenarios: Vec<ScenarioArg>,
+    /// Measured rounds per scenario (every arm once per round, in rotating order).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Length of one measured run.
+    #[arg(long, default_value = "5s", value_parser = parse_secs)]
+    duration: Duration,
+    /// Length of the warm-up run of each arm before a scenario's rounds.
+    #[arg(long, default_value = "1s", value_parser = parse_secs)]
+    warmup: Duration,
+    /// Concurrent keep-alive connections.
+    #[arg(long, default_value_t = 64)]
+    connections: usize,
+    /// PostgreSQL URL (default `$DATABASE_URL`); the benchmark's tables live in the schema
+    /// `bench_http`, dropped at the start of a run.
+    #[arg(long)]
+    database: Option<String>,
+    /// Do not pin the load generator and the servers to separate CPUs.
+    #[arg(long)]
+    no_pin: bool,
+    /// Length of each scenario's run through the counting proxy (PostgreSQL).
+    #[arg(long, default_value = "2s", value_parser = parse_secs)]
+    wire_duration: Duration,
+    /// Also write the report (Markdown) to this file.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StoreKind {
+    Memory,
+    Sqlite,
+    Postgres,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Framework {
+    Axum,
+    Actix,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ScenarioArg {
+    First,
+    Replay,
+    Mix,
+    Dup8,
+}
+
+impl From<ScenarioArg> for Scenario {
+    fn from(s: ScenarioArg) -> Self {
+        match s {
+            ScenarioArg::First => Scenario::First,
+            ScenarioArg::Replay => Scenario::Replay,
+            ScenarioArg::Mix => Scenario::Mix,
+            ScenarioArg::Dup8 => Scenario::Dup8,
+        }
+    }
+}
+
+/// Which handler a server runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Arm {
+    /// No attribute.
+    Bare,
+    /// `#[idempotent]`, plain mode: the handler's write and the record commit apart.
+    Plain,
+    /// `#[idempotent]` with a `Transaction<DB>`: single commit.
+    Tx,
+}
+
+impl Arm {
+    fn label(self) -> &'static str {
+        match self {
+            Arm::Bare => "bare",
+            Arm::Plain => "annotated, plain mode",
+            Arm::Tx => "annotated, transactional (single commit)",
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    #[arg(long)]
+    framework: Framework,
+    #[arg(long)]
+    arm: Arm,
+    /// `memory`, `sqlite://FILE` or `postgres://…`.
+    #[arg(long)]
+    database: String,
+    /// Makes the server's order ids unique.
+    #[arg(long)]
+    tag: String,
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    idempotent_core::parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::Serve(args)) = cli.command {
+        let served = match args.framework {
+            Framework::Axum => axum_arm::serve(&args),
+            Framework::Actix => actix_arm::serve(&args),
+        };
+        return match served {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench-http serve: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let pinned = !cli.run.no_pin && pin_self();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("bench-http: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli.run, pinned)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("bench-http: some runs failed their checks (see above)");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("bench-http: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Pins this process (before any thread starts) to CPU 0 when there are at least two and
+/// `taskset` exists; servers then go to CPU 1.
+fn pin_self() -> bool {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    cpus >= 2
+        && std::process::Command::new("taskset")
+            .args(["-pc", "0", &std::process::id().to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+}
+
+/// A running server process.
+struct Server {
+    /// Killed when dropped.
+    _child: tokio::process::Child,
+    /// Kept open, so the server never writes into a closed pipe.
+    _stdout: BufReader<tokio::process::ChildStdout>,
+    addr: SocketAddr,
+}
+
+impl Server {
+    async fn start(
+        framework: Framework,
+        arm: Arm,
+        database: &str,
+        tag: &str,
+        pinned: bool,
+    ) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut cmd = if pinned {
+            let mut c = tokio::process::Command::new("taskset");
+            c.args(["-c", "1"]).arg(exe);
+            c
+        } else {
+            tokio::process::Command::new(exe)
+        };
+        let framework_name = format!("{framework:?}").to_lowercase();
+        let arm_name = format!("{arm:?}").to_lowercase();
+        cmd.args(["serve", "--framework", &framework_name, "--arm", &arm_name])
+            .args(["--database", database, "--tag", tag])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| format!("starting a server: {e}"))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let mut line = String::new();
+        let mut stdout = BufReader::new(stdout);
+        let read = stdout.read_line(&mut line);
+        tokio::time::timeout(Duration::from_secs(60), read)
+            .await
+            .map_err(|_| format!("{framework_name} {arm_name}: no address within 60 s"))?
+            .map_err(|e| e.to_string())?;
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| {
+                format!("{framework_name} {arm_name} on {database}: exited ({line:?})")
+            })?;
+        Ok(Server {
+            _child: child,
+            _stdout: stdout,
+            addr,
+        })
+    }
+}
+
+/// One measured run of one arm.
+struct Measured {
+    per_second: f64,
+    p50_us: u32,
+    p99_us: u32,
+    conflicts: f64,
+    executions_per_request: f64,
+}
+
+/// Runs `scenario` against `server` and checks the handler's executions against what the
+/// scenario allows; a failed check is printed and makes the whole benchmark fail.
+async fn measure(
+    server: &Server,
+    arm: Arm,
+    scenario: Scenario,
+    (ns, replay_ns): (&str, &str),
+    (connections, duration): (usize, Duration),
+    ok: &mut bool,
+) -> Result<Measured, String> {
+    let before = load::executions(server.addr).await?;
+    let mut sample = load::run(server.addr, scenario, ns, replay_ns, connections, duration).await;
+    let executions = load::executions(server.addr).await? - before;
+    let mut problems = Vec::new();
+    if sample.errors > 0 {
+        problems.push(format!(
+            "{} errors, the first: {}",
+            sample.errors,
+            sample.first_error.as_deref().unwrap_or("?")
+        ));
+    }
+    if sample.ok == 0 {
+        problems.push("no request answered".to_owned());
+    }
+    let expected = match (arm, scenario) {
+        (Arm::Bare, _) => Some(sample.ok),
+        (_, Scenario::First) => Some(sample.ok),
+        (_, Scenario::Replay) => Some(0),
+        (_, Scenario::Mix) => Some(sample.fresh_ok),
+        (_, Scenario::Dup8) => None,
+    };
+    match expected {
+        Some(want) if executions != want => problems.push(format!(
+            "the handler ran {executions} times where the answers allow exactly {want}"
+        )),
+        None if executions > sample.distinct_keys || executions == 0 => problems.push(format!(
+            "the handler ran {executions} times for {} keys",
+            sample.distinct_keys
+        )),
+        _ => {}
+    }
+    if arm == Arm::Bare && sample.conflicts > 0 {
+        problems.push("the bare handler answered 409".to_owned());
+    }
+    if !problems.is_empty() {
+        *ok = false;
+        eprintln!(
+            "CHECK FAILED ({}, {}): {}",
+            arm.label(),
+            scenario.name(),
+            problems.join("; ")
+        );
+    }
+    let answered = sample.answered().max(1) as f64;
+    Ok(Measured {
+        per_second: sample.per_second(),
+        p50_us: sample.quantile_us(0.50),
+        p99_us: sample.quantile_us(0.99),
+        conflicts: sample.conflicts as f64 / answered,
+        executions_per_request: executions as f64 / answered,
+    })
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+fn arms(store: StoreKind) -> &'static [Arm] {
+    match store {
+        StoreKind::Memory => &[Arm::Bare, Arm::Plain],
+        StoreKind::Sqlite | StoreKind::Postgres => &[Arm::Bare, Arm::Tx, Arm::Plain],
+    }
+}
+
+async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
+    let pg_url = args
+        .database
+        .clone()
+        .or_else(|| std::env::var("DATABASE_URL").ok())
+        .filter(|u| u.starts_with("postgres"));
+    let mut stores = args.stores.clone();
+    if stores.contains(&StoreKind::Postgres) && pg_url.is_none() {
+        eprintln!("bench-http: PostgreSQL skipped: no --database and no DATABASE_URL");
+        stores.retain(|s| *s != StoreKind::Postgres);
+    }
+    let pg = match &pg_url {
+        Some(url) if stores.contains(&StoreKind::Postgres) => {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect(url)
+                .await
+                .map_err(|e| format!("{url}: {e}"))?;
+            sqlx::raw_sql("DROP SCHEMA IF EXISTS bench_http CASCADE")
+                .execute(&pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            Some(pool)
+        }
+        _ => None,
+    };
+    let dir = std::env::temp_dir().join(format!("bench-http-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let mut report = String::new();
+    let _ = writeln!(
+        report,
+        "bench-http: {} connections, {} rounds of {:?} after a {:?} warm-up per arm; load generator {}; {}",
+        args.connections,
+        args.rounds,
+        args.duration,
+        args.warmup,
+        if pinned {
+            "on CPU 0, servers on CPU 1 (taskset)"
+        } else {
+            "not pinned"
+        },
+        chrono_free_date(),
+    );
+    println!("{report}");
+    let mut all_ok = true;
+    for store in stores {
+        for &framework in &args.frameworks {
+            let mut servers = Vec::new();
+            for &arm in arms(store) {
+                let tag = format!("{framework:?}-{arm:?}").to_lowercase();
+                let database = match store {
+                    StoreKind::Memory => "memory".to_owned(),
+                    StoreKind::Sqlite => {
+                        format!("sqlite://{}", dir.join(format!("{tag}.db")).display())
+                    }
+                    StoreKind::Postgres => pg_url.clone().unwrap_or_default(),
+                };
+                let server = Server::start(framework, arm, &database, &tag, pinned).await?;
+                load::seed_replays(server.addr, &format!("seed-{tag}")).await?;
+                servers.push((arm, tag, server));
+            }
+            for &scenario in &args.scenarios {
+                let scenario = Scenario::from(scenario);
+                let mut results: Vec<Vec<Measured>> = servers.iter().map(|_| Vec::new()).collect();
+                for (arm, tag, server) in &servers {
+                    let ns = format!("warm-{tag}-{scenario:?}");
+                    measure(
+                        server,
+                        *arm,
+                        scenario,
+                        (&ns, &format!("seed-{tag}")),
+                        (args.connections, args.warmup),
+                        &mut all_ok,
+                    )
+                    .await?;
+                }
+                for round in 0..args.rounds {
+                    for i in 0..servers.len() {
+                        let at = (i + round) % servers.len();
+                        let (arm, tag, server) = &servers[at];
+                        let ns = format!("{tag}-{scenario:?}-{round}");
+                        let m = measure(
+                            server,
+                            *arm,
+                            scenario,
+                            (&ns, &format!("seed-{tag}")),
+                            (args.connections, args.duration),
+                            &mut all_ok,
+                        )
+                        .await?;
+                        results[at].push(m);
+                    }
+                }
+                let table = table(store, framework, scenario, &servers, results);
+                println!("{table}");
+                report.push_str(&table);
+            }
+            if let (StoreKind::Postgres, Some(pool)) = (store, &pg) {
+                let url = pg_url.clone().unwrap_or_default();
+                let table = count_wire(framework, &args, &url, pool, pinned).await?;
+                println!("{table}");
+                report.push_str(&table);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(out) = &args.out {
+        std::fs::write(out, &report).map_err(|e| format!("{}: {e}", out.display()))?;
+    }
+    Ok(all_ok)
+}
+
+fn chrono_free_date() -> String {
+    std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn table(
+    store: StoreKind,
+    framework: Framework,
+    scenario: Scenario,
+    servers: &[(Arm, String, Server)],
+    results: Vec<Vec<Measured>>,
+) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n{framework:?}, {store:?}, {}\n\n| arm | req/s (median) | p50 ms | p99 ms | ÷ bare | 409s | executions per request | rounds (req/s) |\n|---|---|---|---|---|---|---|---|",
+        scenario.name()
+    );
+    let medians: Vec<f64> = results
+        .iter()
+        .map(|r| median(r.iter().map(|m| m.per_second).collect()))
+        .collect();
+    let bare = servers
+        .iter()
+        .position(|(arm, ..)| *arm == Arm::Bare)
+        .map_or(0.0, |i| medians[i]);
+    for ((arm, ..), (runs, rps)) in servers.iter().zip(results.iter().zip(&medians)) {
+        let p50 = median(runs.iter().map(|m| f64::from(m.p50_us)).collect()) / 1000.0;
+        let p99 = median(runs.iter().map(|m| f64::from(m.p99_us)).collect()) / 1000.0;
+        let conflicts = median(runs.iter().map(|m| m.conflicts).collect());
+        let execs = median(runs.iter().map(|m| m.executions_per_request).collect());
+        let rounds: Vec<String> = runs
+            .iter()
+            .map(|m| format!("{:.0}", m.per_second))
+            .collect();
+        let ratio = if bare > 0.0 { rps / bare } else { 0.0 };
+        let _ = writeln!(
+            out,
+            "| {} | {rps:.0} | {p50:.2} | {p99:.2} | {} | {:.1} % | {execs:.2} | {} |",
+            arm.label(),
+            if *arm == Arm::Bare {
+                "1".to_owned()
+            } else {
+                format!("**{ratio:.2}**")
+            },
+            conflicts * 100.0,
+            rounds.join(", ")
+        );
+    }
+    out
+}
+
+/// Statements, round trips and write transactions per request on PostgreSQL, through the
+/// counting proxy (8 connections, `--wire-duration` per scenario and arm).
+async fn count_wire(
+    framework: Framework,
+    args: &RunArgs,
+    url: &str,
+    pool: &sqlx::PgPool,
+    pinned: bool,
+) -> Result<String, String> {
+    let upstream: SocketAddr = "127.0.0.1:5432".parse().map_err(|e| format!("{e}"))?;
+    let host_port = url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5432");
+    let upstream = tokio::net::lookup_host(host_port)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .unwrap_or(upstream);
+    let (proxy, counts) = wire::start(upstream).await.map_err(|e| e.to_string())?;
+    let path = url
+        .rsplit_once('/')
+        .map_or("test", |(_, db)| db.split('?').next().unwrap_or("test"));
+    let user = url
+        .split("://")
+        .nth(1)
+        .and_then(|r| r.split('@').next())
+        .unwrap_or("postgres");
+    let proxied = format!("postgres://{user}@{proxy}/{path}?sslmode=disable");
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n{framework:?}, PostgreSQL, on the wire (8 connections through a counting proxy)\n\n| scenario | arm | statements per request | round trips per request | write transactions per request |\n|---|---|---|---|---|"
+    );
+    for &arm in arms(StoreKind::Postgres) {
+        let tag = format!("wire-{framework:?}-{arm:?}").to_lowercase();
+        let server = Server::start(framework, arm, &proxied, &tag, pinned).await?;
+        load::seed_replays(server.addr, &format!("seed-{tag}")).await?;
+        for &scenario in &args.scenarios {
+            let scenario = Scenario::from(scenario);
+            let xids = |pool: &sqlx::PgPool| {
+                let pool = pool.clone();
+                async move {
+                    sqlx::query_scalar::<_, String>(
+                        "SELECT pg_snapshot_xmax(pg_current_snapshot())::text",
+                    )
+                    .fetch_one(&pool)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .parse::<u64>()
+                    .map_err(|e| e.to_string())
+                }
+            };
+            let x0 = xids(pool).await?;
+            let (s0, r0) = counts.read();
+            let mut sample = load::run(
+                server.addr,
+                scenario,
+                &format!("{tag}-{scenario:?}"),
+                &format!("seed-{tag}"),
+                8,
+                args.wire_duration,
+            )
+            .await;
+            // Let the pool's release pings of the last requests arrive.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (s1, r1) = counts.read();
+            let x1 = xids(pool).await?;
+            let n = sample.answered().max(1) as f64;
+            if sample.errors > 0 {
+                eprintln!(
+                    "wire count {tag} {scenario:?}: {} errors: {:?}",
+                    sample.errors,
+                    sample.first_error.take()
+                );
+            }
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.2} | {:.2} | {:.2} |",
+                scenario.name(),
+                arm.label(),
+                (s1 - s0) as f64 / n,
+                (r1 - r0) as f64 / n,
+                x1.saturating_sub(x0) as f64 / n,
+            );
+        }
+        drop(server);
+    }
+    Ok(out)
+}

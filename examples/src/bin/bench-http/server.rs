@@ -1,0 +1,175 @@
+//! What every benchmark server shares: the handler's work, the database, the execution count.
+
+use idempotent_core::{PostgresStore, SqliteStore, Store};
+use serde::Deserialize;
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The schema (PostgreSQL) holding the benchmark's tables, dropped when a run starts.
+pub(crate) const PG_SCHEMA: &str = "bench_http";
+
+/// An order as the client posts it: the handler parses it (serde) in every arm.
+#[derive(Debug, Deserialize)]
+pub(crate) struct NewOrder {
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
+    pub(crate) description: String,
+    pub(crate) metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Where the handler writes.
+#[derive(Debug, Clone)]
+pub(crate) enum Db {
+    Memory,
+    Sqlite(sqlx::SqlitePool),
+    Postgres(sqlx::PgPool),
+}
+
+/// The server's state: its database and how many times the handler ran.
+#[derive(Debug, Clone)]
+pub(crate) struct Bench {
+    pub(crate) db: Db,
+    executions: Arc<AtomicU64>,
+    tag: Arc<str>,
+}
+
+/// A connection the handler's INSERT runs on.
+pub(crate) enum Conn<'a> {
+    Sqlite(&'a mut sqlx::SqliteConnection),
+    Postgres(&'a mut sqlx::PgConnection),
+}
+
+impl Bench {
+    /// Counts one execution and returns the new order's id.
+    pub(crate) fn execute(&self) -> String {
+        let n = self.executions.fetch_add(1, Ordering::Relaxed);
+        format!("ord_{}_{n}", self.tag)
+    }
+
+    pub(crate) fn executions(&self) -> u64 {
+        self.executions.load(Ordering::Relaxed)
+    }
+
+    /// The bare handler's write: one INSERT in its own transaction (nothing on memory).
+    pub(crate) async fn insert_alone(
+        &self,
+        id: &str,
+        account: &str,
+        order: &NewOrder,
+    ) -> Result<(), sqlx::Error> {
+        match &self.db {
+            Db::Memory => Ok(()),
+            Db::Sqlite(pool) => {
+                let mut tx = pool.begin().await?;
+                insert(Conn::Sqlite(&mut tx), id, account, order).await?;
+                tx.commit().await
+            }
+            Db::Postgres(pool) => {
+                let mut tx = pool.begin().await?;
+                insert(Conn::Postgres(&mut tx), id, account, order).await?;
+                tx.commit().await
+            }
+        }
+    }
+}
+
+/// The handler's one business INSERT.
+pub(crate) async fn insert(
+    conn: Conn<'_>,
+    id: &str,
+    account: &str,
+    order: &NewOrder,
+) -> Result<(), sqlx::Error> {
+    match conn {
+        Conn::Sqlite(c) => {
+            sqlx::query("INSERT INTO orders (id, account, amount, currency, description) VALUES (?, ?, ?, ?, ?)")
+                .bind(id)
+                .bind(account)
+                .bind(order.amount)
+                .bind(&order.currency)
+                .bind(&order.description)
+                .execute(c)
+                .await?;
+        }
+        Conn::Postgres(c) => {
+            sqlx::query("INSERT INTO bench_http.orders (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)")
+                .bind(id)
+                .bind(account)
+                .bind(order.amount)
+                .bind(&order.currency)
+                .bind(&order.description)
+                .execute(c)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// The JSON object every arm answers with (201).
+pub(crate) fn created(id: &str, order: &NewOrder) -> serde_json::Value {
+    json!({
+        "id": id,
+        "object": "order",
+        "amount": order.amount,
+        "currency": order.currency,
+        "description": order.description,
+        "metadata": order.metadata,
+        "status": "created",
+    })
+}
+
+/// Opens the database for a server: `memory`, `sqlite://FILE` or `postgres://…`, with the
+/// store the annotated arms use (the same database, so transactional mode can join it).
+pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>), String> {
+    let err = |e: &dyn std::fmt::Display| format!("{url}: {e}");
+    let (db, store): (Db, Arc<dyn Store>) = if url == "memory" {
+        (
+            Db::Memory,
+            Arc::new(
+                idempotent_core::MemoryStore::builder()
+                    .max_entries(usize::MAX)
+                    .build(),
+            ),
+        )
+    } else if url.starts_with("sqlite:") {
+        let store = SqliteStore::connect(url).await.map_err(|e| err(&e))?;
+        store.migrate().await.map_err(|e| err(&e))?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, account TEXT NOT NULL,
+             amount INTEGER NOT NULL, currency TEXT NOT NULL, description TEXT NOT NULL)",
+        )
+        .execute(store.pool())
+        .await
+        .map_err(|e| err(&e))?;
+        (Db::Sqlite(store.pool().clone()), Arc::new(store))
+    } else {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .test_before_acquire(false)
+            .connect(url)
+            .await
+            .map_err(|e| err(&e))?;
+        let store = PostgresStore::builder(pool.clone())
+            .schema(PG_SCHEMA)
+            .build()
+            .map_err(|e| err(&e))?;
+        store.migrate().await.map_err(|e| err(&e))?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS bench_http.orders (id text PRIMARY KEY, account text NOT NULL,
+             amount bigint NOT NULL, currency text NOT NULL, description text NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .map_err(|e| err(&e))?;
+        (Db::Postgres(pool), Arc::new(store))
+    };
+    Ok((
+        Bench {
+            db,
+            executions: Arc::default(),
+            tag: tag.into(),
+        },
+        store,
+    ))
+}

@@ -1,0 +1,120 @@
+//! The HTTP benchmark runs end to end (briefly): every store it can reach, both frameworks,
+//! every scenario, and its execution checks pass. The figures themselves are in BENCHMARKS.md;
+//! this only proves the one documented command works and checks what it claims to check.
+
+use std::process::Command;
+
+fn bench(stores: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_bench-http"))
+        .args(["--stores", stores, "--rounds", "1", "--duration", "300ms"])
+        .args([
+            "--warmup",
+            "100ms",
+            "--wire-duration",
+            "300ms",
+            "--connections",
+            "16",
+        ])
+        .output()
+        .expect("bench-http runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "bench-http failed:\n{stdout}\n{stderr}"
+    );
+    assert!(!stderr.contains("CHECK FAILED"), "{stderr}");
+    stdout
+}
+
+/// One table per framework and scenario, each with the bare arm and a ratio for the others;
+/// replays of the annotated arms never ran the handler.
+fn assert_tables(out: &str, store: &str, annotated: &[&str]) {
+    for framework in ["Axum", "Actix"] {
+        for scenario in [
+            "first executions",
+            "replays",
+            "50/50 mix",
+            "8 concurrent duplicates",
+        ] {
+            let heading = format!("{framework}, {store}, {scenario}");
+            let at = out
+                .find(&heading)
+                .unwrap_or_else(|| panic!("no table {heading}:\n{out}"));
+            let table = &out[at..];
+            let table = &table[..table[heading.len()..]
+                .find("\n\n\n")
+                .map_or(table.len(), |e| e + heading.len())];
+            assert!(table.contains("| bare |"), "{table}");
+            for arm in annotated {
+                let row = table
+                    .lines()
+                    .find(|l| l.starts_with(&format!("| {arm} |")))
+                    .unwrap_or_else(|| panic!("no row {arm} in {table}"));
+                assert!(row.contains("| **"), "no ratio in {row}");
+                if scenario == "replays" {
+                    assert!(row.contains("| 0.00 |"), "a replay ran the handler: {row}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn runs_on_memory_and_sqlite() {
+    let out = bench("memory,sqlite");
+    assert_tables(&out, "Memory", &["annotated, plain mode"]);
+    assert_tables(
+        &out,
+        "Sqlite",
+        &[
+            "annotated, transactional (single commit)",
+            "annotated, plain mode",
+        ],
+    );
+}
+
+/// On PostgreSQL the wire counts come too: a replay is one statement and writes nothing.
+#[test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+fn runs_on_postgres_with_wire_counts() {
+    let out = bench("postgres");
+    assert_tables(
+        &out,
+        "Postgres",
+        &[
+            "annotated, transactional (single commit)",
+            "annotated, plain mode",
+        ],
+    );
+    for framework in ["Axum", "Actix"] {
+        let heading = format!("{framework}, PostgreSQL, on the wire");
+        let at = out
+            .find(&heading)
+            .unwrap_or_else(|| panic!("no {heading}:\n{out}"));
+        let replays: Vec<&str> = out[at..]
+            .lines()
+            .filter(|l| l.starts_with("| replays | annotated"))
+            .take(2)
+            .collect();
+        assert_eq!(replays.len(), 2, "{}", &out[at..]);
+        for row in replays {
+            // statements, round trips (the statement and the pool's ping on release), write
+            // transactions per request; the last is not asserted here, since other tests
+            // write to the same database meanwhile (the store's tests pin it instead).
+            let cells: Vec<f64> = row
+                .split('|')
+                .filter_map(|c| c.trim().parse().ok())
+                .collect();
+            assert_eq!(cells.len(), 3, "{row}");
+            assert!(
+                (cells[0] - 1.0).abs() < 1e-9,
+                "a replay is one statement: {row}"
+            );
+            assert!((1.95..=2.05).contains(&cells[1]), "{row}");
+        }
+    }
+}
