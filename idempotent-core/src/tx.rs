@@ -176,21 +176,31 @@ mod with_sqlx {
         /// replay must not wait for).
         const ALWAYS_READ_FIRST: bool;
 
-        /// Opens a transaction on the store's pool for a handler; with `idle` (single commit:
-        /// the lease), PostgreSQL ends it if it stays idle (no statement) that long.
+        /// Opens a transaction for a handler, on `conn` if given (the connection the read
+        /// ran on: no trip back to the pool in between, so no release ping either) or on a
+        /// connection from the store's pool; with `idle` (single commit: the lease),
+        /// PostgreSQL ends it if it stays idle (no statement) that long.
         #[doc(hidden)]
         fn begin_tx(
             store: &Self::Store,
             idle: Option<Duration>,
+            conn: Option<sqlx::pool::PoolConnection<Self>>,
         ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, StoreError>> + Send;
 
-        /// Reads the record outside any transaction: `Some` when that settles the request
-        /// (replay, in progress, mismatch), `None` when a claim must follow.
+        /// A connection from the store's pool.
         #[doc(hidden)]
-        fn read(
+        fn acquire(
             store: &Self::Store,
-            req: ClaimRequest<'_>,
-        ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
+        ) -> impl Future<Output = Result<sqlx::pool::PoolConnection<Self>, StoreError>> + Send;
+
+        /// Reads the record on `conn`, outside any transaction: `Some` when that settles the
+        /// request (replay, in progress, mismatch), `None` when a claim must follow.
+        #[doc(hidden)]
+        fn read<'a>(
+            store: &'a Self::Store,
+            conn: &'a mut Self::Connection,
+            req: ClaimRequest<'a>,
+        ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send + 'a;
 
         /// Claims inside the transaction (single commit). `None`: another open transaction
         /// holds the key (PostgreSQL's advisory lock); the caller may wait and call again.
@@ -554,7 +564,7 @@ mod with_sqlx {
             match options.commit {
                 CommitPath::Two => match self.begin(req, &policy).await {
                     // The heartbeat holds a two-commit claim: no idle limit on the handler.
-                    Begin::Claimed(execution) => match DB::begin_tx(&store, None).await {
+                    Begin::Claimed(execution) => match DB::begin_tx(&store, None, None).await {
                         Ok(tx) => {
                             TxBegin::Run(TxExecution::new(store, tx, Claim::Two(execution), policy))
                         }
@@ -584,7 +594,7 @@ mod with_sqlx {
             store: DB::Store,
             policy: &Policy,
         ) -> TxBegin<DB> {
-            match DB::begin_tx(&store, None).await {
+            match DB::begin_tx(&store, None, None).await {
                 Ok(tx) => {
                     let claim = Claim::None {
                         _slot: InFlight::enter(Arc::clone(&self.inner)),
@@ -630,16 +640,22 @@ mod with_sqlx {
             };
             // Replays (and 409s for two-commit claims, mismatches) settle here, with one
             // read-only statement and no transaction.
+            // On a miss the transaction begins on the connection the read ran on.
+            let mut conn = None;
             if options.read_first || DB::ALWAYS_READ_FIRST {
-                match DB::read(&store, claim).await {
+                let mut read_on = match DB::acquire(&store).await {
+                    Ok(c) => c,
+                    Err(error) => return unavailable("the read", error),
+                };
+                match DB::read(&store, &mut read_on, claim).await {
                     Ok(Some(outcome)) => return TxBegin::Respond(report(outcome)),
-                    Ok(None) => {}
+                    Ok(None) => conn = Some(read_on),
                     Err(error) => return unavailable("the read", error),
                 }
             }
             // The uncommitted claim holds the key while this transaction lives: a session
             // frozen inside it must give the key back, so it may idle a lease at most.
-            let mut tx = match DB::begin_tx(&store, Some(policy.lease)).await {
+            let mut tx = match DB::begin_tx(&store, Some(policy.lease), conn).await {
                 Ok(tx) => tx,
                 Err(error) => return unavailable("BEGIN", error),
             };

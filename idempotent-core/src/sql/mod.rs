@@ -107,13 +107,14 @@ macro_rules! sql_store_common {
                 /// `None` when a claim must follow (no row, or one to take over).
                 pub(crate) async fn read_settled(
                     &self,
+                    conn: &mut <$db as sqlx::Database>::Connection,
                     req: &ClaimRequest<'_>,
                 ) -> Result<Option<ClaimOutcome>, StoreError> {
                     self.sent.bump();
                     let row = sqlx::query(q(&self.sql.read))
                         .bind(req.key.scope.as_str())
                         .bind(req.key.key.as_str())
-                        .fetch_optional(&self.pool)
+                        .fetch_optional(&mut *conn)
                         .await
                         .map_err(db_error)?;
                     match row {

@@ -367,6 +367,7 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
     async fn begin_tx(
         store: &PostgresStore,
         idle: Option<std::time::Duration>,
+        conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
         let begin = match idle {
             Some(idle) => {
@@ -378,18 +379,28 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
             }
             None => "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned(),
         };
-        store
-            .pool
-            .begin_with(AssertSqlSafe(begin))
+        let conn = match conn {
+            Some(conn) => conn,
+            None => store.pool.acquire().await.map_err(db_error)?,
+        };
+        // What `Pool::begin_with` does, on a connection already held.
+        sqlx::Transaction::begin(conn, Some(AssertSqlSafe(begin).into_sql_str()))
             .await
             .map_err(db_error)
     }
 
-    async fn read(
+    async fn acquire(
         store: &PostgresStore,
-        req: ClaimRequest<'_>,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        store.pool.acquire().await.map_err(db_error)
+    }
+
+    async fn read<'a>(
+        store: &'a PostgresStore,
+        conn: &'a mut PgConnection,
+        req: ClaimRequest<'a>,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        store.read_settled(&req).await
+        store.read_settled(conn, &req).await
     }
 
     async fn claim_in(

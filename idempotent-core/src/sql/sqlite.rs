@@ -253,19 +253,30 @@ impl crate::tx::TxDatabase for sqlx::Sqlite {
     async fn begin_tx(
         store: &SqliteStore,
         _idle: Option<Duration>,
+        conn: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
     ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
-        store
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
+        let conn = match conn {
+            Some(conn) => conn,
+            None => store.pool.acquire().await.map_err(db_error)?,
+        };
+        // What `Pool::begin_with` does, on a connection already held.
+        sqlx::Transaction::begin(conn, Some("BEGIN IMMEDIATE".into_sql_str()))
             .await
             .map_err(db_error)
     }
 
-    async fn read(
+    async fn acquire(
         store: &SqliteStore,
-        req: ClaimRequest<'_>,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
+        store.pool.acquire().await.map_err(db_error)
+    }
+
+    async fn read<'a>(
+        store: &'a SqliteStore,
+        conn: &'a mut SqliteConnection,
+        req: ClaimRequest<'a>,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        store.read_settled(&req).await
+        store.read_settled(conn, &req).await
     }
 
     /// The transaction holds the write lock, so the ordinary claim cannot race.
