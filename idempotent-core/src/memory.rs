@@ -3,7 +3,7 @@
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 use crate::{
     Clock, Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome,
-    SystemClock,
+    StoredResponse, SystemClock,
 };
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -32,7 +32,7 @@ pub struct MemoryStore {
 
 #[derive(Debug)]
 struct Inner {
-    shards: Box<[Mutex<HashMap<RecordKey, Record>>]>,
+    shards: Box<[Mutex<HashMap<RecordKey, Box<Entry>>>]>,
     hasher: RandomState,
     len: AtomicUsize,
     max_entries: usize,
@@ -108,7 +108,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, HashMap<RecordKey, Record>> {
+    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, HashMap<RecordKey, Box<Entry>>> {
         let i = self.inner.hasher.hash_one(key) as usize & (self.inner.shards.len() - 1);
         // A poisoned shard only means a panic elsewhere mid-operation; every operation leaves
         // the map consistent before it can panic, so keep going.
@@ -146,7 +146,7 @@ impl MemoryStore {
         purged
     }
 
-    fn try_claim(&self, req: &ClaimRequest<'_>) -> Result<ClaimOutcome, bool> {
+    fn try_claim(&self, req: &ClaimRequest<'_>) -> Result<ClaimOutcome, Refused> {
         let now = self.now();
         let mut map = self.shard(req.key);
         let fresh = |took_over| {
@@ -157,14 +157,10 @@ impl MemoryStore {
                 locked_until,
                 took_over,
             };
-            let record = Record {
-                key: req.key.clone(),
+            let record = Entry {
                 // As a SQL store keeps it: version and digest.
-                fingerprint: Fingerprint::from_parts(
-                    req.fingerprint.version(),
-                    *req.fingerprint.digest(),
-                ),
-                state: RecordState::InProgress {
+                fingerprint: req.fingerprint.to_stored(),
+                state: EntryState::InProgress {
                     token,
                     locked_until,
                 },
@@ -185,35 +181,38 @@ impl MemoryStore {
                     })
                     .is_err()
                 {
-                    return Err(true);
+                    return Err(Refused::Full);
                 }
                 let (lease, record) = fresh(false);
-                map.insert(req.key.clone(), record);
+                map.insert(req.key.clone(), Box::new(record));
                 Ok(ClaimOutcome::Claimed(lease))
             }
             Some(rec) if rec.expires_at <= now => {
                 // Past its ttl: the record counts as absent, whatever its fingerprint.
                 let (lease, record) = fresh(true);
-                *rec = record;
+                **rec = record;
                 Ok(ClaimOutcome::Claimed(lease))
             }
-            Some(rec) if !req.fingerprint.matches_stored(&rec.fingerprint) => {
+            Some(rec) if !req.fingerprint.matches_stored(&rec.fingerprint()) => {
                 Ok(ClaimOutcome::Mismatch {
-                    in_progress: matches!(rec.state, RecordState::InProgress { .. }),
+                    in_progress: matches!(rec.state, EntryState::InProgress { .. }),
                 })
             }
             Some(rec) => match &rec.state {
-                RecordState::Done { outcome, .. } => Ok(ClaimOutcome::Replay(outcome.clone())),
-                RecordState::InProgress { locked_until, .. } if *locked_until > now => {
+                EntryState::Done { outcome, .. } => match outcome.unpack() {
+                    Some(outcome) => Ok(ClaimOutcome::Replay(outcome)),
+                    None => Err(Refused::Corrupt),
+                },
+                EntryState::InProgress { locked_until, .. } if *locked_until > now => {
                     Ok(ClaimOutcome::InProgress {
                         retry_after: locked_until.duration_since(now).unwrap_or_default(),
                     })
                 }
-                RecordState::InProgress { .. } => {
+                EntryState::InProgress { .. } => {
                     // Lease ran out, same fingerprint: take over with a new token.
                     let (lease, mut record) = fresh(true);
                     record.created_at = rec.created_at;
-                    *rec = record;
+                    **rec = record;
                     Ok(ClaimOutcome::Claimed(lease))
                 }
             },
@@ -225,17 +224,138 @@ impl MemoryStore {
         &self,
         key: &RecordKey,
         token: LeaseToken,
-        f: impl FnOnce(&mut HashMap<RecordKey, Record>, SystemTime) -> T,
+        f: impl FnOnce(&mut HashMap<RecordKey, Box<Entry>>, SystemTime) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
         let mut map = self.shard(key);
-        match map.get(key) {
-            Some(Record {
-                state: RecordState::InProgress { token: held, .. },
+        match map.get(key).map(|entry| &**entry) {
+            Some(Entry {
+                state: EntryState::InProgress { token: held, .. },
                 expires_at,
                 ..
             }) if *held == token && *expires_at > now => Ok(f(&mut map, now)),
             _ => Err(StoreError::StaleLease),
+        }
+    }
+}
+
+/// Why [`MemoryStore::try_claim`] did not answer.
+enum Refused {
+    /// No room for a new record.
+    Full,
+    /// A packed response did not unpack (cannot happen: this store packed it).
+    Corrupt,
+}
+
+fn corrupt() -> StoreError {
+    StoreError::Corrupt("a packed response in the memory store does not unpack".to_owned())
+}
+
+/// A record as the memory store holds it (the key is the map's): the fingerprint in its
+/// stored form and a finished response packed into one allocation. The maps hold it boxed:
+/// a hash table keeps up to half its slots empty, and an empty slot then costs a pointer
+/// instead of a whole entry (measured in BENCHMARKS.md).
+#[derive(Debug)]
+struct Entry {
+    fingerprint: [u8; 33],
+    state: EntryState,
+    created_at: SystemTime,
+    expires_at: SystemTime,
+}
+
+#[derive(Debug)]
+enum EntryState {
+    InProgress {
+        token: LeaseToken,
+        locked_until: SystemTime,
+    },
+    Done {
+        outcome: Packed,
+        completed_at: SystemTime,
+    },
+}
+
+impl Entry {
+    fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::from_parts(self.fingerprint[0], {
+            let mut digest = [0; 32];
+            digest.copy_from_slice(&self.fingerprint[1..]);
+            digest
+        })
+    }
+
+    /// The public form; `None` if a packed response does not unpack (it always does: this
+    /// store packed it).
+    fn to_record(&self, key: &RecordKey) -> Option<Record> {
+        Some(Record {
+            key: key.clone(),
+            fingerprint: self.fingerprint(),
+            state: match &self.state {
+                EntryState::InProgress {
+                    token,
+                    locked_until,
+                } => RecordState::InProgress {
+                    token: *token,
+                    locked_until: *locked_until,
+                },
+                EntryState::Done {
+                    outcome,
+                    completed_at,
+                } => RecordState::Done {
+                    outcome: outcome.unpack()?,
+                    completed_at: *completed_at,
+                },
+            },
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+        })
+    }
+}
+
+/// A [`StoredOutcome`] in one allocation: a stored response is its status (2 bytes), the
+/// length of its encoded headers (4 bytes, [`StoredResponse::encode_headers`]), the headers
+/// and the body; an oversized outcome is kept as it is.
+#[derive(Debug)]
+enum Packed {
+    Response(Box<[u8]>),
+    Oversized { status: u16, size: u64 },
+}
+
+impl Packed {
+    fn pack(outcome: &StoredOutcome) -> Self {
+        match outcome {
+            StoredOutcome::Response(r) => {
+                let headers = r.encode_headers();
+                let mut out = Vec::with_capacity(6 + headers.len() + r.body.len());
+                out.extend_from_slice(&r.status.to_be_bytes());
+                out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+                out.extend_from_slice(&headers);
+                out.extend_from_slice(&r.body);
+                Packed::Response(out.into_boxed_slice())
+            }
+            StoredOutcome::Oversized { status, size } => Packed::Oversized {
+                status: *status,
+                size: *size,
+            },
+        }
+    }
+
+    fn unpack(&self) -> Option<StoredOutcome> {
+        match self {
+            Packed::Response(bytes) => {
+                let status = u16::from_be_bytes(bytes.get(..2)?.try_into().ok()?);
+                let len = u32::from_be_bytes(bytes.get(2..6)?.try_into().ok()?) as usize;
+                let headers = StoredResponse::decode_headers(bytes.get(6..6 + len)?)?;
+                Some(StoredOutcome::Response(StoredResponse {
+                    status,
+                    headers,
+                    body: bytes.get(6 + len..)?.to_vec(),
+                }))
+            }
+            Packed::Oversized { status, size } => Some(StoredOutcome::Oversized {
+                status: *status,
+                size: *size,
+            }),
         }
     }
 }
@@ -253,12 +373,16 @@ impl Store for MemoryStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         match self.try_claim(&req) {
             Ok(outcome) => Ok(outcome),
-            Err(_full) => {
+            Err(Refused::Full) => {
                 self.purge(usize::MAX);
-                self.try_claim(&req).map_err(|_| StoreError::Capacity {
-                    max_entries: self.inner.max_entries,
+                self.try_claim(&req).map_err(|refused| match refused {
+                    Refused::Full => StoreError::Capacity {
+                        max_entries: self.inner.max_entries,
+                    },
+                    Refused::Corrupt => corrupt(),
                 })
             }
+            Err(Refused::Corrupt) => Err(corrupt()),
         }
     }
 
@@ -271,8 +395,8 @@ impl Store for MemoryStore {
     ) -> Result<(), StoreError> {
         self.fenced(key, token, |map, now| {
             if let Some(rec) = map.get_mut(key) {
-                rec.state = RecordState::Done {
-                    outcome: outcome.clone(),
+                rec.state = EntryState::Done {
+                    outcome: Packed::pack(outcome),
                     completed_at: now,
                 };
                 rec.expires_at = rec.expires_at.max(later(now, ttl));
@@ -297,7 +421,7 @@ impl Store for MemoryStore {
         self.fenced(key, token, |map, now| {
             let until = later(now, lease);
             if let Some(rec) = map.get_mut(key) {
-                rec.state = RecordState::InProgress {
+                rec.state = EntryState::InProgress {
                     token,
                     locked_until: until,
                 };
@@ -313,10 +437,9 @@ impl Store for MemoryStore {
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = self.now();
-        Ok(self
-            .shard(key)
-            .get(key)
-            .filter(|r| r.expires_at > now)
-            .cloned())
+        match self.shard(key).get(key).filter(|r| r.expires_at > now) {
+            None => Ok(None),
+            Some(entry) => entry.to_record(key).map(Some).ok_or_else(corrupt),
+        }
     }
 }
