@@ -16,7 +16,10 @@
 //! - **Bounds**: nesting deeper than [`MAX_DEPTH`] makes the text invalid (no recursion past
 //!   it, so hostile input cannot exhaust the stack). The output is at most a small constant
 //!   times the input (the worst case is a short number such as `1e20` written out in full,
-//!   21 bytes for 4), and the working memory is linear in the input.
+//!   21 bytes for 4), and the working memory is linear in the input. Sorting compares names
+//!   without allocating, at the cost of their common prefix; an object whose members need
+//!   reordering is copied once, so a text nested `d` objects deep, each out of order, is
+//!   copied at most `d` (≤ 127) times.
 
 use std::cmp::Ordering;
 
@@ -182,7 +185,10 @@ impl Writer<'_> {
         let name = |m: &Member| &out[m.start + 1..m.name_end];
         let cmp = |a: &Member, b: &Member| {
             if a.escaped || b.escaped {
-                cmp_utf16(&unescape(name(a)), &unescape(name(b)))
+                // Decoded lazily, byte by byte: a comparison costs the common prefix, never
+                // the names' whole length (a long escaped name must not make every
+                // comparison with it expensive).
+                cmp_utf16_bytes(Decoded::new(name(a)), Decoded::new(name(b)))
             } else {
                 cmp_utf16(name(a), name(b))
             }
@@ -416,41 +422,59 @@ fn write_char(out: &mut Vec<u8>, c: char) -> bool {
     true
 }
 
-/// Decodes a name as [`write_char`] wrote it.
-fn unescape(text: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(text.len());
-    let mut i = 0;
-    while i < text.len() {
-        if text[i] != b'\\' {
-            out.push(text[i]);
-            i += 1;
-            continue;
+/// The bytes of a name as [`write_char`] wrote it, decoded one at a time.
+struct Decoded<'a> {
+    text: &'a [u8],
+}
+
+impl<'a> Decoded<'a> {
+    fn new(text: &'a [u8]) -> Self {
+        Decoded { text }
+    }
+}
+
+impl Iterator for Decoded<'_> {
+    type Item = u8;
+
+    fn next(&mut self) -> Option<u8> {
+        let (&first, rest) = self.text.split_first()?;
+        if first != b'\\' {
+            self.text = rest;
+            return Some(first);
         }
-        match text.get(i + 1) {
-            Some(b'u') => {
-                let hex = text.get(i + 4..i + 6).unwrap_or_default();
-                let value = std::str::from_utf8(hex)
-                    .ok()
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .unwrap_or_default();
-                out.push(value);
-                i += 6;
-            }
-            Some(&b) => {
-                out.push(match b {
-                    b'b' => 0x8,
-                    b'f' => 0xc,
-                    b'n' => b'\n',
-                    b'r' => b'\r',
-                    b't' => b'\t',
-                    other => other,
-                });
-                i += 2;
-            }
-            None => i += 1,
+        let (&kind, rest) = rest.split_first()?;
+        if kind == b'u' {
+            // `\u00XX`: only controls are written this way.
+            let value = rest
+                .get(2..4)
+                .and_then(|hex| std::str::from_utf8(hex).ok())
+                .and_then(|hex| u8::from_str_radix(hex, 16).ok())?;
+            self.text = rest.get(4..).unwrap_or_default();
+            return Some(value);
+        }
+        self.text = rest;
+        Some(match kind {
+            b'b' => 0x8,
+            b'f' => 0xc,
+            b'n' => b'\n',
+            b'r' => b'\r',
+            b't' => b'\t',
+            other => other,
+        })
+    }
+}
+
+/// [`cmp_utf16`] over two streams of UTF-8 bytes.
+fn cmp_utf16_bytes(mut a: impl Iterator<Item = u8>, mut b: impl Iterator<Item = u8>) -> Ordering {
+    loop {
+        match (a.next(), b.next()) {
+            (None, None) => return Ordering::Equal,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(x), Some(y)) if x == y => {}
+            (Some(x), Some(y)) => return first_difference(x, y),
         }
     }
-    out
 }
 
 /// Orders two UTF-8 texts by their UTF-16 code units (RFC 8785 §3.2.3). Byte order is code
@@ -461,14 +485,17 @@ fn unescape(text: &[u8]) -> Vec<u8> {
 fn cmp_utf16(a: &[u8], b: &[u8]) -> Ordering {
     match a.iter().zip(b).position(|(x, y)| x != y) {
         None => a.len().cmp(&b.len()),
-        Some(i) => {
-            let (x, y) = (a[i], b[i]);
-            if x >= 0xEE && y >= 0xEE && (x >= 0xF0) != (y >= 0xF0) {
-                y.cmp(&x)
-            } else {
-                x.cmp(&y)
-            }
-        }
+        Some(i) => first_difference(a[i], b[i]),
+    }
+}
+
+/// The order of two UTF-8 texts whose first differing bytes are `x` and `y` (see
+/// [`cmp_utf16`]).
+fn first_difference(x: u8, y: u8) -> Ordering {
+    if x >= 0xEE && y >= 0xEE && (x >= 0xF0) != (y >= 0xF0) {
+        y.cmp(&x)
+    } else {
+        x.cmp(&y)
     }
 }
 
@@ -654,6 +681,13 @@ mod tests {
             cases.push(format!("{}1{}", "{\"a\":".repeat(depth), "}".repeat(depth)).into_bytes());
             cases.push("[".repeat(depth).into_bytes());
         }
+        // Many short names in order and one long escaped name that sorts first: the merge
+        // compares the long name with every other one (cheap only if comparing costs the
+        // common prefix, not the name's length).
+        let mut hostile: String = (0..10_000).map(|i| format!("\"a{i:06}\":0,")).collect();
+        hostile.insert(0, '{');
+        hostile.push_str(&format!("\"{}\":1}}", "\\n".repeat(100_000)));
+        cases.push(hostile.into_bytes());
         for case in &cases {
             agrees(case);
         }

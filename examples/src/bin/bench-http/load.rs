@@ -5,6 +5,8 @@
 //! latency, and sends the next, until the deadline.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -18,8 +20,8 @@ pub(crate) enum Scenario {
     Replay,
     /// Alternately a new key and a finished one.
     Mix,
-    /// Connections in groups of 8 send the same sequence of keys, so each key arrives 8 times
-    /// at about the same moment.
+    /// Connections in groups of 8 send the same sequence of keys in step (a barrier before
+    /// each key), so each key arrives 8 times at the same moment.
     Dup8,
 }
 
@@ -216,7 +218,20 @@ pub(crate) async fn run(
     let start = Instant::now();
     let deadline = start + duration;
     let mut workers = tokio::task::JoinSet::new();
+    // For 8 duplicates: per group of 8 connections, a barrier and the decision to stop, which
+    // the group takes together (a connection that stopped alone would leave the others
+    // waiting).
+    let groups: Vec<_> = (0..connections.div_ceil(8))
+        .map(|g| {
+            let size = (connections - g * 8).min(8);
+            (
+                Arc::new(tokio::sync::Barrier::new(size)),
+                Arc::new(AtomicBool::new(false)),
+            )
+        })
+        .collect();
     for worker in 0..connections as u64 {
+        let group = (scenario == Scenario::Dup8).then(|| groups[worker as usize / 8].clone());
         let ns = ns.to_owned();
         let replay_ns = replay_ns.to_owned();
         workers.spawn(async move {
@@ -230,7 +245,32 @@ pub(crate) async fn run(
                 }
             };
             let mut n: u64 = 0;
-            while Instant::now() < deadline {
+            loop {
+                match &group {
+                    Some((barrier, stop)) => {
+                        let step = async {
+                            if barrier.wait().await.is_leader() {
+                                stop.store(Instant::now() >= deadline, Ordering::Relaxed);
+                            }
+                            barrier.wait().await;
+                        };
+                        if tokio::time::timeout(Duration::from_secs(10), step)
+                            .await
+                            .is_err()
+                        {
+                            sample.errors += 1;
+                            sample.first_error.get_or_insert_with(|| {
+                                "a duplicate's group stopped answering".to_owned()
+                            });
+                            break;
+                        }
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                    }
+                    None if Instant::now() >= deadline => break,
+                    None => {}
+                }
                 let replayed = |i: u64| {
                     let k = (worker * 31 + i) % REPLAY_KEYS as u64;
                     (format!("r-{replay_ns}-{k}"), k)
@@ -272,7 +312,10 @@ pub(crate) async fn run(
                         sample.first_error.get_or_insert(e);
                         match Conn::open(addr).await {
                             Ok(c) => conn = c,
-                            Err(_) => return (worker, sample),
+                            Err(_) => {
+                                sample.distinct_keys = n + 1;
+                                return (worker, sample);
+                            }
                         }
                     }
                 }
