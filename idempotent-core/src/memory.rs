@@ -30,9 +30,12 @@ pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
+/// One shard's records.
+type Shard = HashMap<RecordKey, Box<Entry>>;
+
 #[derive(Debug)]
 struct Inner {
-    shards: Box<[Mutex<HashMap<RecordKey, Box<Entry>>>]>,
+    shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     len: AtomicUsize,
     max_entries: usize,
@@ -108,7 +111,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, HashMap<RecordKey, Box<Entry>>> {
+    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {
         let i = self.inner.hasher.hash_one(key) as usize & (self.inner.shards.len() - 1);
         // A poisoned shard only means a panic elsewhere mid-operation; every operation leaves
         // the map consistent before it can panic, so keep going.
@@ -224,7 +227,7 @@ impl MemoryStore {
         &self,
         key: &RecordKey,
         token: LeaseToken,
-        f: impl FnOnce(&mut HashMap<RecordKey, Box<Entry>>, SystemTime) -> T,
+        f: impl FnOnce(&mut Shard, SystemTime) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
         let mut map = self.shard(key);

@@ -53,7 +53,7 @@ where
         Arm::Bare => {
             // The bare handler: BEGIN, INSERT, COMMIT on the store's pool.
             let store = engine.transactional_store::<DB>().unwrap();
-            let mut tx = DB::begin_tx(&store, None).await.unwrap();
+            let mut tx = DB::begin_tx(&store, None, None).await.unwrap();
             sqlx::raw_sql(AssertSqlSafe(insert_sql(table)))
                 .execute(&mut *tx)
                 .await
