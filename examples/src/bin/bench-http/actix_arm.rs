@@ -38,14 +38,19 @@ fn answer(id: &str, order: &NewOrder, written: Result<(), sqlx::Error>) -> HttpR
     }
 }
 
+/// The handler's work when it writes on its own (bare and plain mode).
+async fn work(b: web::Data<Bench>, account: String, order: NewOrder) -> HttpResponse {
+    let id = b.execute();
+    let written = b.insert_alone(&id, &account, &order).await;
+    answer(&id, &order, written)
+}
+
 async fn bare(
     b: web::Data<Bench>,
     Account(account): Account,
     Json(order): Json<NewOrder>,
 ) -> HttpResponse {
-    let id = b.execute();
-    let written = b.insert_alone(&id, &account, &order).await;
-    answer(&id, &order, written)
+    work(b, account, order).await
 }
 
 #[idempotent(scope = "account")]
@@ -54,9 +59,7 @@ async fn plain(
     Account(account): Account,
     Json(order): Json<NewOrder>,
 ) -> HttpResponse {
-    let id = b.execute();
-    let written = b.insert_alone(&id, &account, &order).await;
-    answer(&id, &order, written)
+    work(b, account, order).await
 }
 
 #[idempotent(scope = "account")]

@@ -31,8 +31,19 @@ impl<S: Send + Sync> FromRequestParts<S> for Account {
     }
 }
 
-fn failed(e: sqlx::Error) -> Response {
-    (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
+/// The answer to a written (or failed) order.
+fn answer(id: &str, order: &NewOrder, written: Result<(), sqlx::Error>) -> Response {
+    match written {
+        Ok(()) => (StatusCode::CREATED, Json(created(id, order))).into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+/// The handler's work when it writes on its own (bare and plain mode).
+async fn work(b: Bench, account: String, order: NewOrder) -> Response {
+    let id = b.execute();
+    let written = b.insert_alone(&id, &account, &order).await;
+    answer(&id, &order, written)
 }
 
 async fn bare(
@@ -40,11 +51,7 @@ async fn bare(
     Account(account): Account,
     Json(order): Json<NewOrder>,
 ) -> Response {
-    let id = b.execute();
-    match b.insert_alone(&id, &account, &order).await {
-        Ok(()) => (StatusCode::CREATED, Json(created(&id, &order))).into_response(),
-        Err(e) => failed(e),
-    }
+    work(b, account, order).await
 }
 
 #[idempotent(scope = "account")]
@@ -53,11 +60,7 @@ async fn plain(
     Account(account): Account,
     Json(order): Json<NewOrder>,
 ) -> Response {
-    let id = b.execute();
-    match b.insert_alone(&id, &account, &order).await {
-        Ok(()) => (StatusCode::CREATED, Json(created(&id, &order))).into_response(),
-        Err(e) => failed(e),
-    }
+    work(b, account, order).await
 }
 
 #[idempotent(scope = "account")]
@@ -68,10 +71,8 @@ async fn tx_sqlite(
     Json(order): Json<NewOrder>,
 ) -> Response {
     let id = b.execute();
-    match insert(Conn::Sqlite(&mut tx), &id, &account, &order).await {
-        Ok(()) => (StatusCode::CREATED, Json(created(&id, &order))).into_response(),
-        Err(e) => failed(e),
-    }
+    let written = insert(Conn::Sqlite(&mut tx), &id, &account, &order).await;
+    answer(&id, &order, written)
 }
 
 #[idempotent(scope = "account")]
@@ -82,10 +83,8 @@ async fn tx_postgres(
     Json(order): Json<NewOrder>,
 ) -> Response {
     let id = b.execute();
-    match insert(Conn::Postgres(&mut tx), &id, &account, &order).await {
-        Ok(()) => (StatusCode::CREATED, Json(created(&id, &order))).into_response(),
-        Err(e) => failed(e),
-    }
+    let written = insert(Conn::Postgres(&mut tx), &id, &account, &order).await;
+    answer(&id, &order, written)
 }
 
 async fn stats(State(b): State<Bench>) -> String {
