@@ -196,6 +196,26 @@ pub fn unscoped() -> Result<Scope, ScopeError> {
     Ok(Scope::unscoped())
 }
 
+/// The handler's [`Idempotent`](idempotent_core::Idempotent) parameter, or the 500 that
+/// refuses the request when no derive secret is configured.
+pub fn context(
+    ctx: &Ready,
+    route: &Route,
+    scope: &Result<Scope, ScopeError>,
+) -> Result<idempotent_core::Idempotent, HttpResponse> {
+    let Some(config) = &ctx.config else {
+        return Err(problem(&Problem::misconfigured()));
+    };
+    idempotent_core::http::idempotent_context(
+        &config.config,
+        route,
+        ctx.req.method().as_str(),
+        &ctx.key,
+        scope,
+    )
+    .map_err(|p| problem(&p))
+}
+
 /// The 500 problem for a server-side setup error; what to fix goes to the log, not the client.
 fn misconfigured(what: &str) -> ProblemError {
     tracing::error!("idempotency misconfigured: {what}");

@@ -82,9 +82,9 @@ pub use idempotent_core::SqliteStore;
 pub use idempotent_core::http::{ConfigError, DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE};
 pub use idempotent_core::{CommitPath, TxOptions};
 pub use idempotent_core::{
-    DEFAULT_LEASE, DEFAULT_TTL, Drained, DurationError, Engine, Fingerprint, IdempotencyKey,
-    KeyError, MemoryStore, Problem, Scope, ScopeError, ScopeValue, Store, StoreError, Sweeper,
-    parse_duration,
+    DEFAULT_LEASE, DEFAULT_TTL, DeriveSecret, DerivedKey, Drained, DurationError, Engine,
+    Fingerprint, IdempotencyKey, Idempotent, KeyError, MemoryStore, Problem, Scope, ScopeError,
+    ScopeValue, SecretError, Store, StoreError, Sweeper, parse_duration,
 };
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use idempotent_core::{Transaction, TxDatabase, sqlx};

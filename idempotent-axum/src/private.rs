@@ -171,6 +171,23 @@ pub fn unscoped() -> Result<Scope, ScopeError> {
     Ok(Scope::unscoped())
 }
 
+/// The handler's [`Idempotent`](idempotent_core::Idempotent) parameter, or the 500 that
+/// refuses the request when no derive secret is configured.
+pub fn context<const REQUIRED: bool>(
+    ctx: &Context<REQUIRED>,
+    route: &Route,
+    scope: &Result<Scope, ScopeError>,
+) -> Result<idempotent_core::Idempotent, Response> {
+    idempotent_core::http::idempotent_context(
+        &ctx.config.config,
+        route,
+        ctx.method.as_str(),
+        &ctx.key,
+        scope,
+    )
+    .map_err(|p| problem(&p))
+}
+
 /// The 500 problem for a server-side setup error; what to fix goes to the log, not the client.
 fn misconfigured(what: &str) -> Response {
     tracing::error!("idempotency misconfigured: {what}");

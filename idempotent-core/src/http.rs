@@ -18,8 +18,9 @@ pub use crate::engine::{ConfigError, MAX_DURATION, MIN_DURATION};
 use crate::engine::{Begin, Execution, Unprotected, check_ttl_and_lease};
 use crate::tx::{CommitPath, DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, TxOptions};
 use crate::{
-    DEFAULT_LEASE, DEFAULT_TTL, Engine, Fingerprint, FingerprintInput, IdempotencyKey, KeyError,
-    KeyRequirement, Policy, Problem, Recorded, StoredOutcome, StoredResponse,
+    DEFAULT_LEASE, DEFAULT_TTL, DeriveSecret, Engine, Fingerprint, FingerprintInput,
+    IdempotencyKey, Idempotent, KeyError, KeyRequirement, Policy, Problem, Recorded, Scope,
+    ScopeError, StoredOutcome, StoredResponse,
 };
 use std::borrow::Cow;
 use std::future::Future;
@@ -165,6 +166,7 @@ pub struct Config {
     tx_wait: Duration,
     max_waiters: usize,
     tx_read_first: bool,
+    derive_secret: Option<DeriveSecret>,
 }
 
 impl Config {
@@ -181,6 +183,7 @@ impl Config {
             tx_wait: DEFAULT_TX_WAIT,
             max_waiters: DEFAULT_MAX_WAITERS,
             tx_read_first: true,
+            derive_secret: None,
         }
     }
 
@@ -233,6 +236,11 @@ impl Config {
     /// [`TxOptions::read_first`].
     pub fn transaction_read_first(&self) -> bool {
         self.tx_read_first
+    }
+
+    /// The secret downstream keys are derived under ([`ConfigBuilder::derive_secret`]).
+    pub fn derive_secret(&self) -> Option<&DeriveSecret> {
+        self.derive_secret.as_ref()
     }
 }
 
@@ -327,6 +335,26 @@ impl<T: From<Config>> ConfigBuilder<T> {
     /// (see [`TxOptions::read_first`]).
     pub fn transaction_read_first(mut self, on: bool) -> Self {
         self.config.tx_read_first = on;
+        self
+    }
+
+    /// The secret that handlers' downstream keys ([`Idempotent::derive`]) are derived under;
+    /// required by every handler that takes an [`Idempotent`] parameter. No default: see
+    /// [`DeriveSecret`] for why, and for rotation.
+    ///
+    /// ```
+    /// use idempotent_core::{DeriveSecret, Engine, MemoryStore, http::{Config, ConfigBuilder}};
+    ///
+    /// // e.g. from `std::env::var("IDEMPOTENCY_SECRET")`, the same on every instance
+    /// let secret = DeriveSecret::new("a long random string from the secret manager")?;
+    /// let config: Config = ConfigBuilder::new(Engine::new(MemoryStore::new()))
+    ///     .derive_secret(secret)
+    ///     .build()?;
+    /// assert!(config.derive_secret().is_some());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn derive_secret(mut self, secret: DeriveSecret) -> Self {
+        self.config.derive_secret = Some(secret);
         self
     }
 
@@ -472,6 +500,37 @@ impl Route {
             }
         }
     }
+}
+
+/// The [`Idempotent`] context for a handler parameter: keyed by (scope, key) when the request
+/// runs under a key, [`Idempotent::unkeyed`] when it runs without one (a safe method, or no
+/// key where it is optional; also when the scope failed, whose request never reaches the
+/// handler).
+///
+/// # Errors
+/// [`Problem::misconfigured`] when the configuration has no [`DeriveSecret`] (logged once per
+/// route, with its name): the handler must not run, since its downstream keys would not be
+/// stable.
+pub fn idempotent_context(
+    config: &Config,
+    route: &Route,
+    method: &str,
+    key: &Result<IdempotencyKey, KeyError>,
+    scope: &Result<Scope, ScopeError>,
+) -> Result<Idempotent, Box<Problem>> {
+    let Some(secret) = config.derive_secret() else {
+        if !route.reported.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                route = route.name,
+                "idempotency: this handler takes an `Idempotent` parameter but the configuration has no derive secret (`derive_secret`); its requests are answered 500 until one is set"
+            );
+        }
+        return Err(Box::new(Problem::misconfigured()));
+    };
+    Ok(match (key, scope) {
+        (Ok(key), Ok(scope)) if !is_safe_method(method) => Idempotent::keyed(secret, scope, key),
+        _ => Idempotent::unkeyed(),
+    })
 }
 
 /// A response the library produces itself (a replay or a problem), on plain types.

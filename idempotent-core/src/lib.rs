@@ -41,8 +41,13 @@
 //!
 //! # Features
 //! - `sqlite`, `postgres`: the SQL stores (sqlx).
+//! - `client`: [`client::IdempotentRetry`], a retry middleware for reqwest that makes one
+//!   `Idempotency-Key` per logical request.
 
+#[cfg(feature = "client")]
+pub mod client;
 mod clock;
+mod derive;
 mod duration;
 mod engine;
 mod fingerprint;
@@ -60,6 +65,7 @@ mod sweeper;
 pub mod tx;
 
 pub use clock::{Clock, ManualClock, SkewedClock, SystemClock};
+pub use derive::{DeriveSecret, DerivedKey, Idempotent, SecretError};
 pub use duration::{DurationError, format_duration, parse_duration};
 pub use engine::{
     Begin, ConfigError, DEFAULT_LEASE, DEFAULT_TTL, Detached, Drained, Engine, ExecuteRequest,

@@ -43,6 +43,10 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
         errors.push(e);
         None
     });
+    let idem = signature::context(&func).unwrap_or_else(|e| {
+        errors.push(e);
+        None
+    });
     if tx.is_none() {
         for (name, span) in [
             ("commit", parsed.commit.map(|c| c.1)),
@@ -75,7 +79,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
         }
     }
     if errors.is_empty() {
-        generate(&parsed, func, fw, tx)
+        generate(&parsed, func, fw, tx, idem)
     } else {
         with_errors(item, errors)
     }
@@ -92,7 +96,13 @@ fn with_errors(item: TokenStream, errors: Vec<syn::Error>) -> TokenStream {
     quote!(#item #(#errors)*)
 }
 
-fn generate(a: &Args, func: ItemFn, fw: Framework, tx: Option<usize>) -> TokenStream {
+fn generate(
+    a: &Args,
+    func: ItemFn,
+    fw: Framework,
+    tx: Option<usize>,
+    idem: Option<usize>,
+) -> TokenStream {
     let krate = a
         .krate
         .as_ref()
@@ -212,19 +222,41 @@ fn generate(a: &Args, func: ItemFn, fw: Framework, tx: Option<usize>) -> TokenSt
     let mut new_sig = sig;
     new_sig.output = syn::parse_quote!(-> #p::Output);
     // Transactional mode: the transaction is no extractor; the runtime opens it (after the
-    // claim) and passes it to the body, which becomes a closure over it.
-    let tx_param = tx.and_then(|i| {
-        let arg = new_sig.inputs.iter().nth(i).cloned();
-        new_sig.inputs = std::mem::take(&mut new_sig.inputs)
-            .into_iter()
-            .enumerate()
-            .filter_map(|(j, arg)| (j != i).then_some(arg))
-            .collect();
-        match arg {
-            Some(syn::FnArg::Typed(t)) => Some(t),
-            _ => None,
+    // claim) and passes it to the body, which becomes a closure over it. The `Idempotent`
+    // context is no extractor either: it is made from the request's scope and key, which no
+    // extractor sees, and bound at the top of the body.
+    let typed = |i: Option<usize>| match i.and_then(|i| new_sig.inputs.iter().nth(i)) {
+        Some(syn::FnArg::Typed(t)) => Some(t.clone()),
+        _ => None,
+    };
+    let tx_param = typed(tx);
+    let idem_param = typed(idem);
+    new_sig.inputs = std::mem::take(&mut new_sig.inputs)
+        .into_iter()
+        .enumerate()
+        .filter_map(|(j, arg)| (Some(j) != tx && Some(j) != idem).then_some(arg))
+        .collect();
+    let idem_var = format_ident!("__idempotent_context", span = Span::mixed_site());
+    let (idem_make, idem_bind) = match &idem_param {
+        None => (quote!(), quote!()),
+        Some(t) => {
+            let (pat, ty) = (&t.pat, &t.ty);
+            let value = if matches!(&**ty, Type::Reference(_)) {
+                quote!(&#idem_var)
+            } else {
+                quote!(#idem_var)
+            };
+            (
+                quote! {
+                    let #idem_var = match #p::context(&#ctx, &#route, &#scope_var) {
+                        ::core::result::Result::Ok(c) => c,
+                        ::core::result::Result::Err(refused) => return refused,
+                    };
+                },
+                quote!(let #pat: #ty = #value;),
+            )
         }
-    });
+    };
     // Axum: the hidden context is the first extractor (axum runs extractors one by one).
     // Actix polls a handler's extractors together, so there the context is the only one and
     // runs the handler's own extractors, as one tuple, after its checks.
@@ -252,6 +284,7 @@ fn generate(a: &Args, func: ItemFn, fw: Framework, tx: Option<usize>) -> TokenSt
     let body = quote! {
         async move {
             #anchor
+            #idem_bind
             #(#stmts)*
         }
     };
@@ -283,6 +316,7 @@ fn generate(a: &Args, func: ItemFn, fw: Framework, tx: Option<usize>) -> TokenSt
             static #route: #p::Route = #route_new;
             #split
             let #scope_var = #scope_expr;
+            #idem_make
             #call.await
         }
     }

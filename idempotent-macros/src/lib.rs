@@ -52,13 +52,21 @@ mod signature;
 /// transactional: it is no extractor; the runtime opens the transaction after the claim and
 /// commits it with the stored response (see the adapter's docs).
 ///
+/// A parameter whose type is `Idempotent` (or `&Idempotent`) receives the request's
+/// idempotency context: `idem.derive("payment-provider")` is a key for a downstream call that
+/// is the same on every run of this (scope, key), on every instance and after a restart, so a
+/// re-run handler does not charge twice downstream. It is no extractor (an extractor cannot
+/// see the scope); the configuration must hold a derive secret (`derive_secret`), or the
+/// route answers 500 and logs why.
+///
 /// Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`, from 100 ms to 365 days; sizes are
 /// `<n>` (bytes), `<n>KiB`, `<n>MiB` or `<n>GiB`. An argument written here overrides the
 /// configuration's default for this route only.
 ///
 /// # Checked at compile time
 /// Unknown or duplicate arguments, malformed or out-of-bounds durations, zero sizes, a scope
-/// that names no parameter (the error lists the parameters), two `Transaction` parameters,
+/// that names no parameter (the error lists the parameters), two `Transaction` or two
+/// `Idempotent` parameters,
 /// sqlx's own `Transaction<'_, DB>`, `commit` or `wait` without a transaction, `scope` together with `unscoped`
 /// or neither, a `ttl` shorter than a `lease` written next to it, and a function that is not
 /// a free `async fn`. All errors are reported together, next to the unchanged function. A

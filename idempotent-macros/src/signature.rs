@@ -67,6 +67,37 @@ pub(crate) fn transaction(f: &ItemFn) -> Result<Option<usize>, syn::Error> {
     Ok(found)
 }
 
+/// The handler's idempotency context parameter: the one whose type is a path ending in
+/// `Idempotent` (or a reference to one). Its index among the inputs, or an error for two.
+pub(crate) fn context(f: &ItemFn) -> Result<Option<usize>, syn::Error> {
+    let mut found = None;
+    for (i, arg) in f.sig.inputs.iter().enumerate() {
+        let FnArg::Typed(t) = arg else { continue };
+        let ty = match &*t.ty {
+            syn::Type::Reference(r) => &*r.elem,
+            other => other,
+        };
+        let syn::Type::Path(path) = ty else { continue };
+        if path.qself.is_some()
+            || path
+                .path
+                .segments
+                .last()
+                .is_none_or(|s| s.ident != "Idempotent")
+        {
+            continue;
+        }
+        if found.is_some() {
+            return Err(syn::Error::new(
+                t.ty.span(),
+                "a handler takes at most one `Idempotent` context",
+            ));
+        }
+        found = Some(i);
+    }
+    Ok(found)
+}
+
 /// The names bound by the function's parameter patterns, in order, walking tuple-struct,
 /// struct, tuple, reference and typed patterns (`Path(account_id): Path<String>` binds
 /// `account_id`).

@@ -6,7 +6,7 @@ use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer};
 use idempotent_actix::sqlx::{Postgres, Sqlite};
-use idempotent_actix::{Idempotency, Transaction, idempotent};
+use idempotent_actix::{Idempotency, Idempotent, Transaction, idempotent};
 use idempotent_core::http::Config;
 use serde_json::{Value, json};
 use std::future::{Ready, ready};
@@ -213,6 +213,24 @@ async fn tx_postgres(
     HttpResponse::build(status_of(&v)).finish()
 }
 
+/// As axum's `/derive`.
+#[idempotent(scope = "account_id")]
+async fn derive(
+    app: web::Data<App>,
+    AccountId(account_id): AccountId,
+    idem: &Idempotent,
+    body: String,
+) -> HttpResponse {
+    let _ = account_id;
+    let n = app.runs.fetch_add(1, Ordering::SeqCst);
+    let status = if body == "release" && n % 2 == 0 {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    HttpResponse::build(status).body(idem.derive("payment-provider").to_string())
+}
+
 fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/charges", web::post().to(create_charge))
         .route("/v1/charges", web::get().to(list))
@@ -230,7 +248,8 @@ fn routes(cfg: &mut web::ServiceConfig) {
         .route("/stream/endless", web::post().to(stream_endless))
         .route("/short-ttl", web::post().to(short_ttl))
         .route("/tx/sqlite", web::post().to(tx_sqlite))
-        .route("/tx/postgres", web::post().to(tx_postgres));
+        .route("/tx/postgres", web::post().to(tx_postgres))
+        .route("/derive", web::post().to(derive));
 }
 
 /// Serves the routes on 127.0.0.1 in a thread of its own (an actix system with one worker),

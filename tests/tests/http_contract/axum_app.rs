@@ -8,7 +8,7 @@ use axum::response::AppendHeaders;
 use axum::routing::post;
 use axum::{Json, Router};
 use idempotent_axum::sqlx::{Postgres, Sqlite};
-use idempotent_axum::{Idempotency, Transaction, idempotent};
+use idempotent_axum::{Idempotency, Idempotent, Transaction, idempotent};
 use idempotent_core::http::Config;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
@@ -29,6 +29,25 @@ impl<S: Send + Sync> FromRequestParts<S> for AccountId {
             .map(|v| AccountId(v.to_owned()))
             .ok_or((StatusCode::UNAUTHORIZED, "missing bearer"))
     }
+}
+
+/// Answers the downstream key derived for "payment-provider"; the body `release` answers it
+/// with a 503 (so the key is released and the retry runs again).
+#[idempotent(scope = "account_id")]
+async fn derive(
+    State(app): State<App>,
+    AccountId(account_id): AccountId,
+    idem: Idempotent,
+    body: String,
+) -> (StatusCode, String) {
+    let _ = account_id;
+    let n = app.runs.fetch_add(1, Ordering::SeqCst);
+    let status = if body == "release" && n % 2 == 0 {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (status, idem.derive("payment-provider").to_string())
 }
 
 #[derive(serde::Deserialize)]
@@ -237,6 +256,7 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/short-ttl", post(short_ttl))
         .route("/tx/sqlite", post(tx_sqlite))
         .route("/tx/postgres", post(tx_postgres))
+        .route("/derive", post(derive))
         .layer(idempotency.layer())
         .with_state(app.clone())
 }

@@ -1321,7 +1321,86 @@ on_both!(
     configuration_errors_never_panic,
     failed_completes_are_retried_then_hold_the_key,
     drain_waits_for_executions_whose_client_left,
+    derived_keys_are_stable_across_runs_and_instances,
 );
+
+fn with_secret(store: impl Store, secret: &[u8]) -> Config {
+    ConfigBuilder::<Config>::new(Engine::new(store))
+        .derive_secret(idempotent_core::DeriveSecret::new(secret).unwrap())
+        .build()
+        .unwrap()
+}
+
+/// `idem.derive(..)` in a handler: the same on the re-run after a release, in the replay, and
+/// on another instance (another store) with the same secret; different per caller, per key
+/// and per secret; without a secret the route answers 500 and its handler never runs.
+async fn derived_keys_are_stable_across_runs_and_instances(fw: Fw) {
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+    let s = serve(fw, with_secret(MemoryStore::new(), SECRET)).await;
+    let k = key();
+    // First run: 503 (released) with the key; the retry runs again and derives the same one.
+    let first = s
+        .post("/derive", "acct_1", Some(&k), "release")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 503);
+    let derived = first.text().await.unwrap();
+    assert_eq!(derived.len(), 36, "{derived}");
+    let again = s
+        .post("/derive", "acct_1", Some(&k), "release")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200);
+    assert_eq!(again.headers()["idempotent-replayed"], "false");
+    assert_eq!(again.text().await.unwrap(), derived);
+    assert_eq!(s.runs(), 2);
+    let replay = s
+        .post("/derive", "acct_1", Some(&k), "release")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.text().await.unwrap(), derived);
+    // Another caller, another key: other derived keys.
+    let other_caller = s
+        .post("/derive", "acct_2", Some(&k), "x")
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(other_caller.text().await.unwrap(), derived);
+    let other_key = s
+        .post("/derive", "acct_1", Some(&key()), "x")
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(other_key.text().await.unwrap(), derived);
+    // Another instance (a restart: a new store, the same secret) derives the same key.
+    let restarted = serve(fw, with_secret(MemoryStore::new(), SECRET)).await;
+    let there = restarted
+        .post("/derive", "acct_1", Some(&k), "x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(there.text().await.unwrap(), derived);
+    let rotated = serve(fw, with_secret(MemoryStore::new(), &[9; 32])).await;
+    let elsewhere = rotated
+        .post("/derive", "acct_1", Some(&k), "x")
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(elsewhere.text().await.unwrap(), derived);
+    // No secret: refused before the handler runs, never a key that would change.
+    let bare = serve(fw, config(MemoryStore::new())).await;
+    let res = bare
+        .post("/derive", "acct_1", Some(&k), "x")
+        .send()
+        .await
+        .unwrap();
+    problem(res, 500, "idempotency-misconfigured").await;
+    assert_eq!(bare.runs(), 0);
+}
 
 /// A client that sends its request and then half-closes (FIN) or resets (RST) the connection
 /// while the handler runs: the execution completes once and its response is stored.
