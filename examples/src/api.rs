@@ -5,9 +5,11 @@
 use crate::charges::{
     self, Charge, Charges, InvalidCharge, Kind, NewCharge, NewRefund, Refund, Writer,
 };
+use crate::provider::Provider;
 use clap::Parser;
 use idempotent_core::http::{Config, ConfigBuilder};
 use idempotent_core::{CommitPath, Drained, Engine, Store, Sweeper};
+use idempotent_core::{DeriveSecret, DerivedKey};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,8 +35,13 @@ pub struct Args {
     /// response in one commit) or `two` (the claim commits first). Default: single.
     #[arg(long, value_parser = parse_commit)]
     pub commit: Option<CommitPath>,
-    /// Print `working` to stdout when a charge reaches the provider call (inside its
-    /// transaction), for tests that kill the server there.
+    /// The secret downstream keys (the payment provider's idempotency keys) are derived
+    /// under: at least 32 bytes, the same on every instance. Defaults to
+    /// `$IDEMPOTENCY_SECRET`, then to a secret made once and kept in the database.
+    #[arg(long)]
+    pub derive_secret: Option<String>,
+    /// Print `working` to stdout when a charge has been paid at the provider and written
+    /// (inside its transaction), for tests that kill the server there.
     #[arg(long, hide = true)]
     pub announce_work: bool,
 }
@@ -104,7 +111,16 @@ pub async fn start<T: From<Config>>(
         eprintln!("{name}: cannot open {}: {e}", args.database_url());
         std::process::ExitCode::FAILURE
     })?;
-    let mut config = ConfigBuilder::<T>::new(Engine::from_arc(store.clone())).lease(args.lease);
+    let secret = match api.derive_secret(args).await {
+        Ok(secret) => secret,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return Err(std::process::ExitCode::FAILURE);
+        }
+    };
+    let mut config = ConfigBuilder::<T>::new(Engine::from_arc(store.clone()))
+        .lease(args.lease)
+        .derive_secret(secret);
     if let Some(commit) = args.commit {
         config = config.commit_path(commit);
     }
@@ -129,6 +145,9 @@ pub fn report_drain(name: &str, drained: Drained) {
         );
     }
 }
+
+/// The label of the payment provider's derived key: `idem.derive(PAYMENT_PROVIDER)`.
+pub const PAYMENT_PROVIDER: &str = "payment-provider";
 
 /// How long shutdown waits for running executions.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -260,6 +279,7 @@ pub fn validate<T: ApiBody>(content_type: Option<&str>, body: &[u8]) -> Result<T
 #[derive(Debug, Clone)]
 pub struct Api {
     charges: Charges,
+    provider: Provider,
     work_delay: Duration,
     announce_work: bool,
 }
@@ -270,10 +290,13 @@ impl Api {
     /// # Errors
     /// Why it could not be opened.
     pub async fn open(args: &Args) -> Result<(Self, Arc<dyn Store>), charges::OpenError> {
-        let (store, charges) = charges::open(&args.database_url()).await?;
+        let url = args.database_url();
+        let (store, charges) = charges::open(&url).await?;
+        let provider = Provider::open(&url).await?;
         Ok((
             Api {
                 charges,
+                provider,
                 work_delay: args.work_delay,
                 announce_work: args.announce_work,
             },
@@ -286,7 +309,32 @@ impl Api {
         self.charges.kind()
     }
 
-    async fn provider(&self) {
+    /// The derive secret: `--derive-secret`, `$IDEMPOTENCY_SECRET`, or the one kept in the
+    /// database ([`charges::stored_secret`]).
+    ///
+    /// # Errors
+    /// A message naming what is wrong.
+    pub async fn derive_secret(&self, args: &Args) -> Result<DeriveSecret, String> {
+        let given = args.derive_secret.clone().or_else(|| {
+            std::env::var("IDEMPOTENCY_SECRET")
+                .ok()
+                .filter(|s| !s.is_empty())
+        });
+        let text = match given {
+            Some(text) => text,
+            None => charges::stored_secret(&self.charges)
+                .await
+                .map_err(|e| format!("cannot read the derive secret: {e}"))?,
+        };
+        DeriveSecret::new(text).map_err(|e| format!("invalid derive secret: {e}"))
+    }
+
+    /// The payment provider's ledger (tests read it to count payments).
+    pub fn provider(&self) -> &Provider {
+        &self.provider
+    }
+
+    async fn work(&self) {
         if self.announce_work {
             use std::io::Write;
             let mut out = std::io::stdout().lock();
@@ -299,13 +347,31 @@ impl Api {
         }
     }
 
-    /// `POST /v1/charges`: 201 with the charge, written through `w`.
-    pub async fn create_charge(&self, mut w: Writer<'_>, account: &str, req: NewCharge) -> Reply {
-        let charge = Charge::new(account, req);
+    /// `POST /v1/charges`: pays at the provider under `payment_key` (derived from the
+    /// request's idempotency key, so a re-run of this handler gets the same payment back),
+    /// then writes the charge through `w`; 201 with the charge. A provider failure is a 500,
+    /// which releases the key: the retry runs again, under the same payment key.
+    pub async fn create_charge(
+        &self,
+        mut w: Writer<'_>,
+        account: &str,
+        payment_key: DerivedKey,
+        req: NewCharge,
+    ) -> Reply {
+        let mut charge = Charge::new(account, req);
+        let key = payment_key.to_string();
+        match self
+            .provider
+            .pay(&key, account, charge.amount, &charge.currency)
+            .await
+        {
+            Ok(payment) => charge.payment = Some(payment.id),
+            Err(e) => return Reply::internal(&e),
+        }
         if let Err(e) = self.charges.insert(&mut w, &charge).await {
             return Reply::internal(&e);
         }
-        self.provider().await;
+        self.work().await;
         Reply::json(201, &charge)
     }
 
@@ -336,7 +402,7 @@ impl Api {
         if let Err(e) = self.charges.insert_refund(&mut w, &refund).await {
             return Reply::internal(&e);
         }
-        self.provider().await;
+        self.work().await;
         Reply::json(201, &refund)
     }
 

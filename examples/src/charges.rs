@@ -22,6 +22,9 @@ pub struct Charge {
     pub customer: String,
     /// Creation time, Unix seconds.
     pub created: i64,
+    /// The payment provider's payment (in the answer to the POST that created the charge).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payment: Option<String>,
 }
 
 /// A validated request to create a charge.
@@ -227,6 +230,7 @@ impl Charge {
             currency: req.currency,
             customer: req.customer,
             created,
+            payment: None,
         }
     }
 }
@@ -291,6 +295,7 @@ fn from_row((id, account, amount, currency, customer, created): Row) -> Charge {
         currency,
         customer,
         created,
+        payment: None,
     }
 }
 
@@ -513,7 +518,7 @@ pub enum OpenError {
     /// Setting up the idempotency store failed.
     #[error(transparent)]
     Setup(#[from] idempotent_core::SetupError),
-    /// Creating the charges table failed.
+    /// Creating the charges table (or the provider's) failed.
     #[error(transparent)]
     Db(#[from] sqlx::Error),
 }
@@ -572,6 +577,45 @@ pub async fn open(url: &str) -> Result<(Arc<dyn Store>, Charges), OpenError> {
         return Ok((Arc::new(store), Charges::Postgres(pool)));
     }
     Err(OpenError::Unsupported(url.to_owned()))
+}
+
+/// The secret downstream keys are derived under when none is configured: made once, stored
+/// in the database (table `example_settings`) and read back by every later start and every
+/// other instance on that database, so derived keys survive restarts. (`memory`: made per
+/// process, which is as long as its records live.) A production service takes it from its
+/// secret manager instead (`--derive-secret` / `IDEMPOTENCY_SECRET`).
+///
+/// # Errors
+/// [`DbError`] when the database fails.
+pub async fn stored_secret(charges: &Charges) -> Result<String, DbError> {
+    let fresh = format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    );
+    // Insert-or-keep, then read: instances starting together agree on the first one written.
+    let stored: String = match charges {
+        Charges::Memory(_) => return Ok(fresh),
+        Charges::Sqlite(pool) => {
+            sqlx::raw_sql("CREATE TABLE IF NOT EXISTS example_settings (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                .execute(pool).await?;
+            sqlx::query("INSERT INTO example_settings (name, value) VALUES ('derive_secret', ?1) ON CONFLICT (name) DO NOTHING")
+                .bind(&fresh).execute(pool).await?;
+            sqlx::query_scalar("SELECT value FROM example_settings WHERE name = 'derive_secret'")
+                .fetch_one(pool)
+                .await?
+        }
+        Charges::Postgres(pool) => {
+            sqlx::raw_sql("CREATE TABLE IF NOT EXISTS example_settings (name text PRIMARY KEY, value text NOT NULL)")
+                .execute(pool).await?;
+            sqlx::query("INSERT INTO example_settings (name, value) VALUES ('derive_secret', $1) ON CONFLICT (name) DO NOTHING")
+                .bind(&fresh).execute(pool).await?;
+            sqlx::query_scalar("SELECT value FROM example_settings WHERE name = 'derive_secret'")
+                .fetch_one(pool)
+                .await?
+        }
+    };
+    Ok(stored)
 }
 
 /// Parses a `--lease` / `--work-delay` value (`0ms` allowed for the delay).

@@ -4,6 +4,12 @@
 //! refund objects, the tables) and [`api`] what its routes do and answer, both without a web
 //! framework; the binaries `charges-axum` and `charges-actix` hold only their framework's glue
 //! around them, so they serve exactly the same contract.
+//!
+//! [`provider`] is the fake payment provider the charges handler pays through (it
+//! deduplicates by the key derived from the request's), and [`proxy`] the lossy TCP proxy
+//! that `charges-client` sends its charges through.
 
 pub mod api;
 pub mod charges;
+pub mod provider;
+pub mod proxy;

@@ -3,6 +3,7 @@
 //! serve one contract, so every assertion holds for both.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
+use idempotent_examples::provider::Provider;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -79,6 +80,11 @@ fn duplicates_wait(database: &str) -> bool {
 /// commit) or stayed unwritten under an expiring claim (two commits), so the retry runs once.
 /// Business rows equal logical operations: none duplicated, none lost. Trials alternate the
 /// commit paths; `CRASH_TRIALS` sets how many (default 10 per binary, 20 per database).
+///
+/// The handler was killed *after* it paid at the fake provider, whose payments survive the
+/// crash (outside the transaction): the re-run pays again under the key derived from the
+/// request's (`idem.derive`), with the derive secret the database keeps across restarts, so
+/// the provider returns the same payment and holds exactly one per operation.
 async fn crash_inside_the_transaction(bin: Bin, database: &str) {
     let trials: usize = std::env::var("CRASH_TRIALS")
         .ok()
@@ -116,7 +122,69 @@ async fn crash_inside_the_transaction(bin: Bin, database: &str) {
         assert_eq!(again.headers()["idempotent-replayed"], "true");
         assert_eq!(again.bytes().await.unwrap(), body);
         assert_eq!(api.count(&acct).await, i + 1, "trial {i} ({commit})");
+        let payment: Value = serde_json::from_slice(&body).unwrap();
+        assert!(payment["payment"].as_str().unwrap().starts_with("py_"));
+        assert_eq!(
+            payments(database, &acct).await,
+            i + 1,
+            "trial {i} ({commit}): the provider was paid twice"
+        );
     }
+}
+
+/// The fake provider's payments for `account` (its ledger survives the server).
+async fn payments(database: &str, account: &str) -> usize {
+    let provider = Provider::open(database).await.unwrap();
+    provider.payments(account).await.unwrap()
+}
+
+/// `charges-client` through its lossy proxy (30% of attempts lost, half of them after the
+/// server answered): every one of its 100 charges is made exactly once, at the API and at the
+/// provider, and the proxy did lose requests and responses.
+async fn lossy_client(bin: Bin, database: &str) {
+    let server = start(bin, database, &[]);
+    let acct = account();
+    let out = Command::new(env!("CARGO_BIN_EXE_charges-client"))
+        .args([
+            "--url",
+            &server.base,
+            "--count",
+            "100",
+            "--fail-rate",
+            "0.3",
+        ])
+        .args(["--seed", "12", "--account", &acct])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = text.lines().last().unwrap();
+    assert_eq!(last, format!("charges on {acct}: 100"), "{text}");
+    let dropped = text
+        .lines()
+        .find_map(|l| l.strip_prefix("dropped "))
+        .unwrap();
+    let numbers: Vec<usize> = dropped.split(' ').filter_map(|w| w.parse().ok()).collect();
+    assert!(
+        numbers.len() == 2 && numbers.iter().all(|n| *n > 0),
+        "{text}"
+    );
+    assert_eq!(Api::new(&server).count(&acct).await, 100);
+    assert_eq!(payments(database, &acct).await, 100);
+}
+
+async fn lossy_client_on_sqlite(bin: Bin) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    lossy_client(bin, &url).await;
+}
+
+async fn lossy_client_on_postgres(bin: Bin) {
+    lossy_client(bin, &std::env::var("DATABASE_URL").unwrap()).await;
 }
 
 fn account() -> String {
@@ -628,4 +696,10 @@ both_binaries!(
     crash_on_postgres,
     bad_flags_fail_clearly,
     handler_errors_carry_no_database_text,
+    lossy_client_on_sqlite,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    lossy_client_on_postgres,
 );

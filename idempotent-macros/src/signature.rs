@@ -88,8 +88,8 @@ pub(crate) fn context(f: &ItemFn) -> Result<Option<usize>, syn::Error> {
             continue;
         }
         if found.is_some() {
-            return Err(syn::Error::new(
-                t.ty.span(),
+            return Err(syn::Error::new_spanned(
+                &t.ty,
                 "a handler takes at most one `Idempotent` context",
             ));
         }

@@ -10,7 +10,8 @@ use actix_web::web::{self, Bytes};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError};
 use clap::Parser;
 use idempotent_actix::sqlx::{Postgres, Sqlite};
-use idempotent_actix::{Idempotency, Transaction, idempotent};
+use idempotent_actix::{Idempotency, Idempotent, Transaction, idempotent};
+use idempotent_examples::api::PAYMENT_PROVIDER;
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
 use idempotent_examples::charges::{Kind, NewCharge, NewRefund, Writer};
 use std::future::Future;
@@ -104,9 +105,13 @@ impl<T: ApiBody + 'static> FromRequest for Valid<T> {
 async fn create_charge(
     api: web::Data<Api>,
     Account(account): Account,
+    idem: Idempotent,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
-    Reply(api.create_charge(Writer::Pool, &account, req).await)
+    Reply(
+        api.create_charge(Writer::Pool, &account, idem.derive(PAYMENT_PROVIDER), req)
+            .await,
+    )
 }
 
 /// SQLite: transactional mode. The charge row commits with the stored response, in one
@@ -115,12 +120,18 @@ async fn create_charge(
 async fn create_charge_sqlite(
     api: web::Data<Api>,
     Account(account): Account,
+    idem: Idempotent,
     mut tx: Transaction<Sqlite>,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
     Reply(
-        api.create_charge(Writer::Sqlite(&mut tx), &account, req)
-            .await,
+        api.create_charge(
+            Writer::Sqlite(&mut tx),
+            &account,
+            idem.derive(PAYMENT_PROVIDER),
+            req,
+        )
+        .await,
     )
 }
 
@@ -129,12 +140,18 @@ async fn create_charge_sqlite(
 async fn create_charge_postgres(
     api: web::Data<Api>,
     Account(account): Account,
+    idem: Idempotent,
     mut tx: Transaction<Postgres>,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
     Reply(
-        api.create_charge(Writer::Postgres(&mut tx), &account, req)
-            .await,
+        api.create_charge(
+            Writer::Postgres(&mut tx),
+            &account,
+            idem.derive(PAYMENT_PROVIDER),
+            req,
+        )
+        .await,
     )
 }
 

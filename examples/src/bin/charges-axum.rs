@@ -11,7 +11,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use clap::Parser;
 use idempotent_axum::sqlx::{Postgres, Sqlite};
-use idempotent_axum::{Idempotency, Transaction, idempotent};
+use idempotent_axum::{Idempotency, Idempotent, Transaction, idempotent};
+use idempotent_examples::api::PAYMENT_PROVIDER;
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
 use idempotent_examples::charges::{Kind, NewCharge, NewRefund, Writer};
 use std::io::Write;
@@ -81,9 +82,13 @@ impl<S: Send + Sync, T: ApiBody> FromRequest<S> for Valid<T> {
 async fn create_charge(
     State(api): State<Api>,
     Account(account): Account,
+    idem: Idempotent,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
-    Reply(api.create_charge(Writer::Pool, &account, req).await)
+    Reply(
+        api.create_charge(Writer::Pool, &account, idem.derive(PAYMENT_PROVIDER), req)
+            .await,
+    )
 }
 
 /// SQLite: transactional mode. The charge row commits with the stored response, in one
@@ -92,12 +97,18 @@ async fn create_charge(
 async fn create_charge_sqlite(
     State(api): State<Api>,
     Account(account): Account,
+    idem: Idempotent,
     mut tx: Transaction<Sqlite>,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
     Reply(
-        api.create_charge(Writer::Sqlite(&mut tx), &account, req)
-            .await,
+        api.create_charge(
+            Writer::Sqlite(&mut tx),
+            &account,
+            idem.derive(PAYMENT_PROVIDER),
+            req,
+        )
+        .await,
     )
 }
 
@@ -106,12 +117,18 @@ async fn create_charge_sqlite(
 async fn create_charge_postgres(
     State(api): State<Api>,
     Account(account): Account,
+    idem: Idempotent,
     mut tx: Transaction<Postgres>,
     Valid(req): Valid<NewCharge>,
 ) -> Reply {
     Reply(
-        api.create_charge(Writer::Postgres(&mut tx), &account, req)
-            .await,
+        api.create_charge(
+            Writer::Postgres(&mut tx),
+            &account,
+            idem.derive(PAYMENT_PROVIDER),
+            req,
+        )
+        .await,
     )
 }
 

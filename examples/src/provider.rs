@@ -1,0 +1,207 @@
+//! A fake payment provider that deduplicates by the idempotency key its caller sends, as
+//! Stripe does: the same key gets the same payment back, never a second one.
+//!
+//! It keeps its payments **outside** the charges API's transaction, as a real provider does:
+//! a payment survives when the API's handler is killed after calling it (a PostgreSQL table
+//! written on its own connection, in its own commit; on SQLite a file of its own next to the
+//! API's, since the API's transaction holds SQLite's one write lock). So when the retry runs
+//! the handler again, only a key derived from the request's own key
+//! (`Idempotent::derive`) keeps the provider from charging twice.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// A payment the provider made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payment {
+    /// `py_` + 24 hex characters.
+    pub id: String,
+    /// Who paid.
+    pub account: String,
+    /// Amount, smallest currency unit.
+    pub amount: i64,
+    /// Currency code.
+    pub currency: String,
+}
+
+/// Why the provider refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// The key was used before for another payment (another account or amount).
+    #[error("idempotency key reused for a different payment")]
+    KeyReused,
+    /// Its database failed.
+    #[error("payment provider database error: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// The provider's ledger.
+#[derive(Debug, Clone)]
+pub enum Provider {
+    /// In-process (`--database memory`: nothing survives the process there anyway).
+    Memory(Arc<Mutex<HashMap<String, Payment>>>),
+    /// A SQLite file of its own.
+    Sqlite(sqlx::SqlitePool),
+    /// A table on the PostgreSQL database, written outside the API's transactions.
+    Postgres(sqlx::PgPool),
+}
+
+type Row = (String, String, i64, String);
+
+impl Provider {
+    /// The provider for the API's database `url`: in-process for `memory`, the file
+    /// `FILE.provider` for `sqlite://FILE` (a private in-memory database for
+    /// `sqlite::memory:`), and the table `provider_payments` for PostgreSQL, on a pool of its
+    /// own (it is another system: a handler holding one of the API's connections in its
+    /// transaction must never wait for the API's pool to reach it).
+    ///
+    /// # Errors
+    /// When its database cannot be opened or its table created.
+    pub async fn open(url: &str) -> Result<Self, sqlx::Error> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(8)
+                .test_before_acquire(false)
+                .acquire_timeout(std::time::Duration::from_secs(5))
+                .connect(url)
+                .await?;
+            sqlx::raw_sql(
+                "CREATE TABLE IF NOT EXISTS provider_payments (
+                    key text PRIMARY KEY, id text NOT NULL, account text NOT NULL,
+                    amount bigint NOT NULL, currency text NOT NULL);
+                 CREATE INDEX IF NOT EXISTS provider_payments_account ON provider_payments (account);",
+            )
+            .execute(&pool)
+            .await?;
+            return Ok(Provider::Postgres(pool));
+        }
+        if url == "memory" {
+            return Ok(Provider::Memory(Arc::default()));
+        }
+        use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+        use std::str::FromStr;
+        let (options, max) = if url.contains(":memory:") {
+            (SqliteConnectOptions::from_str("sqlite::memory:")?, 1)
+        } else {
+            let (path, query) = url.split_once('?').unwrap_or((url, ""));
+            let own = if query.is_empty() {
+                format!("{path}.provider")
+            } else {
+                format!("{path}.provider?{query}")
+            };
+            (
+                SqliteConnectOptions::from_str(&own)?
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal),
+                4,
+            )
+        };
+        let pool = SqlitePoolOptions::new()
+            .max_connections(max)
+            .test_before_acquire(false)
+            .connect_with(options.busy_timeout(std::time::Duration::from_secs(5)))
+            .await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS provider_payments (
+                key TEXT PRIMARY KEY, id TEXT NOT NULL, account TEXT NOT NULL,
+                amount INTEGER NOT NULL, currency TEXT NOT NULL);
+             CREATE INDEX IF NOT EXISTS provider_payments_account ON provider_payments (account);",
+        )
+        .execute(&pool)
+        .await?;
+        Ok(Provider::Sqlite(pool))
+    }
+
+    /// Charges `account` `amount` `currency` under the caller's idempotency `key`: a new
+    /// payment the first time, the same payment for every later call with the key.
+    ///
+    /// # Errors
+    /// [`ProviderError::KeyReused`] when the key's payment differs; database failures.
+    pub async fn pay(
+        &self,
+        key: &str,
+        account: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<Payment, ProviderError> {
+        let fresh = Payment {
+            id: format!("py_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]),
+            account: account.to_owned(),
+            amount,
+            currency: currency.to_owned(),
+        };
+        let stored = match self {
+            Provider::Memory(map) => map
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(key.to_owned())
+                .or_insert(fresh.clone())
+                .clone(),
+            // Insert-or-keep, then read what is there: two concurrent calls with one key
+            // agree on one payment (the primary key decides).
+            Provider::Sqlite(pool) => {
+                sqlx::query("INSERT INTO provider_payments (key, id, account, amount, currency) VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (key) DO NOTHING")
+                    .bind(key).bind(&fresh.id).bind(account).bind(amount).bind(currency)
+                    .execute(pool).await?;
+                let row: Row = sqlx::query_as(
+                    "SELECT id, account, amount, currency FROM provider_payments WHERE key = ?1",
+                )
+                .bind(key)
+                .fetch_one(pool)
+                .await?;
+                from_row(row)
+            }
+            Provider::Postgres(pool) => {
+                sqlx::query("INSERT INTO provider_payments (key, id, account, amount, currency) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (key) DO NOTHING")
+                    .bind(key).bind(&fresh.id).bind(account).bind(amount).bind(currency)
+                    .execute(pool).await?;
+                let row: Row = sqlx::query_as(
+                    "SELECT id, account, amount, currency FROM provider_payments WHERE key = $1",
+                )
+                .bind(key)
+                .fetch_one(pool)
+                .await?;
+                from_row(row)
+            }
+        };
+        if stored.account != account || stored.amount != amount || stored.currency != currency {
+            return Err(ProviderError::KeyReused);
+        }
+        Ok(stored)
+    }
+
+    /// How many payments `account` has made.
+    ///
+    /// # Errors
+    /// Database failures.
+    pub async fn payments(&self, account: &str) -> Result<usize, ProviderError> {
+        let n: i64 = match self {
+            Provider::Memory(map) => {
+                let map = map.lock().unwrap_or_else(|e| e.into_inner());
+                return Ok(map.values().filter(|p| p.account == account).count());
+            }
+            Provider::Sqlite(pool) => {
+                sqlx::query_scalar("SELECT count(*) FROM provider_payments WHERE account = ?1")
+                    .bind(account)
+                    .fetch_one(pool)
+                    .await?
+            }
+            Provider::Postgres(pool) => {
+                sqlx::query_scalar("SELECT count(*) FROM provider_payments WHERE account = $1")
+                    .bind(account)
+                    .fetch_one(pool)
+                    .await?
+            }
+        };
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+}
+
+fn from_row((id, account, amount, currency): Row) -> Payment {
+    Payment {
+        id,
+        account,
+        amount,
+        currency,
+    }
+}
