@@ -62,6 +62,66 @@
 //! `commit = "single" | "two"` and `wait = "5s"` tune it; a store on another database is
 //! refused with a logged error and a 500. See `idempotent_core::tx` for the two commit paths.
 //!
+//! # Calls to other systems: derived keys
+//! The seed's rule: "pass a key downstream whenever the provider supports one, and derive it
+//! from your own key." A handler that takes an [`Idempotent`] parameter (filled by the
+//! attribute, not an extractor: only the attribute sees the scope) asks it for
+//! `idem.derive("payment-provider")`: a key that is the same on every run of this (scope,
+//! key), on every instance and after a restart, and reveals neither (an HMAC-SHA-256 under
+//! your [`DeriveSecret`], shown as a UUID). When the handler is killed after the provider
+//! charged the card, the retry runs it again and the provider, seeing the same key, returns
+//! the first charge instead of making a second.
+//!
+//! ```
+//! use actix_web::{App, HttpResponse, post, web};
+//! use idempotent_actix::{DeriveSecret, Idempotency, Idempotent, MemoryStore, idempotent};
+//! # use actix_web::{FromRequest, HttpRequest, dev::Payload};
+//! # struct Account(String);
+//! # impl FromRequest for Account {
+//! #     type Error = actix_web::Error;
+//! #     type Future = std::future::Ready<Result<Self, Self::Error>>;
+//! #     fn from_request(_: &HttpRequest, _: &mut Payload) -> Self::Future {
+//! #         std::future::ready(Ok(Account("acct_1".into())))
+//! #     }
+//! # }
+//! # async fn provider_charge(_amount: u64, _idempotency_key: &str) -> Result<String, String> {
+//! #     Ok("py_1".into())
+//! # }
+//!
+//! #[post("/v1/charges")]
+//! #[idempotent(scope = "account_id")]
+//! async fn create_charge(
+//!     Account(account_id): Account,
+//!     idem: Idempotent,
+//!     amount: web::Json<u64>,
+//! ) -> HttpResponse {
+//!     // The provider deduplicates by this key: a re-run of this handler charges once.
+//!     let key = idem.derive("payment-provider").to_string();
+//!     match provider_charge(amount.into_inner(), &key).await {
+//!         Ok(payment) => HttpResponse::Created().body(format!("{account_id}: {payment}")),
+//!         // A 5xx releases the key: the client's retry runs this again, under the same key.
+//!         Err(_) => HttpResponse::BadGateway().body("provider unavailable"),
+//!     }
+//! }
+//!
+//! // The secret: the same on every instance and across restarts (your secret manager).
+//! let secret = std::env::var("IDEMPOTENCY_SECRET")
+//!     .unwrap_or_else(|_| "a doctest-only secret of at least 32 bytes".into());
+//! let idempotency = Idempotency::builder(MemoryStore::new())
+//!     .derive_secret(DeriveSecret::new(secret)?)
+//!     .build()?;
+//! let app = App::new().wrap(idempotency.middleware()).service(create_charge);
+//! # let _ = app;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! The configuration must hold the secret (`derive_secret`); there is no default, because a
+//! secret made up at start-up would give another key after a restart, which is a double
+//! charge downstream. Without one, a handler that takes `Idempotent` is never run: its
+//! requests get a 500 and the log says why. Rotation is described at [`DeriveSecret`]. A
+//! request that runs without a key (a safe method, or no key where it is optional) is an
+//! operation of its own, and its derived keys are random.
+//!
 //! # The attribute
 //! See [`idempotent`] for its arguments, what it checks at compile time and the code it
 //! generates; it is the same attribute as the Axum adapter's, with the same arguments and

@@ -202,9 +202,9 @@ pub fn context(
     ctx: &Ready,
     route: &Route,
     scope: &Result<Scope, ScopeError>,
-) -> Result<idempotent_core::Idempotent, HttpResponse> {
+) -> Result<idempotent_core::Idempotent, Box<HttpResponse>> {
     let Some(config) = &ctx.config else {
-        return Err(problem(&Problem::misconfigured()));
+        return Err(Box::new(problem(&Problem::misconfigured())));
     };
     idempotent_core::http::idempotent_context(
         &config.config,
@@ -213,7 +213,7 @@ pub fn context(
         &ctx.key,
         scope,
     )
-    .map_err(|p| problem(&p))
+    .map_err(|p| Box::new(problem(&p)))
 }
 
 /// The 500 problem for a server-side setup error; what to fix goes to the log, not the client.

@@ -55,6 +55,70 @@
 //! `commit = "single" | "two"` and `wait = "5s"` tune it; a store on another database is
 //! refused with a logged error and a 500. See `idempotent_core::tx` for the two commit paths.
 //!
+//! # Calls to other systems: derived keys
+//! The seed's rule: "pass a key downstream whenever the provider supports one, and derive it
+//! from your own key." A handler that takes an [`Idempotent`] parameter (filled by the
+//! attribute, not an extractor: only the attribute sees the scope) asks it for
+//! `idem.derive("payment-provider")`: a key that is the same on every run of this (scope,
+//! key), on every instance and after a restart, and reveals neither (an HMAC-SHA-256 under
+//! your [`DeriveSecret`], shown as a UUID). When the handler is killed after the provider
+//! charged the card, the retry runs it again and the provider, seeing the same key, returns
+//! the first charge instead of making a second.
+//!
+//! ```
+//! use axum::{Json, Router, routing::post, http::StatusCode};
+//! use idempotent_axum::{DeriveSecret, Idempotency, Idempotent, MemoryStore, idempotent};
+//! # use axum::{extract::FromRequestParts, http::request::Parts};
+//! # struct Account(String);
+//! # impl<S: Send + Sync> FromRequestParts<S> for Account {
+//! #     type Rejection = StatusCode;
+//! #     async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+//! #         Ok(Account("acct_1".into()))
+//! #     }
+//! # }
+//! # struct Provider;
+//! # impl Provider {
+//! #     async fn charge(&self, _amount: u64, _idempotency_key: &str) -> Result<String, String> {
+//! #         Ok("py_1".into())
+//! #     }
+//! # }
+//! # static PROVIDER: Provider = Provider;
+//!
+//! #[idempotent(scope = "account_id")]
+//! async fn create_charge(
+//!     Account(account_id): Account,
+//!     idem: Idempotent,
+//!     Json(amount): Json<u64>,
+//! ) -> (StatusCode, String) {
+//!     // The provider deduplicates by this key: a re-run of this handler charges once.
+//!     let key = idem.derive("payment-provider").to_string();
+//!     match PROVIDER.charge(amount, &key).await {
+//!         Ok(payment) => (StatusCode::CREATED, format!("{account_id}: {payment}")),
+//!         // A 5xx releases the key: the client's retry runs this again, under the same key.
+//!         Err(_) => (StatusCode::BAD_GATEWAY, "provider unavailable".into()),
+//!     }
+//! }
+//!
+//! // The secret: the same on every instance and across restarts (your secret manager).
+//! let secret = std::env::var("IDEMPOTENCY_SECRET")
+//!     .unwrap_or_else(|_| "a doctest-only secret of at least 32 bytes".into());
+//! let idempotency = Idempotency::builder(MemoryStore::new())
+//!     .derive_secret(DeriveSecret::new(secret)?)
+//!     .build()?;
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(create_charge))
+//!     .layer(idempotency.layer());
+//! # let _ = app;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! The configuration must hold the secret (`derive_secret`); there is no default, because a
+//! secret made up at start-up would give another key after a restart, which is a double
+//! charge downstream. Without one, a handler that takes `Idempotent` is never run: its
+//! requests get a 500 and the log says why. Rotation is described at [`DeriveSecret`]. A
+//! request that runs without a key (a safe method, or no key where it is optional) is an
+//! operation of its own, and its derived keys are random.
+//!
 //! # The attribute
 //! See [`idempotent`] for its arguments, what it checks at compile time and the code it
 //! generates.

@@ -177,7 +177,7 @@ pub fn context<const REQUIRED: bool>(
     ctx: &Context<REQUIRED>,
     route: &Route,
     scope: &Result<Scope, ScopeError>,
-) -> Result<idempotent_core::Idempotent, Response> {
+) -> Result<idempotent_core::Idempotent, Box<Response>> {
     idempotent_core::http::idempotent_context(
         &ctx.config.config,
         route,
@@ -185,7 +185,7 @@ pub fn context<const REQUIRED: bool>(
         &ctx.key,
         scope,
     )
-    .map_err(|p| problem(&p))
+    .map_err(|p| Box::new(problem(&p)))
 }
 
 /// The 500 problem for a server-side setup error; what to fix goes to the log, not the client.

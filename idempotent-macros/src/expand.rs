@@ -250,7 +250,7 @@ fn generate(
                 quote! {
                     let #idem_var = match #p::context(&#ctx, &#route, &#scope_var) {
                         ::core::result::Result::Ok(c) => c,
-                        ::core::result::Result::Err(refused) => return refused,
+                        ::core::result::Result::Err(refused) => return *refused,
                     };
                 },
                 quote!(let #pat: #ty = #value;),
