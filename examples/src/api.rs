@@ -5,11 +5,11 @@
 use crate::charges::{
     self, Charge, Charges, InvalidCharge, Kind, NewCharge, NewRefund, Refund, Writer,
 };
-use crate::provider::Provider;
+use crate::provider::{Provider, ProviderError};
 use clap::Parser;
 use idempotent_core::http::{Config, ConfigBuilder};
 use idempotent_core::{CommitPath, Drained, Engine, Store, Sweeper};
-use idempotent_core::{DeriveSecret, DerivedKey};
+use idempotent_core::{DeriveSecret, DerivedKey, IdempotencyKey, Idempotent, Scope};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -275,6 +275,16 @@ pub fn validate<T: ApiBody>(content_type: Option<&str>, body: &[u8]) -> Result<T
         .map_err(|e| Reply::problem(400, "invalid-request", T::WHAT, e.to_string()))
 }
 
+/// A value that identifies `secret` without revealing it: the key it derives for a fixed
+/// scope, key and label.
+fn secret_check(secret: &DeriveSecret) -> Result<String, Box<dyn std::error::Error>> {
+    let scope = Scope::new("example")?;
+    let key = IdempotencyKey::parse(b"derive-secret-check")?;
+    Ok(Idempotent::keyed(secret, &scope, &key)
+        .derive("check")
+        .to_string())
+}
+
 /// What the routes do, on the database the store shares.
 #[derive(Debug, Clone)]
 pub struct Api {
@@ -326,7 +336,17 @@ impl Api {
                 .await
                 .map_err(|e| format!("cannot read the derive secret: {e}"))?,
         };
-        DeriveSecret::new(text).map_err(|e| format!("invalid derive secret: {e}"))
+        let secret = DeriveSecret::new(text).map_err(|e| format!("invalid derive secret: {e}"))?;
+        // Every instance on one database must derive the same keys, or a retry served by
+        // another instance pays the provider again: the first start records a check value
+        // (a key derived from a fixed input, which does not reveal the secret), and a start
+        // with another secret is refused.
+        let check = secret_check(&secret).map_err(|e| format!("invalid derive secret: {e}"))?;
+        match charges::agree_on_secret(&self.charges, &check).await {
+            Ok(true) => Ok(secret),
+            Ok(false) => Err("the derive secret differs from the one this database's instances use (from `--derive-secret`, `IDEMPOTENCY_SECRET` or the one kept in the database); a retry served under another secret would pay the provider again. To rotate on purpose, read `DeriveSecret`'s notes, then delete the row `derive_secret_check` of the table `example_settings`".to_owned()),
+            Err(e) => Err(format!("cannot check the derive secret: {e}")),
+        }
     }
 
     /// The payment provider's ledger (tests read it to count payments).
@@ -366,6 +386,17 @@ impl Api {
             .await
         {
             Ok(payment) => charge.payment = Some(payment.id),
+            // The provider saw this payment key before with other parameters: the client
+            // reused its idempotency key for another charge after the first one's record
+            // expired. Retrying cannot help; a 422 is stored and says so.
+            Err(ProviderError::KeyReused) => {
+                return Reply::problem(
+                    422,
+                    "payment-key-reused",
+                    "Idempotency key reused",
+                    "this idempotency key already paid for another charge; use a new key for a new charge".into(),
+                );
+            }
             Err(e) => return Reply::internal(&e),
         }
         if let Err(e) = self.charges.insert(&mut w, &charge).await {

@@ -562,8 +562,12 @@ pub async fn open(url: &str) -> Result<(Arc<dyn Store>, Charges), OpenError> {
             .await?;
         let store = PostgresStore::new(pool.clone())?;
         store.migrate().await?;
+        // The lock (held to the end of this one implicit transaction): servers starting
+        // together on a fresh database would otherwise race on the catalog (`CREATE TABLE IF
+        // NOT EXISTS` is not safe against itself there).
         sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS charges (
+            "SELECT pg_advisory_xact_lock(7201012);
+             CREATE TABLE IF NOT EXISTS charges (
                 seq bigserial PRIMARY KEY, id text NOT NULL UNIQUE, account text NOT NULL,
                 amount bigint NOT NULL, currency text NOT NULL, customer text NOT NULL, created bigint NOT NULL);
              CREATE INDEX IF NOT EXISTS charges_account ON charges (account, seq);
@@ -593,29 +597,51 @@ pub async fn stored_secret(charges: &Charges) -> Result<String, DbError> {
         uuid::Uuid::new_v4().simple(),
         uuid::Uuid::new_v4().simple()
     );
-    // Insert-or-keep, then read: instances starting together agree on the first one written.
-    let stored: String = match charges {
-        Charges::Memory(_) => return Ok(fresh),
+    Ok(setting(charges, "derive_secret", &fresh)
+        .await?
+        .unwrap_or(fresh))
+}
+
+/// Records `check` (a value identifying the derive secret) unless one is recorded; whether
+/// the recorded one is `check`. Always true on `memory`.
+///
+/// # Errors
+/// [`DbError`] when the database fails.
+pub async fn agree_on_secret(charges: &Charges, check: &str) -> Result<bool, DbError> {
+    Ok(setting(charges, "derive_secret_check", check)
+        .await?
+        .is_none_or(|stored| stored == check))
+}
+
+/// The setting `name` of table `example_settings`, set to `value` first unless it is set
+/// (insert-or-keep, then read: instances starting together agree on the first written).
+/// `None` on `memory`, which has no such table.
+async fn setting(charges: &Charges, name: &str, value: &str) -> Result<Option<String>, DbError> {
+    let stored = match charges {
+        Charges::Memory(_) => return Ok(None),
         Charges::Sqlite(pool) => {
             sqlx::raw_sql("CREATE TABLE IF NOT EXISTS example_settings (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
                 .execute(pool).await?;
-            sqlx::query("INSERT INTO example_settings (name, value) VALUES ('derive_secret', ?1) ON CONFLICT (name) DO NOTHING")
-                .bind(&fresh).execute(pool).await?;
-            sqlx::query_scalar("SELECT value FROM example_settings WHERE name = 'derive_secret'")
+            sqlx::query("INSERT INTO example_settings (name, value) VALUES (?1, ?2) ON CONFLICT (name) DO NOTHING")
+                .bind(name).bind(value).execute(pool).await?;
+            sqlx::query_scalar("SELECT value FROM example_settings WHERE name = ?1")
+                .bind(name)
                 .fetch_one(pool)
                 .await?
         }
         Charges::Postgres(pool) => {
-            sqlx::raw_sql("CREATE TABLE IF NOT EXISTS example_settings (name text PRIMARY KEY, value text NOT NULL)")
+            // The lock: see `open`.
+            sqlx::raw_sql("SELECT pg_advisory_xact_lock(7201012); CREATE TABLE IF NOT EXISTS example_settings (name text PRIMARY KEY, value text NOT NULL)")
                 .execute(pool).await?;
-            sqlx::query("INSERT INTO example_settings (name, value) VALUES ('derive_secret', $1) ON CONFLICT (name) DO NOTHING")
-                .bind(&fresh).execute(pool).await?;
-            sqlx::query_scalar("SELECT value FROM example_settings WHERE name = 'derive_secret'")
+            sqlx::query("INSERT INTO example_settings (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
+                .bind(name).bind(value).execute(pool).await?;
+            sqlx::query_scalar("SELECT value FROM example_settings WHERE name = $1")
+                .bind(name)
                 .fetch_one(pool)
                 .await?
         }
     };
-    Ok(stored)
+    Ok(Some(stored))
 }
 
 /// Parses a `--lease` / `--work-delay` value (`0ms` allowed for the delay).

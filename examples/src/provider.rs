@@ -65,8 +65,10 @@ impl Provider {
                 .acquire_timeout(std::time::Duration::from_secs(5))
                 .connect(url)
                 .await?;
+            // Serialised with the API's own table creation (see `charges::open`).
             sqlx::raw_sql(
-                "CREATE TABLE IF NOT EXISTS provider_payments (
+                "SELECT pg_advisory_xact_lock(7201012);
+                 CREATE TABLE IF NOT EXISTS provider_payments (
                     key text PRIMARY KEY, id text NOT NULL, account text NOT NULL,
                     amount bigint NOT NULL, currency text NOT NULL);
                  CREATE INDEX IF NOT EXISTS provider_payments_account ON provider_payments (account);",

@@ -87,14 +87,22 @@ impl DroppingProxy {
         let task = tokio::spawn({
             let stats = stats.clone();
             async move {
+                // The exchanges in flight: dropped (so aborted) with the proxy.
+                let mut exchanges = tokio::task::JoinSet::new();
                 loop {
-                    let Ok((client, _)) = listener.accept().await else {
-                        continue;
+                    while exchanges.try_join_next().is_some() {}
+                    let client = match listener.accept().await {
+                        Ok((client, _)) => client,
+                        Err(_) => {
+                            // Out of descriptors, say: wait rather than spin.
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            continue;
+                        }
                     };
                     stats.connections.fetch_add(1, Ordering::Relaxed);
                     let fate = fates.lock().unwrap_or_else(|e| e.into_inner()).next();
                     let stats = stats.clone();
-                    tokio::spawn(async move {
+                    exchanges.spawn(async move {
                         let _ = tokio::time::timeout(
                             EXCHANGE_TIMEOUT,
                             exchange(client, upstream, fate, &stats),

@@ -614,6 +614,29 @@ async fn bad_flags_fail_clearly(bin: Bin) {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+    // A derive secret other than the one the database's instances use is refused at start-up
+    // (a retry served under it would pay the provider again); a short one too.
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    drop(start(bin, &url, &[]));
+    for (secret, says) in [
+        (
+            "another secret of at least thirty-two bytes",
+            "derive secret differs",
+        ),
+        ("short", "invalid derive secret"),
+    ] {
+        let out = Command::new(bin.path())
+            .args(["--listen", "127.0.0.1:0", "--database", &url])
+            .args(["--derive-secret", secret])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{err}");
+    }
+    // The same database, no flag: the kept secret, so it starts.
+    drop(start(bin, &url, &[]));
     // A lease longer than the default ttl is refused at start-up, not per request.
     let out = Command::new(bin.path())
         .args([

@@ -12,11 +12,19 @@
 //! - `409 Conflict` (the first attempt still runs), `429 Too Many Requests`, `408`, `425` and
 //!   every `5xx`, waiting at least what `Retry-After` asks (seconds or an HTTP date);
 //!
-//! and never a `4xx` that would fail again (400, 401, 403, 404, 422, …). Waits grow
-//! exponentially with **full jitter** (uniform between zero and the exponential bound, from
-//! [`retry_policies`]), within a maximum number of attempts and a total deadline that also
-//! bounds each attempt in flight. When it gives up it returns the last response (a 409 or
-//! 5xx, for the caller to see) or the last error.
+//! and never a `4xx` that would fail again (400, 401, 403, 404, 422, …), nor a response the
+//! server marks `Idempotent-Replayed: true` (a stored answer, the same on every retry). Waits
+//! grow exponentially with **full jitter** (uniform between zero and the exponential bound,
+//! from [`retry_policies`]), within a maximum number of attempts and a total deadline that
+//! also bounds each attempt in flight. When it gives up between attempts it returns the last
+//! response (a 409 or 5xx, for the caller to see) or the last error; when the deadline passes
+//! during an attempt, the error is [`DeadlineExceeded`] (a middleware error).
+//!
+//! Safe methods (GET, HEAD, OPTIONS, TRACE) get no key and are retried the same way. Retrying
+//! a POST is safe only against a server that honours the key (this crate's adapters, Stripe,
+//! …): against one that ignores it, a lost response means a second execution. Put this
+//! middleware **innermost**: another retry middleware wrapped around it would call it afresh
+//! for each of its own attempts, and so make a new key for each.
 //!
 //! ```no_run
 //! use idempotent_core::client::IdempotentRetry;
@@ -46,9 +54,10 @@
 //! ```
 //!
 //! A request whose body cannot be cloned (a stream) is sent once, with its key, and not
-//! retried. Responses to retried requests are read in full inside the middleware (so a
-//! connection cut in the middle of the body is retried too); keep such responses small, as
-//! idempotent POST answers are, or turn it off with [`IdempotentRetryBuilder::buffer_responses`].
+//! retried. Responses to keyed requests (unsafe methods) are read in full inside the
+//! middleware, within the deadline, so a connection cut in the middle of the body is retried
+//! too; idempotent POST answers are small. Turn that off with
+//! [`IdempotentRetryBuilder::buffer_responses`]; responses to safe methods are never buffered.
 
 use http::Extensions;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
@@ -140,8 +149,8 @@ impl IdempotentRetryBuilder {
     }
 
     /// The whole logical request, waits and attempts included, ends within this (default
-    /// 30 s): an attempt still in flight then is abandoned with a timeout error, and a wait
-    /// that would pass it is not started.
+    /// 30 s): an attempt still in flight then is abandoned with [`DeadlineExceeded`], and a
+    /// wait that would pass it is not started. `Duration::MAX` means no deadline.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
@@ -153,9 +162,10 @@ impl IdempotentRetryBuilder {
         self
     }
 
-    /// Whether responses to retried requests are read in full before they are returned, so
-    /// that a body cut short is retried too (default `true`). With `false` the response is
-    /// returned as soon as its head arrives, and a body that breaks is the caller's error.
+    /// Whether responses to keyed requests (unsafe methods) are read in full before they are
+    /// returned, so that a body cut short is retried too (default `true`). With `false` the
+    /// response is returned as soon as its head arrives, and a body that breaks is the
+    /// caller's error.
     pub fn buffer_responses(mut self, on: bool) -> Self {
         self.buffer = on;
         self
@@ -236,7 +246,7 @@ impl IdempotentRetry {
         req: Request,
         extensions: &mut Extensions,
         next: Next<'_>,
-        deadline: Instant,
+        deadline: Option<Instant>,
         buffer: bool,
     ) -> reqwest_middleware::Result<Response> {
         let attempt = async {
@@ -246,6 +256,9 @@ impl IdempotentRetry {
             } else {
                 Ok(res)
             }
+        };
+        let Some(deadline) = deadline else {
+            return attempt.await;
         };
         match tokio::time::timeout_at(deadline, attempt).await {
             Ok(result) => result,
@@ -291,7 +304,8 @@ impl Middleware for IdempotentRetry {
     ) -> reqwest_middleware::Result<Response> {
         let start = Instant::now();
         let started_at = SystemTime::now();
-        let deadline = start + self.deadline;
+        // `None`: no deadline (`Duration::MAX`, or one past what the clock can hold).
+        let deadline = start.checked_add(self.deadline);
         // The key is made once, here, before the first attempt: every retry carries it.
         let key = if is_safe(req.method()) {
             None
@@ -309,14 +323,21 @@ impl Middleware for IdempotentRetry {
             attempts += 1;
             let Some(this) = req.try_clone() else {
                 // A body that cannot be cloned (a stream): one attempt.
-                let outcome = self.attempt(req, extensions, next, deadline, false).await;
+                let buffer = self.buffer && key.is_some();
+                let outcome = self.attempt(req, extensions, next, deadline, buffer).await;
                 return with_key(outcome, key);
             };
             let outcome = self
-                .attempt(this, extensions, next.clone(), deadline, self.buffer)
+                .attempt(
+                    this,
+                    extensions,
+                    next.clone(),
+                    deadline,
+                    self.buffer && key.is_some(),
+                )
                 .await;
             let retry_after = match &outcome {
-                Ok(res) if is_retryable_status(res.status()) => {
+                Ok(res) if is_retryable_status(res.status()) && !is_replay(res) => {
                     res.headers().get(RETRY_AFTER).and_then(parse_retry_after)
                 }
                 Err(e) if is_retryable_error(e) => None,
@@ -335,7 +356,12 @@ impl Middleware for IdempotentRetry {
             };
             // The server's `Retry-After` is a floor; the jittered backoff may ask for more.
             let wait = retry_after.map_or(backoff, |asked| asked.max(backoff));
-            if Instant::now() + wait >= deadline {
+            let passes_deadline = deadline.is_some_and(|deadline| {
+                Instant::now()
+                    .checked_add(wait)
+                    .is_none_or(|after| after >= deadline)
+            });
+            if passes_deadline {
                 return with_key(outcome, key);
             }
             tracing::debug!(
@@ -347,6 +373,14 @@ impl Middleware for IdempotentRetry {
             tokio::time::sleep(wait).await;
         }
     }
+}
+
+/// Whether the server says this answer is a stored one (`Idempotent-Replayed: true`): a
+/// retry would get it again, unchanged.
+fn is_replay(res: &Response) -> bool {
+    res.headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"))
 }
 
 fn with_key(

@@ -49,13 +49,23 @@ const DOMAIN: &[u8] = b"idempotent/derive/v1";
 /// every instance that serves the same store.
 ///
 /// # Rotation
-/// A record's derived keys must stay the same for its whole ttl: a retry can re-run its
-/// handler (after a release or a crash) until then, and must reach the provider with the key
-/// the first run used. So a new secret applies only to keys first used after the switch:
-/// switch when no record made under the old secret can still run (the longest ttl after the
-/// last request served with it), or accept that a handler re-run across the switch sends a new
-/// key downstream. Treat the secret like a signing key: leaking it does not let anyone replay
-/// records, but lets them link derived keys to the client's keys.
+/// A record's derived keys must stay the same for its whole ttl, and for as long as a retry
+/// can still run its handler again, which can be longer: a released operation (a 5xx, a
+/// panic) leaves no record, and a crashed one is taken over whenever its retry arrives, so
+/// such an operation re-runs whenever its client retries, however late. Every re-run must
+/// reach the provider with the key the first run used. A new secret therefore applies only
+/// to operations first run after the switch; switch when no operation run under the old
+/// secret can run again: after the longest ttl, and after your clients' retry deadline and
+/// the provider's own key window (Stripe keeps keys 24 hours), whichever is latest. Or
+/// accept that a handler re-run across the switch sends a new key downstream. Treat the
+/// secret like a signing key: leaking it does not let anyone replay records, but lets them
+/// link derived keys to the clients' keys.
+///
+/// # Reuse of a key
+/// The derivation covers (scope, key, label), not the request: after a record expires, or
+/// after a release, a client that reuses its key for a *different* request gets the same
+/// downstream key, and the provider sees a key reused with other parameters (Stripe refuses
+/// it with an error). Clients should use a fresh key per operation, as the IETF draft asks.
 #[derive(Clone)]
 pub struct DeriveSecret {
     /// The HMAC with the secret and the domain absorbed; each derivation clones it.

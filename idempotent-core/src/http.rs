@@ -399,6 +399,7 @@ pub struct Route {
     commit: Option<CommitPath>,
     wait: Option<Duration>,
     reported: AtomicBool,
+    reported_secret: AtomicBool,
 }
 
 /// A route's arguments resolved against the application's [`Config`].
@@ -430,6 +431,7 @@ impl Route {
             commit: None,
             wait: None,
             reported: AtomicBool::new(false),
+            reported_secret: AtomicBool::new(false),
         }
     }
 
@@ -519,7 +521,7 @@ pub fn idempotent_context(
     scope: &Result<Scope, ScopeError>,
 ) -> Result<Idempotent, Box<Problem>> {
     let Some(secret) = config.derive_secret() else {
-        if !route.reported.swap(true, Ordering::Relaxed) {
+        if !route.reported_secret.swap(true, Ordering::Relaxed) {
             tracing::error!(
                 route = route.name,
                 "idempotency: this handler takes an `Idempotent` parameter but the configuration has no derive secret (`derive_secret`); its requests are answered 500 until one is set"

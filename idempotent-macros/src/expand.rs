@@ -237,6 +237,8 @@ fn generate(
         .filter_map(|(j, arg)| (Some(j) != tx && Some(j) != idem).then_some(arg))
         .collect();
     let idem_var = format_ident!("__idempotent_context", span = Span::mixed_site());
+    let made = format_ident!("__idempotent_made", span = Span::mixed_site());
+    let refused = format_ident!("__idempotent_refused", span = Span::mixed_site());
     let (idem_make, idem_bind) = match &idem_param {
         None => (quote!(), quote!()),
         Some(t) => {
@@ -249,8 +251,8 @@ fn generate(
             (
                 quote! {
                     let #idem_var = match #p::context(&#ctx, &#route, &#scope_var) {
-                        ::core::result::Result::Ok(c) => c,
-                        ::core::result::Result::Err(refused) => return *refused,
+                        ::core::result::Result::Ok(#made) => #made,
+                        ::core::result::Result::Err(#refused) => return *#refused,
                     };
                 },
                 quote!(let #pat: #ty = #value;),

@@ -57,7 +57,9 @@ mod signature;
 /// is the same on every run of this (scope, key), on every instance and after a restart, so a
 /// re-run handler does not charge twice downstream. It is no extractor (an extractor cannot
 /// see the scope); the configuration must hold a derive secret (`derive_secret`), or the
-/// route answers 500 and logs why.
+/// route answers 500 and logs why. The attribute recognises the parameter by its type's last
+/// path segment, `Idempotent` (as it does `Transaction`): a `use … as` rename or a type alias
+/// hides it, and the parameter is then taken for an extractor (which it is not).
 ///
 /// Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`, from 100 ms to 365 days; sizes are
 /// `<n>` (bytes), `<n>KiB`, `<n>MiB` or `<n>GiB`. An argument written here overrides the

@@ -73,9 +73,9 @@ pub(crate) fn context(f: &ItemFn) -> Result<Option<usize>, syn::Error> {
     let mut found = None;
     for (i, arg) in f.sig.inputs.iter().enumerate() {
         let FnArg::Typed(t) = arg else { continue };
-        let ty = match &*t.ty {
-            syn::Type::Reference(r) => &*r.elem,
-            other => other,
+        let (ty, reference) = match &*t.ty {
+            syn::Type::Reference(r) => (&*r.elem, Some(r)),
+            other => (other, None),
         };
         let syn::Type::Path(path) = ty else { continue };
         if path.qself.is_some()
@@ -86,6 +86,14 @@ pub(crate) fn context(f: &ItemFn) -> Result<Option<usize>, syn::Error> {
                 .is_none_or(|s| s.ident != "Idempotent")
         {
             continue;
+        }
+        if let Some(r) = reference
+            && (r.mutability.is_some() || r.lifetime.is_some())
+        {
+            return Err(syn::Error::new_spanned(
+                &t.ty,
+                "take the idempotency context as `idem: Idempotent` or `idem: &Idempotent` (no `mut`, no lifetime)",
+            ));
         }
         if found.is_some() {
             return Err(syn::Error::new_spanned(

@@ -270,3 +270,40 @@ async fn safe_methods_get_no_key_and_streams_one_attempt() {
     assert_eq!(s.keys().len(), 1);
     assert!(s.keys()[0].is_some());
 }
+
+#[tokio::test]
+async fn stored_answers_and_absurd_waits_end_the_retries() {
+    // A stored 5xx (a route that stores server errors) is the same on every retry.
+    let s = Scripted::start(vec![Act::Answer(
+        500,
+        "idempotent-replayed: true\r\n",
+        "stored",
+    )])
+    .await;
+    let res = client(fast().build()).post(&s.url).send().await.unwrap();
+    assert_eq!(res.status(), 500);
+    assert_eq!(s.keys().len(), 1);
+    // A `Retry-After` past what the clock can hold: no panic, the answer comes back.
+    let s = Scripted::start(vec![Act::Answer(
+        503,
+        "retry-after: 18446744073709551615\r\n",
+        "never",
+    )])
+    .await;
+    let res = client(fast().max_retry_after(Duration::MAX).build())
+        .post(&s.url)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(s.keys().len(), 1);
+    // No deadline at all: the attempts still bound it.
+    let s = Scripted::start(vec![Act::Answer(503, "", "down"); 5]).await;
+    let res = client(fast().deadline(Duration::MAX).max_attempts(3).build())
+        .post(&s.url)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(s.keys().len(), 3);
+}

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The charges server (`charges-axum` or `charges-actix`).
+    /// The charges server (`charges-axum` or `charges-actix`), `http://HOST:PORT`; charges go
+    /// to `/v1/charges` there.
     #[arg(long, default_value = "http://127.0.0.1:3000")]
     url: String,
     /// How many charges (logical operations) to make.
@@ -67,6 +68,8 @@ fn attempts_for(rate: f64, count: usize) -> u32 {
 
 /// Per-attempt timeout: a server that answers slower than this is retried (409 meanwhile).
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// What the deadline allows per attempt for a server's `Retry-After`.
+const RETRY_AFTER_ALLOWANCE: Duration = Duration::from_secs(2);
 /// The backoff's bounds.
 const MIN_WAIT: Duration = Duration::from_millis(10);
 const MAX_WAIT: Duration = Duration::from_millis(500);
@@ -84,14 +87,28 @@ async fn main() -> ExitCode {
     }
 }
 
+/// The server's address: the first of the host's addresses that accepts a connection (so
+/// `localhost` works whether the server listens on IPv4 or IPv6).
 async fn upstream(url: &reqwest::Url) -> Result<SocketAddr, String> {
+    if url.scheme() != "http" {
+        return Err(format!(
+            "--url must be http:// (the proxy speaks plain HTTP), not {}",
+            url.scheme()
+        ));
+    }
     let host = url.host_str().ok_or("the URL has no host")?;
     let port = url.port_or_known_default().unwrap_or(80);
-    tokio::net::lookup_host((host, port))
+    let addrs = tokio::net::lookup_host((host, port))
         .await
-        .map_err(|e| format!("cannot resolve {host}: {e}"))?
-        .next()
-        .ok_or_else(|| format!("{host} resolves to no address"))
+        .map_err(|e| format!("cannot resolve {host}: {e}"))?;
+    let mut last = format!("{host} resolves to no address");
+    for addr in addrs {
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(_) => return Ok(addr),
+            Err(e) => last = format!("cannot connect to {addr}: {e}"),
+        }
+    }
+    Err(last)
 }
 
 async fn run(args: &Args) -> Result<bool, String> {
@@ -116,8 +133,8 @@ async fn run(args: &Args) -> Result<bool, String> {
         .unwrap_or_else(|| format!("acct_cli_{}", uuid::Uuid::new_v4().simple()));
     let attempts = attempts_for(args.fail_rate, args.count);
     // Sized so that every operation can use all its attempts: each attempt's timeout plus
-    // the longest wait, per attempt.
-    let deadline = (ATTEMPT_TIMEOUT + MAX_WAIT) * attempts;
+    // the longest wait, and a server's `Retry-After` (a 409 says 1 s), per attempt.
+    let deadline = (ATTEMPT_TIMEOUT + MAX_WAIT + RETRY_AFTER_ALLOWANCE) * attempts;
     let client = reqwest_middleware::ClientBuilder::new(
         reqwest::Client::builder()
             // One exchange per connection, so each attempt meets its own fate at the proxy.

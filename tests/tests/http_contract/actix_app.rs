@@ -249,7 +249,8 @@ fn routes(cfg: &mut web::ServiceConfig) {
         .route("/short-ttl", web::post().to(short_ttl))
         .route("/tx/sqlite", web::post().to(tx_sqlite))
         .route("/tx/postgres", web::post().to(tx_postgres))
-        .route("/derive", web::post().to(derive));
+        .route("/derive", web::post().to(derive))
+        .route("/derive", web::get().to(derive));
 }
 
 /// Serves the routes on 127.0.0.1 in a thread of its own (an actix system with one worker),

@@ -256,7 +256,7 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/short-ttl", post(short_ttl))
         .route("/tx/sqlite", post(tx_sqlite))
         .route("/tx/postgres", post(tx_postgres))
-        .route("/derive", post(derive))
+        .route("/derive", post(derive).get(derive))
         .layer(idempotency.layer())
         .with_state(app.clone())
 }

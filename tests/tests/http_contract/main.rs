@@ -1391,6 +1391,18 @@ async fn derived_keys_are_stable_across_runs_and_instances(fw: Fw) {
         .await
         .unwrap();
     assert_ne!(elsewhere.text().await.unwrap(), derived);
+    // A GET ignores the key: each request is an operation of its own, with random keys.
+    let get = || {
+        s.client
+            .get(format!("{}/derive", s.base))
+            .header("authorization", "Bearer acct_1")
+            .header("idempotency-key", &k)
+            .send()
+    };
+    let (a, b) = (get().await.unwrap(), get().await.unwrap());
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    let (a, b) = (a.text().await.unwrap(), b.text().await.unwrap());
+    assert!(a.len() == 36 && a != b && a != derived, "{a} {b}");
     // No secret: refused before the handler runs, never a key that would change.
     let bare = serve(fw, config(MemoryStore::new())).await;
     let res = bare
