@@ -137,6 +137,17 @@ fn benches(c: &mut Criterion) {
         })
     });
 
+    // A handler's downstream key: the context (HMAC over scope and key) and one derivation.
+    let secret = DeriveSecret::new([7u8; 32]).expect("secret");
+    let scope = Scope::new("acct_1234567890").expect("scope");
+    let key = IdempotencyKey::parse(b"8e03978e-40d5-43e8-bc93-6894a57f9324").expect("key");
+    c.bench_function("derive/context_and_one_key", |b| {
+        b.iter(|| {
+            Idempotent::keyed(black_box(&secret), black_box(&scope), black_box(&key))
+                .derive("payment-provider")
+        })
+    });
+
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
