@@ -3,7 +3,9 @@
 //! not; `Retry-After`, attempts and the deadline; lost and truncated responses.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::client::{DeadlineExceeded, IdempotentRetry, KeyFormat, UsedKey};
+use idempotent_core::client::{
+    DeadlineExceeded, IdempotentRetry, IdempotentRetryBuilder, KeyFormat, UsedKey,
+};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -80,6 +82,11 @@ impl Scripted {
         Scripted { url, keys }
     }
 
+    /// A POST through the middleware built from `retry`.
+    async fn post(&self, retry: IdempotentRetryBuilder) -> reqwest::Response {
+        client(retry.build()).post(&self.url).send().await.unwrap()
+    }
+
     fn keys(&self) -> Vec<Option<String>> {
         self.keys.lock().unwrap().clone()
     }
@@ -96,7 +103,7 @@ fn client(retry: IdempotentRetry) -> reqwest_middleware::ClientWithMiddleware {
     .build()
 }
 
-fn fast() -> idempotent_core::client::IdempotentRetryBuilder {
+fn fast() -> IdempotentRetryBuilder {
     IdempotentRetry::builder()
         .backoff(Duration::from_millis(1), Duration::from_millis(20))
         .max_attempts(6)
@@ -138,7 +145,7 @@ async fn one_generated_key_survives_every_kind_of_retry() {
     );
     assert_eq!(used.0, first);
     // Two logical requests: two keys.
-    let again = client(fast().build()).post(&s.url).send().await.unwrap();
+    let again = s.post(fast()).await;
     assert_ne!(again.extensions().get::<UsedKey>().unwrap().0, first);
 }
 
@@ -173,7 +180,7 @@ async fn the_callers_key_is_kept_and_sf_strings_can_be_asked_for() {
 async fn client_errors_are_never_retried() {
     for status in [400, 401, 403, 404, 410, 422] {
         let s = Scripted::start(vec![Act::Answer(status, "", "no")]).await;
-        let res = client(fast().build()).post(&s.url).send().await.unwrap();
+        let res = s.post(fast()).await;
         assert_eq!(res.status().as_u16(), status);
         assert_eq!(s.keys().len(), 1, "{status} was retried");
     }
@@ -182,11 +189,7 @@ async fn client_errors_are_never_retried() {
 #[tokio::test]
 async fn attempts_are_bounded_and_the_last_answer_is_returned() {
     let s = Scripted::start(vec![Act::Answer(503, "", "down"); 10]).await;
-    let res = client(fast().max_attempts(3).build())
-        .post(&s.url)
-        .send()
-        .await
-        .unwrap();
+    let res = s.post(fast().max_attempts(3)).await;
     assert_eq!(res.status(), 503);
     assert_eq!(res.text().await.unwrap(), "down");
     assert_eq!(s.keys().len(), 3);
@@ -208,7 +211,7 @@ async fn attempts_are_bounded_and_the_last_answer_is_returned() {
 async fn retry_after_is_a_floor_and_a_long_one_ends_the_retries() {
     let s = Scripted::start(vec![Act::Answer(429, "retry-after: 1\r\n", "wait")]).await;
     let started = Instant::now();
-    let res = client(fast().build()).post(&s.url).send().await.unwrap();
+    let res = s.post(fast()).await;
     assert_eq!(res.status(), 201);
     assert!(
         started.elapsed() >= Duration::from_secs(1),
@@ -216,20 +219,12 @@ async fn retry_after_is_a_floor_and_a_long_one_ends_the_retries() {
     );
     // Asking for more than `max_retry_after`: the 503 comes back at once.
     let s = Scripted::start(vec![Act::Answer(503, "retry-after: 120\r\n", "later")]).await;
-    let res = client(fast().max_retry_after(Duration::from_secs(5)).build())
-        .post(&s.url)
-        .send()
-        .await
-        .unwrap();
+    let res = s.post(fast().max_retry_after(Duration::from_secs(5))).await;
     assert_eq!(res.status(), 503);
     assert_eq!(s.keys().len(), 1);
     // A wait that would pass the deadline is not started either.
     let s = Scripted::start(vec![Act::Answer(409, "retry-after: 3\r\n", "busy")]).await;
-    let res = client(fast().deadline(Duration::from_secs(1)).build())
-        .post(&s.url)
-        .send()
-        .await
-        .unwrap();
+    let res = s.post(fast().deadline(Duration::from_secs(1))).await;
     assert_eq!(res.status(), 409);
     assert_eq!(s.keys().len(), 1);
 }
@@ -280,7 +275,7 @@ async fn stored_answers_and_absurd_waits_end_the_retries() {
         "stored",
     )])
     .await;
-    let res = client(fast().build()).post(&s.url).send().await.unwrap();
+    let res = s.post(fast()).await;
     assert_eq!(res.status(), 500);
     assert_eq!(s.keys().len(), 1);
     // A `Retry-After` past what the clock can hold: no panic, the answer comes back.
@@ -290,20 +285,12 @@ async fn stored_answers_and_absurd_waits_end_the_retries() {
         "never",
     )])
     .await;
-    let res = client(fast().max_retry_after(Duration::MAX).build())
-        .post(&s.url)
-        .send()
-        .await
-        .unwrap();
+    let res = s.post(fast().max_retry_after(Duration::MAX)).await;
     assert_eq!(res.status(), 503);
     assert_eq!(s.keys().len(), 1);
     // No deadline at all: the attempts still bound it.
     let s = Scripted::start(vec![Act::Answer(503, "", "down"); 5]).await;
-    let res = client(fast().deadline(Duration::MAX).max_attempts(3).build())
-        .post(&s.url)
-        .send()
-        .await
-        .unwrap();
+    let res = s.post(fast().deadline(Duration::MAX).max_attempts(3)).await;
     assert_eq!(res.status(), 503);
     assert_eq!(s.keys().len(), 3);
 }
