@@ -5,7 +5,7 @@
 use crate::charges::{
     self, Charge, Charges, InvalidCharge, Kind, NewCharge, NewRefund, Refund, Writer,
 };
-use crate::provider::{Provider, ProviderError};
+use crate::provider::{Payment, Provider, ProviderError};
 use clap::Parser;
 use idempotent_core::http::{Config, ConfigBuilder};
 use idempotent_core::{CommitPath, Drained, Engine, Store, Sweeper};
@@ -120,7 +120,7 @@ pub async fn start<T: From<Config>>(
     };
     let mut config = ConfigBuilder::<T>::new(Engine::from_arc(store.clone()))
         .lease(args.lease)
-        .derive_secret(secret);
+        .derive_secret(secret.clone());
     if let Some(commit) = args.commit {
         config = config.commit_path(commit);
     }
@@ -128,6 +128,11 @@ pub async fn start<T: From<Config>>(
         eprintln!("{name}: invalid configuration: {e}");
         std::process::ExitCode::FAILURE
     })?;
+    // Last, so a start refused for another reason does not tie the database to its secret.
+    if let Err(e) = api.check_secret(&secret).await {
+        eprintln!("{name}: {e}");
+        return Err(std::process::ExitCode::FAILURE);
+    }
     let sweeper = Sweeper::spawn(store, Duration::from_secs(60), 1_000);
     Ok(Started {
         api,
@@ -336,15 +341,23 @@ impl Api {
                 .await
                 .map_err(|e| format!("cannot read the derive secret: {e}"))?,
         };
-        let secret = DeriveSecret::new(text).map_err(|e| format!("invalid derive secret: {e}"))?;
+        DeriveSecret::new(text).map_err(|e| format!("invalid derive secret: {e}"))
+    }
+
+    /// Checks that `secret` is the one this database's instances use, recording it on the
+    /// first start.
+    ///
+    /// # Errors
+    /// A message naming what is wrong.
+    pub async fn check_secret(&self, secret: &DeriveSecret) -> Result<(), String> {
         // Every instance on one database must derive the same keys, or a retry served by
         // another instance pays the provider again: the first start records a check value
         // (a key derived from a fixed input, which does not reveal the secret), and a start
         // with another secret is refused.
-        let check = secret_check(&secret).map_err(|e| format!("invalid derive secret: {e}"))?;
+        let check = secret_check(secret).map_err(|e| format!("invalid derive secret: {e}"))?;
         match charges::agree_on_secret(&self.charges, &check).await {
-            Ok(true) => Ok(secret),
-            Ok(false) => Err("the derive secret differs from the one this database's instances use (from `--derive-secret`, `IDEMPOTENCY_SECRET` or the one kept in the database); a retry served under another secret would pay the provider again. To rotate on purpose, read `DeriveSecret`'s notes, then delete the row `derive_secret_check` of the table `example_settings`".to_owned()),
+            Ok(true) => Ok(()),
+            Ok(false) => Err("the derive secret differs from the one this database's instances use (from `--derive-secret`, `IDEMPOTENCY_SECRET` or the one kept in the database); a retry served under another secret would pay the provider again. To rotate on purpose, read `DeriveSecret`'s notes, stop every instance, delete the row `derive_secret_check` of the table `example_settings`, then start them all with the new secret".to_owned()),
             Err(e) => Err(format!("cannot check the derive secret: {e}")),
         }
     }
@@ -380,21 +393,25 @@ impl Api {
     ) -> Reply {
         let mut charge = Charge::new(account, req);
         let key = payment_key.to_string();
-        match self
-            .provider
-            .pay(&key, account, charge.amount, &charge.currency)
-            .await
-        {
+        let asked = Payment {
+            id: String::new(),
+            account: account.to_owned(),
+            customer: charge.customer.clone(),
+            amount: charge.amount,
+            currency: charge.currency.clone(),
+        };
+        match self.provider.pay(&key, &asked).await {
             Ok(payment) => charge.payment = Some(payment.id),
             // The provider saw this payment key before with other parameters: the client
-            // reused its idempotency key for another charge after the first one's record
-            // expired. Retrying cannot help; a 422 is stored and says so.
+            // reused its idempotency key for another charge once the first one's record was
+            // gone (expired, or released after a failure). Retrying cannot help; a 422 is
+            // stored and says so.
             Err(ProviderError::KeyReused) => {
                 return Reply::problem(
                     422,
                     "payment-key-reused",
                     "Idempotency key reused",
-                    "this idempotency key already paid for another charge; use a new key for a new charge".into(),
+                    "the payment provider already took a payment under this idempotency key with other parameters; use a new key for a new charge".into(),
                 );
             }
             Err(e) => return Reply::internal(&e),

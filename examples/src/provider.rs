@@ -11,13 +11,15 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// A payment the provider made.
+/// A payment the provider made (or, as [`Provider::pay`]'s argument, is asked to make).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payment {
     /// `py_` + 24 hex characters.
     pub id: String,
     /// Who paid.
     pub account: String,
+    /// The customer charged.
+    pub customer: String,
     /// Amount, smallest currency unit.
     pub amount: i64,
     /// Currency code.
@@ -46,12 +48,12 @@ pub enum Provider {
     Postgres(sqlx::PgPool),
 }
 
-type Row = (String, String, i64, String);
+type Row = (String, String, String, i64, String);
 
 impl Provider {
     /// The provider for the API's database `url`: in-process for `memory`, the file
     /// `FILE.provider` for `sqlite://FILE` (a private in-memory database for
-    /// `sqlite::memory:`), and the table `provider_payments` for PostgreSQL, on a pool of its
+    /// `sqlite::memory:`), and the table `provider_charges` for PostgreSQL, on a pool of its
     /// own (it is another system: a handler holding one of the API's connections in its
     /// transaction must never wait for the API's pool to reach it).
     ///
@@ -68,10 +70,10 @@ impl Provider {
             // Serialised with the API's own table creation (see `charges::open`).
             sqlx::raw_sql(
                 "SELECT pg_advisory_xact_lock(7201012);
-                 CREATE TABLE IF NOT EXISTS provider_payments (
+                 CREATE TABLE IF NOT EXISTS provider_charges (
                     key text PRIMARY KEY, id text NOT NULL, account text NOT NULL,
-                    amount bigint NOT NULL, currency text NOT NULL);
-                 CREATE INDEX IF NOT EXISTS provider_payments_account ON provider_payments (account);",
+                    customer text NOT NULL, amount bigint NOT NULL, currency text NOT NULL);
+                 CREATE INDEX IF NOT EXISTS provider_charges_account ON provider_charges (account);",
             )
             .execute(&pool)
             .await?;
@@ -104,33 +106,26 @@ impl Provider {
             .connect_with(options.busy_timeout(std::time::Duration::from_secs(5)))
             .await?;
         sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS provider_payments (
+            "CREATE TABLE IF NOT EXISTS provider_charges (
                 key TEXT PRIMARY KEY, id TEXT NOT NULL, account TEXT NOT NULL,
-                amount INTEGER NOT NULL, currency TEXT NOT NULL);
-             CREATE INDEX IF NOT EXISTS provider_payments_account ON provider_payments (account);",
+                customer TEXT NOT NULL, amount INTEGER NOT NULL, currency TEXT NOT NULL);
+             CREATE INDEX IF NOT EXISTS provider_charges_account ON provider_charges (account);",
         )
         .execute(&pool)
         .await?;
         Ok(Provider::Sqlite(pool))
     }
 
-    /// Charges `account` `amount` `currency` under the caller's idempotency `key`: a new
+    /// Makes `payment` (its `id` is ignored) under the caller's idempotency `key`: a new
     /// payment the first time, the same payment for every later call with the key.
     ///
     /// # Errors
-    /// [`ProviderError::KeyReused`] when the key's payment differs; database failures.
-    pub async fn pay(
-        &self,
-        key: &str,
-        account: &str,
-        amount: i64,
-        currency: &str,
-    ) -> Result<Payment, ProviderError> {
+    /// [`ProviderError::KeyReused`] when the key's payment has other parameters (as Stripe
+    /// refuses a key reused with other parameters); database failures.
+    pub async fn pay(&self, key: &str, payment: &Payment) -> Result<Payment, ProviderError> {
         let fresh = Payment {
             id: format!("py_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]),
-            account: account.to_owned(),
-            amount,
-            currency: currency.to_owned(),
+            ..payment.clone()
         };
         let stored = match self {
             Provider::Memory(map) => map
@@ -142,11 +137,11 @@ impl Provider {
             // Insert-or-keep, then read what is there: two concurrent calls with one key
             // agree on one payment (the primary key decides).
             Provider::Sqlite(pool) => {
-                sqlx::query("INSERT INTO provider_payments (key, id, account, amount, currency) VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (key) DO NOTHING")
-                    .bind(key).bind(&fresh.id).bind(account).bind(amount).bind(currency)
+                sqlx::query("INSERT INTO provider_charges (key, id, account, customer, amount, currency) VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT (key) DO NOTHING")
+                    .bind(key).bind(&fresh.id).bind(&fresh.account).bind(&fresh.customer).bind(fresh.amount).bind(&fresh.currency)
                     .execute(pool).await?;
                 let row: Row = sqlx::query_as(
-                    "SELECT id, account, amount, currency FROM provider_payments WHERE key = ?1",
+                    "SELECT id, account, customer, amount, currency FROM provider_charges WHERE key = ?1",
                 )
                 .bind(key)
                 .fetch_one(pool)
@@ -154,11 +149,11 @@ impl Provider {
                 from_row(row)
             }
             Provider::Postgres(pool) => {
-                sqlx::query("INSERT INTO provider_payments (key, id, account, amount, currency) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (key) DO NOTHING")
-                    .bind(key).bind(&fresh.id).bind(account).bind(amount).bind(currency)
+                sqlx::query("INSERT INTO provider_charges (key, id, account, customer, amount, currency) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (key) DO NOTHING")
+                    .bind(key).bind(&fresh.id).bind(&fresh.account).bind(&fresh.customer).bind(fresh.amount).bind(&fresh.currency)
                     .execute(pool).await?;
                 let row: Row = sqlx::query_as(
-                    "SELECT id, account, amount, currency FROM provider_payments WHERE key = $1",
+                    "SELECT id, account, customer, amount, currency FROM provider_charges WHERE key = $1",
                 )
                 .bind(key)
                 .fetch_one(pool)
@@ -166,7 +161,11 @@ impl Provider {
                 from_row(row)
             }
         };
-        if stored.account != account || stored.amount != amount || stored.currency != currency {
+        let asked = Payment {
+            id: stored.id.clone(),
+            ..payment.clone()
+        };
+        if asked != stored {
             return Err(ProviderError::KeyReused);
         }
         Ok(stored)
@@ -183,13 +182,13 @@ impl Provider {
                 return Ok(map.values().filter(|p| p.account == account).count());
             }
             Provider::Sqlite(pool) => {
-                sqlx::query_scalar("SELECT count(*) FROM provider_payments WHERE account = ?1")
+                sqlx::query_scalar("SELECT count(*) FROM provider_charges WHERE account = ?1")
                     .bind(account)
                     .fetch_one(pool)
                     .await?
             }
             Provider::Postgres(pool) => {
-                sqlx::query_scalar("SELECT count(*) FROM provider_payments WHERE account = $1")
+                sqlx::query_scalar("SELECT count(*) FROM provider_charges WHERE account = $1")
                     .bind(account)
                     .fetch_one(pool)
                     .await?
@@ -199,10 +198,11 @@ impl Provider {
     }
 }
 
-fn from_row((id, account, amount, currency): Row) -> Payment {
+fn from_row((id, account, customer, amount, currency): Row) -> Payment {
     Payment {
         id,
         account,
+        customer,
         amount,
         currency,
     }

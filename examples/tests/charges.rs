@@ -53,6 +53,8 @@ fn start_reading(
 ) -> (Server, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(bin.path())
         .args(["--listen", "127.0.0.1:0", "--database", database])
+        // The database's own secret, whatever the environment holds.
+        .env_remove("IDEMPOTENCY_SECRET")
         .args(extra)
         .stdout(Stdio::piped())
         .spawn()
@@ -601,19 +603,40 @@ async fn charges_on_memory(bin: Bin) {
     contract(bin, "memory").await;
 }
 
+/// Runs the binary with `args`, expecting it to refuse to start: its stderr. A binary that
+/// starts instead is killed and fails the test (rather than hanging it).
+fn refused(bin: Bin, args: &[&str]) -> String {
+    let mut child = Command::new(bin.path())
+        .args(args)
+        .env_remove("IDEMPOTENCY_SECRET")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("started with {args:?}, which it should have refused");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!status.success(), "{args:?}");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    err
+}
+
 async fn bad_flags_fail_clearly(bin: Bin) {
-    let out = Command::new(bin.path())
-        .args(["--lease", "0s"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("is zero"));
-    let out = Command::new(bin.path())
-        .args(["--listen", "127.0.0.1:0", "--database", "mysql://nope"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+    assert!(refused(bin, &["--lease", "0s"]).contains("is zero"));
+    let err = refused(
+        bin,
+        &["--listen", "127.0.0.1:0", "--database", "mysql://nope"],
+    );
+    assert!(err.contains("unsupported database URL"), "{err}");
     // A derive secret other than the one the database's instances use is refused at start-up
     // (a retry served under it would pay the provider again); a short one too.
     let dir = tempfile::tempdir().unwrap();
@@ -626,35 +649,86 @@ async fn bad_flags_fail_clearly(bin: Bin) {
         ),
         ("short", "invalid derive secret"),
     ] {
-        let out = Command::new(bin.path())
-            .args(["--listen", "127.0.0.1:0", "--database", &url])
-            .args(["--derive-secret", secret])
-            .output()
-            .unwrap();
-        assert!(!out.status.success());
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = refused(
+            bin,
+            &[
+                "--listen",
+                "127.0.0.1:0",
+                "--database",
+                &url,
+                "--derive-secret",
+                secret,
+            ],
+        );
         assert!(err.contains(says), "{err}");
     }
     // The same database, no flag: the kept secret, so it starts.
     drop(start(bin, &url, &[]));
     // A lease longer than the default ttl is refused at start-up, not per request.
-    let out = Command::new(bin.path())
-        .args([
+    let err = refused(
+        bin,
+        &[
             "--listen",
             "127.0.0.1:0",
             "--database",
             "memory",
             "--lease",
             "2d",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("invalid configuration"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
+    assert!(err.contains("invalid configuration"), "{err}");
+}
+
+/// A key reused once its record is gone (expired and swept; here deleted) reaches the
+/// provider with the same derived key: for the same charge the provider gives the first
+/// payment back, for another charge it refuses, and the API answers 422, stored.
+async fn key_reused_after_its_record_is_gone(bin: Bin) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    let server = start(bin, &url, &[]);
+    let api = Api::new(&server);
+    let (acct, k) = (account(), key());
+    let first: Value = api
+        .json(&acct, &k, CHARGE)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let forget = || async {
+        let gone = sqlx::query("DELETE FROM idempotency_records WHERE key = ?1")
+            .bind(&k)
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert_eq!(gone.rows_affected(), 1);
+    };
+    forget().await;
+    let same: Value = api
+        .json(&acct, &k, CHARGE)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(same["payment"], first["payment"], "{same}");
+    assert_ne!(same["id"], first["id"]);
+    forget().await;
+    let other = r#"{"amount": 501, "currency": "usd", "customer": "cus_123"}"#;
+    let res = api.json(&acct, &k, other).send().await.unwrap();
+    assert_eq!(res.status(), 422);
+    let body: Value = res.json().await.unwrap();
+    assert!(
+        body["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("/payment-key-reused"),
+        "{body}"
+    );
+    assert_eq!(payments(&url, &acct).await, 1);
 }
 
 /// A database failure inside the handler is a 500 problem that says nothing of the database:
@@ -718,6 +792,7 @@ both_binaries!(
     )]
     crash_on_postgres,
     bad_flags_fail_clearly,
+    key_reused_after_its_record_is_gone,
     handler_errors_carry_no_database_text,
     lossy_client_on_sqlite,
     #[cfg_attr(

@@ -8,7 +8,8 @@
 //! what a retry can fix:
 //!
 //! - connection errors, timeouts, and connections that broke before the whole response
-//!   arrived (the server may have run the request: the key makes the retry a replay);
+//!   arrived (the server may have run the request: the key makes the retry a replay; for
+//!   safe methods, whose responses are not buffered, a body cut short is the caller's error);
 //! - `409 Conflict` (the first attempt still runs), `429 Too Many Requests`, `408`, `425` and
 //!   every `5xx`, waiting at least what `Retry-After` asks (seconds or an HTTP date);
 //!
@@ -20,7 +21,10 @@
 //! response (a 409 or 5xx, for the caller to see) or the last error; when the deadline passes
 //! during an attempt, the error is [`DeadlineExceeded`] (a middleware error).
 //!
-//! Safe methods (GET, HEAD, OPTIONS, TRACE) get no key and are retried the same way. Retrying
+//! Safe methods (GET, HEAD, OPTIONS, TRACE) get no key and are retried on the same statuses and
+//! transport errors. When the middleware gives up with an error, the key it made is lost with
+//! it: if your code may retry the operation after that, set your own `Idempotency-Key` (kept
+//! with the operation) and the middleware uses it. Retrying
 //! a POST is safe only against a server that honours the key (this crate's adapters, Stripe,
 //! …): against one that ignores it, a lost response means a second execution. Put this
 //! middleware **innermost**: another retry middleware wrapped around it would call it afresh
@@ -135,10 +139,12 @@ impl IdempotentRetry {
 impl IdempotentRetryBuilder {
     /// The exponential bounds of the waits: the first retry waits up to `min`, each later one
     /// up to twice the previous bound, never more than `max` (full jitter: a uniform draw
-    /// below the bound). Default 100 ms and 10 s.
+    /// below the bound). Default 100 ms and 10 s; both are capped at one day.
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.min_wait = min;
-        self.max_wait = max.max(min);
+        // The backoff multiplies `min` by up to `u32::MAX`; a day keeps that far from overflow.
+        const CAP: Duration = Duration::from_secs(86_400);
+        self.min_wait = min.min(CAP);
+        self.max_wait = max.min(CAP).max(self.min_wait);
         self
     }
 
@@ -323,8 +329,8 @@ impl Middleware for IdempotentRetry {
             attempts += 1;
             let Some(this) = req.try_clone() else {
                 // A body that cannot be cloned (a stream): one attempt.
-                let buffer = self.buffer && key.is_some();
-                let outcome = self.attempt(req, extensions, next, deadline, buffer).await;
+                // Never retried, so nothing to gain from reading the body here.
+                let outcome = self.attempt(req, extensions, next, deadline, false).await;
                 return with_key(outcome, key);
             };
             let outcome = self

@@ -68,6 +68,8 @@ fn attempts_for(rate: f64, count: usize) -> u32 {
 
 /// Per-attempt timeout: a server that answers slower than this is retried (409 meanwhile).
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the start-up probe of each of the server's addresses may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// What the deadline allows per attempt for a server's `Retry-After`.
 const RETRY_AFTER_ALLOWANCE: Duration = Duration::from_secs(2);
 /// The backoff's bounds.
@@ -96,16 +98,22 @@ async fn upstream(url: &reqwest::Url) -> Result<SocketAddr, String> {
             url.scheme()
         ));
     }
-    let host = url.host_str().ok_or("the URL has no host")?;
+    // IPv6 literals come bracketed (`[::1]`); the resolver takes them bare.
+    let host = url
+        .host_str()
+        .ok_or("the URL has no host")?
+        .trim_start_matches('[')
+        .trim_end_matches(']');
     let port = url.port_or_known_default().unwrap_or(80);
     let addrs = tokio::net::lookup_host((host, port))
         .await
         .map_err(|e| format!("cannot resolve {host}: {e}"))?;
     let mut last = format!("{host} resolves to no address");
     for addr in addrs {
-        match tokio::net::TcpStream::connect(addr).await {
-            Ok(_) => return Ok(addr),
-            Err(e) => last = format!("cannot connect to {addr}: {e}"),
+        match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr)).await {
+            Ok(Ok(_)) => return Ok(addr),
+            Ok(Err(e)) => last = format!("cannot connect to {addr}: {e}"),
+            Err(_) => last = format!("cannot connect to {addr}: no answer in {CONNECT_TIMEOUT:?}"),
         }
     }
     Err(last)
