@@ -180,13 +180,19 @@ async fn lossy_client(bin: Bin, database: &str) {
 }
 
 async fn lossy_client_on_sqlite(bin: Bin) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    let (_dir, url) = temp_sqlite();
     lossy_client(bin, &url).await;
 }
 
 async fn lossy_client_on_postgres(bin: Bin) {
     lossy_client(bin, &std::env::var("DATABASE_URL").unwrap()).await;
+}
+
+/// A SQLite database URL in a new temporary directory (removed when the guard drops).
+fn temp_sqlite() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    (dir, url)
 }
 
 fn account() -> String {
@@ -577,8 +583,7 @@ async fn drains_on_shutdown(bin: Bin, database: &str) {
 }
 
 async fn charges_on_sqlite(bin: Bin) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    let (_dir, url) = temp_sqlite();
     contract(bin, &url).await;
     drains_on_shutdown(bin, &url).await;
 }
@@ -590,8 +595,7 @@ async fn charges_on_postgres(bin: Bin) {
 }
 
 async fn crash_on_sqlite(bin: Bin) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    let (_dir, url) = temp_sqlite();
     crash_inside_the_transaction(bin, &url).await;
 }
 
@@ -639,8 +643,7 @@ async fn bad_flags_fail_clearly(bin: Bin) {
     assert!(err.contains("unsupported database URL"), "{err}");
     // A derive secret other than the one the database's instances use is refused at start-up
     // (a retry served under it would pay the provider again); a short one too.
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    let (_dir, url) = temp_sqlite();
     drop(start(bin, &url, &[]));
     for (secret, says) in [
         (
@@ -683,8 +686,7 @@ async fn bad_flags_fail_clearly(bin: Bin) {
 /// provider with the same derived key: for the same charge the provider gives the first
 /// payment back, for another charge it refuses, and the API answers 422, stored.
 async fn key_reused_after_its_record_is_gone(bin: Bin) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    let (_dir, url) = temp_sqlite();
     let server = start(bin, &url, &[]);
     let api = Api::new(&server);
     let (acct, k) = (account(), key());
