@@ -44,6 +44,7 @@
 //! - `client`: [`client::IdempotentRetry`], a retry middleware for reqwest that makes one
 //!   `Idempotency-Key` per logical request.
 
+pub mod call;
 #[cfg(feature = "client")]
 pub mod client;
 mod clock;

@@ -1,0 +1,369 @@
+//! Idempotent functions (`idempotent_core::call`) on every store (memory, a SQLite file,
+//! PostgreSQL): once per (scope, key), the output returned on redelivery, errors released or
+//! stored, mismatches, concurrent duplicates refused or waited for, derived keys.
+#![allow(clippy::unwrap_used)] // tests unwrap freely
+
+use idempotent_core::call::{Call, CallError, Calls, Concurrent, StoredError};
+use idempotent_core::{DeriveSecret, Engine, IdempotencyKey, MemoryStore, Scope, Store};
+use idempotent_tests::Fixture;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Serialize)]
+struct PaymentEvent {
+    id: String,
+    tenant: String,
+    amount: i64,
+}
+
+fn event(amount: i64) -> PaymentEvent {
+    PaymentEvent {
+        id: format!("evt_{}", uuid::Uuid::new_v4().simple()),
+        tenant: "tenant_1".into(),
+        amount,
+    }
+}
+
+fn call(name: &'static str, msg: &PaymentEvent) -> Call {
+    Call::new(
+        name,
+        Scope::new(&msg.tenant).unwrap(),
+        IdempotencyKey::parse(msg.id.as_bytes()).unwrap(),
+        msg,
+    )
+    .unwrap()
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    booked: i64,
+    run: usize,
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+enum BookError {
+    Declined,
+    Unavailable,
+}
+
+impl StoredError for BookError {
+    fn is_stored(&self) -> bool {
+        matches!(self, BookError::Declined)
+    }
+}
+
+struct Memory;
+
+#[async_trait::async_trait]
+impl Fixture for Memory {
+    async fn fresh(&self) -> Arc<dyn Store> {
+        Arc::new(MemoryStore::new())
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+}
+
+async fn calls(fixture: &impl Fixture) -> Calls {
+    Calls::new(Engine::from_arc(fixture.fresh().await)).lease(Duration::from_secs(5))
+}
+
+/// Three deliveries, one run: every delivery gets the first run's output.
+async fn runs_once_and_returns_the_output(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let msg = event(500);
+    let runs = AtomicUsize::new(0);
+    for _ in 0..3 {
+        let out: Result<Receipt, CallError<BookError>> = calls
+            .run(call("book", &msg), || async {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                Ok(Receipt {
+                    booked: msg.amount,
+                    run,
+                })
+            })
+            .await;
+        assert_eq!(
+            out.unwrap(),
+            Receipt {
+                booked: 500,
+                run: 1
+            }
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// An error releases the key: the next delivery runs again; after its success, replays.
+async fn errors_release_the_key(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let msg = event(1);
+    let runs = AtomicUsize::new(0);
+    let attempt = || async {
+        let n = runs.fetch_add(1, Ordering::SeqCst);
+        if n == 0 {
+            Err(BookError::Unavailable)
+        } else {
+            Ok(Receipt { booked: 1, run: n })
+        }
+    };
+    let first = calls.run(call("book", &msg), attempt).await;
+    assert!(matches!(
+        first,
+        Err(CallError::Failed(BookError::Unavailable))
+    ));
+    assert_eq!(calls.run(call("book", &msg), attempt).await.unwrap().run, 1);
+    assert_eq!(calls.run(call("book", &msg), attempt).await.unwrap().run, 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// An error type that opts in: final errors are stored and returned on redelivery, others
+/// release the key.
+async fn final_errors_are_stored(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let msg = event(2);
+    let runs = AtomicUsize::new(0);
+    for _ in 0..3 {
+        let out: Result<Receipt, _> = calls
+            .run_storing(call("book", &msg), || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Err(BookError::Declined)
+            })
+            .await;
+        assert!(matches!(out, Err(CallError::Failed(BookError::Declined))));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let other = event(3);
+    for _ in 0..2 {
+        let out: Result<Receipt, _> = calls
+            .run_storing(call("book", &other), || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Err(BookError::Unavailable)
+            })
+            .await;
+        assert!(matches!(
+            out,
+            Err(CallError::Failed(BookError::Unavailable))
+        ));
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "retryable errors are not stored"
+    );
+}
+
+/// The key with other arguments, or for another function, is a mismatch; a stored output of
+/// another type does not decode.
+async fn mismatches_and_types(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let msg = event(4);
+    let ok: Result<u32, CallError<BookError>> =
+        calls.run(call("book", &msg), || async { Ok(7) }).await;
+    assert_eq!(ok.unwrap(), 7);
+    let changed = PaymentEvent {
+        amount: 5,
+        ..msg.clone()
+    };
+    let out: Result<u32, CallError<BookError>> = calls
+        .run(call("book", &changed), || async { panic!("must not run") })
+        .await;
+    assert!(matches!(out, Err(CallError::Mismatch)), "{out:?}");
+    let out: Result<u32, CallError<BookError>> = calls
+        .run(call("refund", &msg), || async { panic!("must not run") })
+        .await;
+    assert!(matches!(out, Err(CallError::Mismatch)), "{out:?}");
+    let out: Result<String, CallError<BookError>> = calls
+        .run(call("book", &msg), || async { panic!("must not run") })
+        .await;
+    assert!(matches!(out, Err(CallError::Decode(_))), "{out:?}");
+    // Another scope with the same key is another call altogether.
+    let elsewhere = PaymentEvent {
+        tenant: "tenant_2".into(),
+        ..msg.clone()
+    };
+    let out: Result<u32, CallError<BookError>> = calls
+        .run(call("book", &elsewhere), || async { Ok(8) })
+        .await;
+    assert_eq!(out.unwrap(), 8);
+}
+
+/// A duplicate while the first runs: refused at once, or (waiting) given the first's output;
+/// a wait that runs out is refused too.
+async fn concurrent_duplicates(f: &impl Fixture) {
+    let store = f.fresh().await;
+    let engine = Engine::from_arc(store);
+    let refuse = Calls::new(engine.clone()).lease(Duration::from_secs(5));
+    let wait = refuse
+        .clone()
+        .concurrent(Concurrent::Wait(Duration::from_secs(10)));
+    let short = refuse
+        .clone()
+        .concurrent(Concurrent::Wait(Duration::from_millis(100)));
+    let msg = event(6);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let first = tokio::spawn({
+        let (refuse, msg, runs, gate) = (refuse.clone(), msg.clone(), runs.clone(), gate.clone());
+        async move {
+            let out: Result<usize, CallError<BookError>> = refuse
+                .run(call("book", &msg), || async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    gate.notified().await;
+                    Ok(41)
+                })
+                .await;
+            out
+        }
+    });
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let busy: Result<usize, CallError<BookError>> = refuse
+        .run(call("book", &msg), || async { panic!("must not run") })
+        .await;
+    assert!(
+        matches!(busy, Err(CallError::InProgress { .. })),
+        "{busy:?}"
+    );
+    let timed_out: Result<usize, CallError<BookError>> = short
+        .run(call("book", &msg), || async { panic!("must not run") })
+        .await;
+    assert!(
+        matches!(timed_out, Err(CallError::InProgress { .. })),
+        "{timed_out:?}"
+    );
+    let waiter = tokio::spawn({
+        let (wait, msg) = (wait.clone(), msg.clone());
+        async move {
+            let out: Result<usize, CallError<BookError>> = wait
+                .run(call("book", &msg), || async { panic!("must not run") })
+                .await;
+            out
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    gate.notify_one();
+    assert_eq!(first.await.unwrap().unwrap(), 41);
+    assert_eq!(waiter.await.unwrap().unwrap(), 41);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A panic releases the key; the next delivery runs.
+async fn panics_release_the_key(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let msg = event(7);
+    let boom = tokio::spawn({
+        let (calls, msg) = (calls.clone(), msg.clone());
+        async move {
+            let _: Result<u8, CallError<BookError>> = calls
+                .run(call("book", &msg), || async { panic!("consumer exploded") })
+                .await;
+        }
+    });
+    assert!(boom.await.unwrap_err().is_panic());
+    let out: Result<u8, CallError<BookError>> =
+        calls.run(call("book", &msg), || async { Ok(1) }).await;
+    assert_eq!(out.unwrap(), 1);
+}
+
+/// The context derives the same downstream key on every run of one (scope, key), and the
+/// function does not run without a secret.
+async fn derived_keys(f: &impl Fixture) {
+    let secret = DeriveSecret::new([3u8; 32]).unwrap();
+    let calls = calls(f).await.derive_secret(secret);
+    let msg = event(8);
+    let mut seen = Vec::new();
+    for fail in [true, false] {
+        let out: Result<String, CallError<BookError>> = calls
+            .run_with(call("book", &msg), |idem| async move {
+                let key = idem.derive("payment-provider").to_string();
+                if fail {
+                    Err(BookError::Unavailable)
+                } else {
+                    Ok(key)
+                }
+            })
+            .await;
+        match out {
+            Err(CallError::Failed(_)) => {}
+            Ok(key) => seen.push(key),
+            other => panic!("{other:?}"),
+        }
+    }
+    let again: Result<String, CallError<BookError>> = calls
+        .run_with(call("book", &msg), |_| async { panic!("must not run") })
+        .await;
+    seen.push(again.unwrap());
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0], seen[1]);
+    let bare = Calls::new(Engine::new(MemoryStore::new()));
+    let out: Result<String, CallError<BookError>> = bare
+        .run_with(call("book", &msg), |_| async { panic!("must not run") })
+        .await;
+    assert!(matches!(out, Err(CallError::Misconfigured(_))), "{out:?}");
+}
+
+/// An output that cannot be serialized: the work ran once and is never re-run; every
+/// delivery says it was not stored.
+async fn unstorable_outputs_never_run_twice(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let msg = event(9);
+    let runs = AtomicUsize::new(0);
+    for _ in 0..2 {
+        let out: Result<std::collections::HashMap<(u8, u8), u8>, CallError<BookError>> = calls
+            .run(call("book", &msg), || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok([((1, 2), 3)].into_iter().collect())
+            })
+            .await;
+        assert!(matches!(out, Err(CallError::NotStored)), "{out:?}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+macro_rules! on_every_store {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(&super::Memory).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(&idempotent_tests::fixtures::Sqlite::file()).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    use idempotent_tests::Fixture;
+                    let fixture = idempotent_tests::fixtures::Postgres::new();
+                    super::$case(&fixture).await;
+                    fixture.cleanup().await;
+                }
+            )*
+        }
+    };
+}
+
+on_every_store!(
+    runs_once_and_returns_the_output,
+    errors_release_the_key,
+    final_errors_are_stored,
+    mismatches_and_types,
+    concurrent_duplicates,
+    panics_release_the_key,
+    derived_keys,
+    unstorable_outputs_never_run_twice,
+);
