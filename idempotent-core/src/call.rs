@@ -333,7 +333,7 @@ impl Calls {
             let request = crate::ExecuteRequest {
                 scope: call.scope.clone(),
                 key: Ok(call.key.clone()),
-                fingerprint: call.fingerprint.clone(),
+                fingerprint: call.fingerprint,
             };
             match self.engine.begin(request, &policy).await {
                 Begin::Claimed(mut execution) => {
