@@ -184,6 +184,7 @@ pub struct Calls {
     lease: Duration,
     concurrent: Concurrent,
     secret: Option<DeriveSecret>,
+    commit: Option<crate::CommitPath>,
 }
 
 impl Calls {
@@ -195,6 +196,7 @@ impl Calls {
             lease: DEFAULT_LEASE,
             concurrent: Concurrent::Refuse,
             secret: None,
+            commit: None,
         }
     }
 
@@ -219,10 +221,17 @@ impl Calls {
         self
     }
 
-    /// The secret for [`Calls::run_with`]'s [`Idempotent::derive`] (see [`DeriveSecret`]).
+    /// The secret of [`Calls::context`]'s [`Idempotent::derive`] (see [`DeriveSecret`]).
     #[must_use]
     pub fn derive_secret(mut self, secret: DeriveSecret) -> Self {
         self.secret = Some(secret);
+        self
+    }
+
+    /// The commit path of [`Calls::run_tx`] (default: each database's, [`crate::tx`]).
+    #[must_use]
+    pub fn commit_path(mut self, commit: crate::CommitPath) -> Self {
+        self.commit = Some(commit);
         self
     }
 
@@ -254,21 +263,6 @@ impl Calls {
         self.go(call, f, |_: &E| None, |_| None).await
     }
 
-    /// [`Calls::run`] for a function that takes the call's [`Idempotent`] context (to derive
-    /// keys for the calls it makes downstream). Needs [`Calls::derive_secret`].
-    ///
-    /// # Errors
-    /// [`CallError`]; [`CallError::Misconfigured`] without a derive secret.
-    pub async fn run_with<T, E, F, Fut>(&self, call: Call, f: F) -> Result<T, CallError<E>>
-    where
-        T: Serialize + DeserializeOwned,
-        F: FnOnce(Idempotent) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
-        let ctx = self.context(&call)?;
-        self.go(call, move || f(ctx), |_: &E| None, |_| None).await
-    }
-
     /// [`Calls::run`] for an error type that opts into being stored: an error whose
     /// [`StoredError::is_stored`] is true is stored and returned on every redelivery.
     ///
@@ -285,29 +279,27 @@ impl Calls {
             .await
     }
 
-    /// [`Calls::run_storing`] with the [`Idempotent`] context ([`Calls::run_with`]).
+    /// The call's [`Idempotent`] context, for a function that derives keys for the calls it
+    /// makes downstream: move it into the closure you give [`Calls::run`]. Needs
+    /// [`Calls::derive_secret`].
     ///
     /// # Errors
-    /// [`CallError`]; [`CallError::Misconfigured`] without a derive secret.
-    pub async fn run_storing_with<T, E, F, Fut>(&self, call: Call, f: F) -> Result<T, CallError<E>>
-    where
-        T: Serialize + DeserializeOwned,
-        E: StoredError,
-        F: FnOnce(Idempotent) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
-        let ctx = self.context(&call)?;
-        self.go(call, move || f(ctx), encode_stored::<E>, decode_stored::<E>)
-            .await
-    }
-
-    fn context<E>(&self, call: &Call) -> Result<Idempotent, CallError<E>> {
+    /// [`CallError::Misconfigured`] without a derive secret.
+    pub fn context<E>(&self, call: &Call) -> Result<Idempotent, CallError<E>> {
         match &self.secret {
             Some(secret) => Ok(Idempotent::keyed(secret, &call.scope, &call.key)),
             None => Err(CallError::Misconfigured(format!(
                 "`{}` takes an `Idempotent` context but no derive secret is configured",
                 call.name
             ))),
+        }
+    }
+
+    fn request(call: &Call) -> crate::ExecuteRequest {
+        crate::ExecuteRequest {
+            scope: call.scope.clone(),
+            key: Ok(call.key.clone()),
+            fingerprint: call.fingerprint,
         }
     }
 
@@ -326,78 +318,241 @@ impl Calls {
     {
         let policy = self.policy(call.name);
         policy.check()?;
-        let waited_from = tokio::time::Instant::now();
-        let mut pause = Duration::from_millis(10);
-        let mut f = Some(f);
+        let mut waiting = Waiting::new(self.concurrent);
         loop {
-            let request = crate::ExecuteRequest {
-                scope: call.scope.clone(),
-                key: Ok(call.key.clone()),
-                fingerprint: call.fingerprint,
+            let mut execution = match self.engine.begin(Self::request(&call), &policy).await {
+                Begin::Claimed(execution) => execution,
+                other => match settle(other, &mut waiting, decode_error).await {
+                    Settled::Done(result) => return result,
+                    Settled::Again => continue,
+                },
             };
-            match self.engine.begin(request, &policy).await {
-                Begin::Claimed(mut execution) => {
-                    let Some(f) = f.take() else {
-                        // Unreachable: the loop returns after the one claim it runs.
-                        execution.release().await;
-                        return Err(CallError::Misconfigured("claimed twice".into()));
-                    };
-                    let result = match execution.run(f()).await {
-                        Ok(result) => result,
-                        Err(panic) => {
-                            execution.release().await;
-                            std::panic::resume_unwind(panic)
+            let result = match execution.run(f()).await {
+                Ok(result) => result,
+                Err(panic) => {
+                    execution.release().await;
+                    std::panic::resume_unwind(panic)
+                }
+            };
+            let Some(record) = record_of(&result, encode_error) else {
+                execution.release().await;
+                return result.map_err(CallError::Failed);
+            };
+            let not_stored = matches!(record, StoredOutcome::Oversized { .. });
+            // A failed store is logged by the engine; the record stays in progress until its
+            // lease ends, so a redelivery meanwhile waits, never re-runs.
+            execution.finish(record).await;
+            return match result {
+                Ok(_) if not_stored => Err(CallError::NotStored),
+                other => other.map_err(CallError::Failed),
+            };
+        }
+    }
+}
+
+/// Transactional mode: the function writes through a [`Transaction`](crate::Transaction) on
+/// the store's own database, and its record commits **with** those writes, in one commit (the
+/// default path of each database, [`crate::tx`]), or not at all. A consumer that books a
+/// payment row and acks: the row and the processed-message record commit together, so a
+/// redelivery after a crash either finds both or neither.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod transactional {
+    use super::*;
+    use crate::tx::{DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT};
+    use crate::{Transaction, TxBegin, TxDatabase, TxFinished, TxOptions};
+
+    impl Calls {
+        /// [`Calls::run`] in transactional mode: `f` gets the transaction; an `Ok` commits its
+        /// writes with the stored output, an `Err` (or a panic) rolls them back and releases
+        /// the key. The engine's store must be on `DB` ([`CallError::Misconfigured`]
+        /// otherwise).
+        ///
+        /// # Errors
+        /// [`CallError`]; [`CallError::Store`] when the commit failed (nothing committed).
+        pub async fn run_tx<DB, T, E, F, Fut>(&self, call: Call, f: F) -> Result<T, CallError<E>>
+        where
+            DB: TxDatabase,
+            T: Serialize + DeserializeOwned,
+            F: FnOnce(Transaction<DB>) -> Fut,
+            Fut: Future<Output = Result<T, E>>,
+        {
+            self.go_tx(call, f, |_: &E| None, |_| None).await
+        }
+
+        /// [`Calls::run_tx`] for an error type that opts into being stored: a stored error
+        /// commits the function's writes with it (its choice, as a 4xx does over HTTP).
+        ///
+        /// # Errors
+        /// [`CallError`].
+        pub async fn run_tx_storing<DB, T, E, F, Fut>(
+            &self,
+            call: Call,
+            f: F,
+        ) -> Result<T, CallError<E>>
+        where
+            DB: TxDatabase,
+            T: Serialize + DeserializeOwned,
+            E: StoredError,
+            F: FnOnce(Transaction<DB>) -> Fut,
+            Fut: Future<Output = Result<T, E>>,
+        {
+            self.go_tx(call, f, encode_stored::<E>, decode_stored::<E>)
+                .await
+        }
+
+        async fn go_tx<DB, T, E, F, Fut>(
+            &self,
+            call: Call,
+            f: F,
+            encode_error: fn(&E) -> Option<Vec<u8>>,
+            decode_error: fn(&[u8]) -> Option<Result<E, serde_json::Error>>,
+        ) -> Result<T, CallError<E>>
+        where
+            DB: TxDatabase,
+            T: Serialize + DeserializeOwned,
+            F: FnOnce(Transaction<DB>) -> Fut,
+            Fut: Future<Output = Result<T, E>>,
+        {
+            let policy = self.policy(call.name);
+            policy.check()?;
+            let options = TxOptions {
+                commit: self.commit.unwrap_or(DB::DEFAULT_COMMIT),
+                wait: DEFAULT_TX_WAIT,
+                max_waiters: DEFAULT_MAX_WAITERS,
+                read_first: true,
+            };
+            let mut waiting = Waiting::new(self.concurrent);
+            loop {
+                let begin = self
+                    .engine
+                    .begin_transactional::<DB>(Self::request(&call), &policy, &options)
+                    .await;
+                let mut execution = match begin {
+                    TxBegin::Run(execution) => execution,
+                    TxBegin::Respond(other) => {
+                        match settle(other, &mut waiting, decode_error).await {
+                            Settled::Done(result) => return result,
+                            Settled::Again => continue,
                         }
-                    };
-                    let record = match &result {
-                        Ok(output) => match serde_json::to_vec(output) {
-                            Ok(json) => stored(OUTPUT, json),
-                            // Done, but not storable: a marker, so it never runs twice.
-                            Err(_) => StoredOutcome::Oversized {
-                                status: OUTPUT,
-                                size: 0,
-                            },
-                        },
-                        Err(error) => match encode_error(error) {
-                            Some(json) => stored(STORED_ERROR, json),
-                            None => {
-                                execution.release().await;
-                                return result.map_err(CallError::Failed);
-                            }
-                        },
-                    };
-                    let not_stored = matches!(record, StoredOutcome::Oversized { .. });
-                    // A failed store is logged by the engine; the record stays in progress
-                    // until its lease ends, so a redelivery meanwhile waits, not re-runs.
-                    execution.finish(record).await;
-                    return match result {
+                    }
+                    TxBegin::WrongStore { wanted } => {
+                        return Err(CallError::Misconfigured(format!(
+                            "`{}` writes through a {wanted} transaction, but the store is not on {wanted}",
+                            call.name
+                        )));
+                    }
+                };
+                let Some(tx) = execution.transaction() else {
+                    execution.abort().await;
+                    return Err(CallError::Misconfigured("no transaction".into()));
+                };
+                let result = match execution.run(f(tx)).await {
+                    Ok(result) => result,
+                    Err(panic) => {
+                        execution.abort().await;
+                        std::panic::resume_unwind(panic)
+                    }
+                };
+                // An error that is not stored: a status the policy releases, so the writes
+                // roll back and the key is released.
+                let record = record_of(&result, encode_error)
+                    .unwrap_or_else(|| StoredResponse::new(500, Vec::new()).into());
+                let not_stored = matches!(record, StoredOutcome::Oversized { .. });
+                return match execution.finish(record).await {
+                    TxFinished::Committed | TxFinished::RolledBack => match result {
                         Ok(_) if not_stored => Err(CallError::NotStored),
                         other => other.map_err(CallError::Failed),
-                    };
-                }
-                Begin::Replay(outcome) => return replay(outcome, decode_error),
-                Begin::InProgress { retry_after } => {
-                    let Concurrent::Wait(limit) = self.concurrent else {
-                        return Err(CallError::InProgress { retry_after });
-                    };
-                    let left = limit.saturating_sub(waited_from.elapsed());
-                    if left.is_zero() {
-                        return Err(CallError::InProgress { retry_after });
-                    }
-                    tokio::time::sleep(pause.min(left).min(retry_after.max(pause))).await;
-                    pause = (pause * 2).min(Duration::from_millis(500));
-                }
-                Begin::Mismatch { .. } => return Err(CallError::Mismatch),
-                Begin::KeyRejected(e) => return Err(CallError::Misconfigured(e.to_string())),
-                Begin::StoreUnavailable(e) => return Err(CallError::Store(e)),
-                Begin::Draining => return Err(CallError::Draining),
-                Begin::Misconfigured(e) => return Err(e.into()),
-                // Keys are always given and fail-open is off: neither can happen.
-                Begin::Unprotected(_) => {
-                    return Err(CallError::Misconfigured("ran unprotected".into()));
-                }
+                    },
+                    TxFinished::Failed(e) => Err(CallError::Store(e)),
+                    TxFinished::Escaped => Err(CallError::Misconfigured(format!(
+                        "`{}` kept its transaction past its return, so nothing was committed",
+                        call.name
+                    ))),
+                };
             }
         }
+    }
+}
+
+/// Bounded waiting for a running duplicate ([`Concurrent::Wait`]).
+struct Waiting {
+    concurrent: Concurrent,
+    since: tokio::time::Instant,
+    pause: Duration,
+}
+
+impl Waiting {
+    fn new(concurrent: Concurrent) -> Self {
+        Waiting {
+            concurrent,
+            since: tokio::time::Instant::now(),
+            pause: Duration::from_millis(10),
+        }
+    }
+
+    /// Sleeps before the next look, or says to give up.
+    async fn again(&mut self, retry_after: Duration) -> bool {
+        let Concurrent::Wait(limit) = self.concurrent else {
+            return false;
+        };
+        let left = limit.saturating_sub(self.since.elapsed());
+        if left.is_zero() {
+            return false;
+        }
+        tokio::time::sleep(self.pause.min(left).min(retry_after.max(self.pause))).await;
+        self.pause = (self.pause * 2).min(Duration::from_millis(500));
+        true
+    }
+}
+
+enum Settled<T, E> {
+    Done(Result<T, CallError<E>>),
+    Again,
+}
+
+/// What a claim that did not run the function means for the caller.
+async fn settle<T: DeserializeOwned, E>(
+    begin: Begin,
+    waiting: &mut Waiting,
+    decode_error: fn(&[u8]) -> Option<Result<E, serde_json::Error>>,
+) -> Settled<T, E> {
+    Settled::Done(match begin {
+        Begin::Replay(outcome) => replay(outcome, decode_error),
+        Begin::InProgress { retry_after } => {
+            if waiting.again(retry_after).await {
+                return Settled::Again;
+            }
+            Err(CallError::InProgress { retry_after })
+        }
+        Begin::Mismatch { .. } => Err(CallError::Mismatch),
+        Begin::KeyRejected(e) => Err(CallError::Misconfigured(e.to_string())),
+        Begin::StoreUnavailable(e) => Err(CallError::Store(e)),
+        Begin::Draining => Err(CallError::Draining),
+        Begin::Misconfigured(e) => Err(e.into()),
+        // A claim runs the function; keys are always given and fail-open is off, so nothing
+        // runs unprotected.
+        Begin::Claimed(_) | Begin::Unprotected(_) => Err(CallError::Misconfigured(
+            "an unexpected claim outcome".into(),
+        )),
+    })
+}
+
+/// The record of a result: the output (or a "not stored" marker when it does not serialize),
+/// a stored error, or `None` for an error that releases the key.
+fn record_of<T: Serialize, E>(
+    result: &Result<T, E>,
+    encode_error: fn(&E) -> Option<Vec<u8>>,
+) -> Option<StoredOutcome> {
+    match result {
+        Ok(output) => Some(match serde_json::to_vec(output) {
+            Ok(json) => stored(OUTPUT, json),
+            // Done, but not storable: a marker, so it never runs twice.
+            Err(_) => StoredOutcome::Oversized {
+                status: OUTPUT,
+                size: 0,
+            },
+        }),
+        Err(error) => encode_error(error).map(|json| stored(STORED_ERROR, json)),
     }
 }
 

@@ -277,8 +277,10 @@ async fn derived_keys(f: &impl Fixture) {
     let msg = event(8);
     let mut seen = Vec::new();
     for fail in [true, false] {
+        let c = call("book", &msg);
+        let idem = calls.context::<BookError>(&c).unwrap();
         let out: Result<String, CallError<BookError>> = calls
-            .run_with(call("book", &msg), |idem| async move {
+            .run(c, || async move {
                 let key = idem.derive("payment-provider").to_string();
                 if fail {
                     Err(BookError::Unavailable)
@@ -294,15 +296,13 @@ async fn derived_keys(f: &impl Fixture) {
         }
     }
     let again: Result<String, CallError<BookError>> = calls
-        .run_with(call("book", &msg), |_| async { panic!("must not run") })
+        .run(call("book", &msg), || async { panic!("must not run") })
         .await;
     seen.push(again.unwrap());
     assert_eq!(seen.len(), 2);
     assert_eq!(seen[0], seen[1]);
     let bare = Calls::new(Engine::new(MemoryStore::new()));
-    let out: Result<String, CallError<BookError>> = bare
-        .run_with(call("book", &msg), |_| async { panic!("must not run") })
-        .await;
+    let out = bare.context::<BookError>(&call("book", &msg));
     assert!(matches!(out, Err(CallError::Misconfigured(_))), "{out:?}");
 }
 
@@ -367,3 +367,175 @@ on_every_store!(
     derived_keys,
     unstorable_outputs_never_run_twice,
 );
+
+/// Transactional mode on `$db`: the booking row commits with the stored output, or not at
+/// all. `$setup` gives the calls and a pool on the same database with a fresh table `$t`.
+macro_rules! transactional_cases {
+    ($name:ident, $db:ty, $setup:expr, $insert:literal, $count:literal $(, #[$attr:meta])*) => {
+        mod $name {
+            use super::*;
+            use idempotent_core::Transaction;
+
+            async fn book(
+                calls: &Calls,
+                msg: &PaymentEvent,
+                table: &str,
+                fail: bool,
+            ) -> Result<i64, CallError<BookError>> {
+                let sql = format!($insert, table);
+                calls
+                    .run_tx::<$db, _, _, _, _>(call("book", msg), |mut tx: Transaction<$db>| async move {
+                        sqlx::query(sqlx::AssertSqlSafe(sql))
+                            .bind(&msg.id)
+                            .bind(msg.amount)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|_| BookError::Unavailable)?;
+                        if fail {
+                            Err(BookError::Unavailable)
+                        } else {
+                            Ok(msg.amount)
+                        }
+                    })
+                    .await
+            }
+
+            /// Ok commits the row with the record; redeliveries replay without writing; an
+            /// error rolls the row back and releases the key.
+            $(#[$attr])*
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_row_commits_with_the_record() {
+                let (calls, pool, table, guard) = $setup.await;
+                let count = || {
+                    let sql = format!($count, table);
+                    let pool = pool.clone();
+                    async move {
+                        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql))
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap()
+                    }
+                };
+                let msg = event(10);
+                let failed = book(&calls, &msg, &table, true).await;
+                assert!(matches!(failed, Err(CallError::Failed(BookError::Unavailable))));
+                assert_eq!(count().await, 0, "the failed attempt's row rolled back");
+                for _ in 0..3 {
+                    assert_eq!(book(&calls, &msg, &table, false).await.unwrap(), 10);
+                }
+                assert_eq!(count().await, 1);
+                guard.cleanup().await;
+            }
+
+            /// Two consumers (here eight) receive the same message at once: one books it, the
+            /// others wait for its commit and return its output.
+            $(#[$attr])*
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_consumers_book_once() {
+                let (calls, pool, table, guard) = $setup.await;
+                let calls = calls.concurrent(Concurrent::Wait(Duration::from_secs(20)));
+                let msg = event(11);
+                let tasks: Vec<_> = (0..8)
+                    .map(|_| {
+                        let (calls, msg, table) = (calls.clone(), msg.clone(), table.clone());
+                        tokio::spawn(async move { book(&calls, &msg, &table, false).await })
+                    })
+                    .collect();
+                for task in tasks {
+                    assert_eq!(task.await.unwrap().unwrap(), 11);
+                }
+                let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!($count, table)))
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                assert_eq!(n, 1);
+                guard.cleanup().await;
+            }
+        }
+    };
+}
+
+/// What a transactional case leaves behind, removed when it passed.
+enum Guard {
+    Dir(#[allow(dead_code)] tempfile::TempDir),
+    Pg(sqlx::PgPool, String, String),
+}
+
+impl Guard {
+    async fn cleanup(self) {
+        if let Guard::Pg(pool, records, bookings) = self {
+            idempotent_tests::fixtures::pg_drop(&pool, &records).await;
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "DROP TABLE IF EXISTS {bookings}"
+            )))
+            .execute(&pool)
+            .await;
+        }
+    }
+}
+
+async fn sqlite_setup() -> (Calls, sqlx::SqlitePool, String, Guard) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("calls.db").display());
+    let store = idempotent_core::SqliteStore::connect(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    let pool = store.pool().clone();
+    sqlx::raw_sql("CREATE TABLE bookings (id TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let calls = Calls::new(Engine::new(store)).lease(Duration::from_secs(5));
+    (calls, pool, "bookings".to_owned(), Guard::Dir(dir))
+}
+
+async fn postgres_setup() -> (Calls, sqlx::PgPool, String, Guard) {
+    let pool = idempotent_tests::fixtures::pg_pool(16).await;
+    let records = idempotent_tests::fixtures::unique_table("calls");
+    let store = idempotent_tests::fixtures::pg_store(pool.clone(), &records).await;
+    let table = format!(
+        "idempotent_test.{}",
+        idempotent_tests::fixtures::unique_table("bookings")
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {table} (id text PRIMARY KEY, amount bigint NOT NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let calls = Calls::new(Engine::new(store)).lease(Duration::from_secs(5));
+    (
+        calls,
+        pool.clone(),
+        table.clone(),
+        Guard::Pg(pool, records, table),
+    )
+}
+
+transactional_cases!(
+    sqlite_transactional,
+    sqlx::Sqlite,
+    sqlite_setup(),
+    "INSERT INTO {} (id, amount) VALUES (?1, ?2)",
+    "SELECT count(*) FROM {}"
+);
+
+transactional_cases!(
+    postgres_transactional,
+    sqlx::Postgres,
+    postgres_setup(),
+    "INSERT INTO {} (id, amount) VALUES ($1, $2)",
+    "SELECT count(*) FROM {}",
+    #[cfg_attr(not(pg), ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests")]
+);
+
+/// A transactional call on a store that is not on that database does not run.
+#[tokio::test]
+async fn transactional_calls_need_the_store_on_their_database() {
+    let calls = Calls::new(Engine::new(MemoryStore::new()));
+    let out: Result<u8, CallError<BookError>> = calls
+        .run_tx::<sqlx::Sqlite, _, _, _, _>(call("book", &event(12)), |_tx| async {
+            panic!("must not run")
+        })
+        .await;
+    assert!(matches!(out, Err(CallError::Misconfigured(_))), "{out:?}");
+}
