@@ -170,4 +170,5 @@ pub use idempotent_macros::idempotent_actix as idempotent;
 /// Not a stable API: the code `#[idempotent]` generates calls these.
 pub mod __private {
     pub use crate::private::*;
+    pub use idempotent_core::__private::call;
 }

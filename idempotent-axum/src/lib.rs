@@ -164,4 +164,5 @@ pub use idempotent_macros::idempotent_axum as idempotent;
 /// Not a stable API: the code `#[idempotent]` generates calls these.
 pub mod __private {
     pub use crate::private::*;
+    pub use idempotent_core::__private::call;
 }

@@ -86,6 +86,9 @@ pub struct Call {
     scope: Scope,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    concurrent: Option<Concurrent>,
 }
 
 impl Call {
@@ -113,7 +116,31 @@ impl Call {
             scope,
             key,
             fingerprint,
+            ttl: None,
+            lease: None,
+            concurrent: None,
         })
+    }
+
+    /// This call's ttl, instead of the [`Calls`]' default.
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// This call's lease, instead of the [`Calls`]' default.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// How this call meets a running duplicate, instead of the [`Calls`]' default.
+    #[must_use]
+    pub fn with_concurrent(mut self, concurrent: Concurrent) -> Self {
+        self.concurrent = Some(concurrent);
+        self
     }
 
     /// The function's name.
@@ -163,6 +190,16 @@ pub enum CallError<E> {
     /// since it was stored); the function did not run.
     #[error("the stored output does not decode: {0}")]
     Decode(serde_json::Error),
+    /// The key given to the call is not a valid idempotency key (empty, longer than 255
+    /// characters, not visible ASCII); nothing ran.
+    #[error("invalid key: {0}")]
+    InvalidKey(crate::KeyError),
+    /// The scope given to the call is not a valid scope; nothing ran.
+    #[error("invalid scope: {0}")]
+    InvalidScope(crate::ScopeError),
+    /// The arguments could not be serialized for the fingerprint; nothing ran.
+    #[error("the arguments cannot be serialized: {0}")]
+    Encode(serde_json::Error),
     /// The function ran, but its output could not be stored (it did not serialize); it will
     /// not run again for this key until the record expires.
     #[error("the function ran but its output was not stored")]
@@ -240,11 +277,11 @@ impl Calls {
         &self.engine
     }
 
-    fn policy(&self, name: &'static str) -> Policy {
+    fn policy(&self, call: &Call) -> Policy {
         Policy {
-            ttl: self.ttl,
-            lease: self.lease,
-            route: name,
+            ttl: call.ttl.unwrap_or(self.ttl),
+            lease: call.lease.unwrap_or(self.lease),
+            route: call.name,
             ..Policy::default()
         }
     }
@@ -316,9 +353,9 @@ impl Calls {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let policy = self.policy(call.name);
+        let policy = self.policy(&call);
         policy.check()?;
-        let mut waiting = Waiting::new(self.concurrent);
+        let mut waiting = Waiting::new(call.concurrent.unwrap_or(self.concurrent));
         loop {
             let mut execution = match self.engine.begin(Self::request(&call), &policy).await {
                 Begin::Claimed(execution) => execution,
@@ -413,7 +450,7 @@ mod transactional {
             F: FnOnce(Transaction<DB>) -> Fut,
             Fut: Future<Output = Result<T, E>>,
         {
-            let policy = self.policy(call.name);
+            let policy = self.policy(&call);
             policy.check()?;
             let options = TxOptions {
                 commit: self.commit.unwrap_or(DB::DEFAULT_COMMIT),
@@ -421,7 +458,7 @@ mod transactional {
                 max_waiters: DEFAULT_MAX_WAITERS,
                 read_first: true,
             };
-            let mut waiting = Waiting::new(self.concurrent);
+            let mut waiting = Waiting::new(call.concurrent.unwrap_or(self.concurrent));
             loop {
                 let begin = self
                     .engine
@@ -594,5 +631,98 @@ fn replay<T: DeserializeOwned, E>(
             r.status
         )))),
         StoredOutcome::Oversized { .. } => Err(CallError::NotStored),
+    }
+}
+
+/// A value that can be a call's idempotency key (a message id): text, integers, UUIDs.
+pub trait CallKey {
+    /// The key.
+    ///
+    /// # Errors
+    /// When it is not a valid key (empty, over 255 characters, not visible ASCII).
+    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError>;
+}
+
+impl CallKey for str {
+    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+        IdempotencyKey::parse(self.as_bytes())
+    }
+}
+
+impl CallKey for String {
+    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+        self.as_str().to_key()
+    }
+}
+
+impl<T: CallKey + ?Sized> CallKey for &T {
+    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+        (**self).to_key()
+    }
+}
+
+impl CallKey for uuid::Uuid {
+    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+        self.hyphenated().to_string().to_key()
+    }
+}
+
+macro_rules! integer_keys {
+    ($($t:ty),*) => {$(
+        impl CallKey for $t {
+            fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+                self.to_string().to_key()
+            }
+        }
+    )*};
+}
+integer_keys!(
+    u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize
+);
+
+/// One function's attribute arguments, as `#[idempotent(key_from = …)]` writes them (a
+/// `static` per function). Not a stable API.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Function {
+    name: &'static str,
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    wait: Option<Duration>,
+}
+
+impl Function {
+    /// The function `name` with its arguments (`None`: the [`Calls`]' default).
+    pub const fn new(
+        name: &'static str,
+        ttl: Option<Duration>,
+        lease: Option<Duration>,
+        wait: Option<Duration>,
+    ) -> Self {
+        Function {
+            name,
+            ttl,
+            lease,
+            wait,
+        }
+    }
+
+    /// The call of this function by `scope` under `key` with `args` fingerprinted.
+    ///
+    /// # Errors
+    /// [`CallError::InvalidScope`], [`CallError::InvalidKey`], [`CallError::Encode`].
+    pub fn call<K: CallKey + ?Sized, A: Serialize + ?Sized, E>(
+        &self,
+        scope: Result<Scope, crate::ScopeError>,
+        key: &K,
+        args: &A,
+    ) -> Result<Call, CallError<E>> {
+        let scope = scope.map_err(CallError::InvalidScope)?;
+        let key = key.to_key().map_err(CallError::InvalidKey)?;
+        let mut call = Call::new(self.name, scope, key, args).map_err(CallError::Encode)?;
+        call.ttl = self.ttl;
+        call.lease = self.lease;
+        call.concurrent = self.wait.map(Concurrent::Wait);
+        Ok(call)
     }
 }

@@ -96,3 +96,31 @@ pub use tx::{CommitPath, TxOptions};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use tx::{Transaction, TxBegin, TxDatabase, TxExecution, TxFinished};
 pub use uuid;
+
+/// `#[idempotent(key_from = "msg.id", scope = "msg.tenant")]` on an async function: the
+/// function runs at most once per (scope, key) under the [`call::Calls`] its callers pass,
+/// and its output is returned again on redelivery. See [`call`] and the attribute's docs.
+pub use idempotent_macros::idempotent_fn as idempotent;
+
+#[doc(hidden)]
+/// Not a stable API: the code `#[idempotent(key_from = …)]` generates calls these.
+pub mod __private {
+    /// Function mode's runtime.
+    pub mod call {
+        pub use crate::call::{CallError, Calls, Function};
+        pub use crate::scope::ScopeValue;
+        pub use ::core::time::Duration;
+
+        /// The scope of a parameter (type-checks it against [`ScopeValue`]).
+        pub fn scope_of<T: ScopeValue + ?Sized>(
+            value: &T,
+        ) -> Result<crate::Scope, crate::ScopeError> {
+            value.to_scope()
+        }
+
+        /// The unscoped namespace.
+        pub fn unscoped() -> Result<crate::Scope, crate::ScopeError> {
+            Ok(crate::Scope::unscoped())
+        }
+    }
+}

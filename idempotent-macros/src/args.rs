@@ -16,7 +16,7 @@ enum Kind {
 
 /// Every argument the attribute knows: its name, what it takes, and the example the errors
 /// show. The parser, the "expected one of" list and the hints all read this one table.
-const ARGS: [(&str, Kind, &str); 10] = [
+const ARGS: [(&str, Kind, &str); 12] = [
     ("scope", Kind::Value, "scope = \"account_id\""),
     ("unscoped", Kind::Flag, "unscoped"),
     ("ttl", Kind::Value, "ttl = \"24h\""),
@@ -27,6 +27,8 @@ const ARGS: [(&str, Kind, &str); 10] = [
     ("commit", Kind::Value, "commit = \"two\""),
     ("wait", Kind::Value, "wait = \"5s\""),
     ("crate", Kind::Value, "crate = \"my_idempotent_axum\""),
+    ("key_from", Kind::Value, "key_from = \"msg.id\""),
+    ("store_errors", Kind::Flag, "store_errors"),
 ];
 
 /// Every argument, for error messages: `` `scope`, `unscoped`, … ``.
@@ -70,6 +72,10 @@ pub(crate) struct Args {
     pub(crate) commit: Option<(bool, Span)>,
     pub(crate) wait: Option<(u64, Span)>,
     pub(crate) krate: Option<(syn::Path, Span)>,
+    /// Function mode: where the key comes from (`param` or `param.field`).
+    pub(crate) key_from: Option<(ScopePath, Span)>,
+    /// Function mode: errors that opt in (`StoredError`) are stored.
+    pub(crate) store_errors: Option<Span>,
 }
 
 /// Sets `slot` once; a second time is a "duplicate argument" error (serde's `Attr::set`).
@@ -121,10 +127,10 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
                 return Ok(());
             }
             (Kind::Flag, false) => {
-                let slot = if name == "unscoped" {
-                    &mut args.unscoped
-                } else {
-                    &mut args.store_server_errors
+                let slot = match name.as_str() {
+                    "unscoped" => &mut args.unscoped,
+                    "store_errors" => &mut args.store_errors,
+                    _ => &mut args.store_server_errors,
                 };
                 set(slot, span, &name, span, &mut errors);
                 return Ok(());
@@ -154,8 +160,12 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
         };
         let lspan = lit.span();
         match name.as_str() {
-            "scope" => match scope_path(&lit) {
+            "scope" => match scope_path(&lit, "scope") {
                 Ok(p) => set(&mut args.scope, (p, lspan), &name, span, &mut errors),
+                Err(e) => errors.push(e),
+            },
+            "key_from" => match scope_path(&lit, "key_from") {
+                Ok(p) => set(&mut args.key_from, (p, lspan), &name, span, &mut errors),
                 Err(e) => errors.push(e),
             },
             "ttl" => match duration(&lit) {
@@ -229,7 +239,7 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
     (args, errors)
 }
 
-fn scope_path(lit: &LitStr) -> Result<ScopePath, syn::Error> {
+fn scope_path(lit: &LitStr, what: &str) -> Result<ScopePath, syn::Error> {
     let value = lit.value();
     let mut parts = value.split('.');
     let ident_ok = |s: &str| syn::parse_str::<syn::Ident>(s).is_ok();
@@ -242,7 +252,7 @@ fn scope_path(lit: &LitStr) -> Result<ScopePath, syn::Error> {
     {
         return Err(syn::Error::new(
             lit.span(),
-            format!("`scope = \"{value}\"` is not a parameter name or `param.field` path"),
+            format!("`{what} = \"{value}\"` is not a parameter name or `param.field` path"),
         ));
     }
     Ok(ScopePath { param, fields })

@@ -22,9 +22,27 @@ impl Framework {
     }
 }
 
+/// Function mode through the core's entry (`idempotent_core::idempotent`).
+pub(crate) fn expand_function(args: TokenStream, item: TokenStream) -> TokenStream {
+    let (parsed, arg_errors) = args::parse(args);
+    crate::function::expand(parsed, arg_errors, item, quote!(::idempotent_core))
+}
+
 /// The whole attribute: on any error, the original item is emitted unchanged next to the
 /// errors (tokio's `token_stream_with_error`), so the user sees our errors, not a cascade.
 pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> TokenStream {
+    let (parsed, mut arg_errors) = args::parse(args);
+    if parsed.key_from.is_some() {
+        // `key_from`: an idempotent function, not a handler (the adapter re-exports the
+        // core's function runtime under its own `__private`).
+        return crate::function::expand(parsed, arg_errors, item, fw.default_crate());
+    }
+    if let Some(span) = parsed.store_errors {
+        arg_errors.push(syn::Error::new(
+            span,
+            "`store_errors` applies to idempotent functions (`key_from = …`); a handler stores 5xx with `store_server_errors`",
+        ));
+    }
     let func: ItemFn = match syn::parse2::<syn::Item>(item.clone()) {
         Ok(syn::Item::Fn(f)) => f,
         Ok(other) => {
@@ -37,7 +55,6 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
         Err(e) => return with_errors(item, vec![e]),
     };
     let mut errors = signature::check(&func);
-    let (parsed, mut arg_errors) = args::parse(args);
     errors.append(&mut arg_errors);
     let tx = signature::transaction(&func).unwrap_or_else(|e| {
         errors.push(e);

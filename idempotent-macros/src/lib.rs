@@ -10,6 +10,7 @@ use proc_macro::TokenStream;
 
 mod args;
 mod expand;
+mod function;
 mod signature;
 
 /// Makes an async handler safe to retry: claim → execute → store → replay per
@@ -155,4 +156,57 @@ pub fn idempotent_axum(args: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::expand(args.into(), item.into(), expand::Framework::Actix).into()
+}
+
+/// `#[idempotent(key_from = "msg.id", scope = "msg.tenant", ttl = "7d")]` on an async
+/// function: **function mode**, re-exported by `idempotent-core` as `idempotent` (and reached
+/// through each adapter's `idempotent` too, which switches to function mode on `key_from`).
+///
+/// ```
+/// use idempotent_core::call::{CallError, Calls};
+/// use idempotent_core::{Engine, MemoryStore, idempotent};
+///
+/// #[derive(serde::Serialize)]
+/// struct PaymentEvent { id: String, tenant: String, amount: i64 }
+///
+/// #[idempotent(key_from = "msg.id", scope = "msg.tenant", ttl = "7d")]
+/// async fn book_payment(calls: &Calls, msg: &PaymentEvent) -> Result<String, std::io::Error> {
+///     Ok(format!("booked {}", msg.amount))
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let calls = Calls::new(Engine::new(MemoryStore::new()));
+/// let msg = PaymentEvent { id: "evt_1".into(), tenant: "t1".into(), amount: 5 };
+/// // Every redelivery gets the first run's output; the body runs once.
+/// let first: Result<String, CallError<std::io::Error>> = book_payment(&calls, &msg).await;
+/// assert_eq!(first.unwrap(), "booked 5");
+/// assert_eq!(book_payment(&calls, &msg).await.unwrap(), "booked 5");
+/// # }
+/// ```
+///
+/// The function declares the runner it executes under, `calls: &Calls` (its callers pass
+/// it), returns `Result<T, E>` with `T: Serialize + DeserializeOwned`, and becomes a function
+/// returning `Result<T, CallError<E>>`:
+/// - the key comes from `key_from` (a parameter or `param.field` path whose value is text, an
+///   integer or a UUID: a message id), the scope from `scope` (as for handlers) or `unscoped`;
+/// - the fingerprint is the JSON of the parameter `key_from` starts at (the message), so a
+///   redelivered message with other contents under the same id is [`CallError::Mismatch`];
+/// - `Ok` is stored and returned on redelivery without running the body; `Err` releases the
+///   key (retryable), unless `store_errors` is written and `E: StoredError` says it is final;
+/// - `ttl`, `lease` as for handlers; `wait = "5s"`: a concurrent duplicate waits that long
+///   for the first to finish (polling the store) and returns its output, instead of
+///   [`CallError::InProgress`] at once;
+/// - a parameter `tx: Transaction<DB>` makes it transactional (the record commits with the
+///   function's writes, in one commit); a parameter `idem: &Idempotent` gives the call's
+///   context for derived downstream keys (the runner needs a derive secret).
+///
+/// Checked at compile time: `key_from` and `scope` must name parameters (the error lists
+/// them), the runner must be there, the return type must be a `Result`, and HTTP-only
+/// arguments (`key`, `max_response`, `store_server_errors`, `commit`) are refused.
+///
+/// [`CallError::Mismatch`]: ../idempotent_core/call/enum.CallError.html
+/// [`CallError::InProgress`]: ../idempotent_core/call/enum.CallError.html
+#[proc_macro_attribute]
+pub fn idempotent_fn(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::expand_function(args.into(), item.into()).into()
 }

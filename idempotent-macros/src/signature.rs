@@ -106,6 +106,19 @@ pub(crate) fn context(f: &ItemFn) -> Result<Option<usize>, syn::Error> {
     Ok(found)
 }
 
+/// Function mode's runner: the parameter whose type is a reference to a path ending in
+/// `Calls` (`calls: &Calls`).
+pub(crate) fn runner(f: &ItemFn) -> Option<usize> {
+    f.sig.inputs.iter().position(|arg| {
+        let FnArg::Typed(t) = arg else { return false };
+        let syn::Type::Reference(r) = &*t.ty else {
+            return false;
+        };
+        matches!(&*r.elem, syn::Type::Path(p)
+            if p.qself.is_none() && p.path.segments.last().is_some_and(|s| s.ident == "Calls"))
+    })
+}
+
 /// The names bound by the function's parameter patterns, in order, walking tuple-struct,
 /// struct, tuple, reference and typed patterns (`Path(account_id): Path<String>` binds
 /// `account_id`).
