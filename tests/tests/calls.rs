@@ -324,6 +324,58 @@ async fn unstorable_outputs_never_run_twice(f: &impl Fixture) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// The attribute's function mode: the same semantics through `#[idempotent(key_from = …)]`.
+#[idempotent_core::idempotent(key_from = "msg.id", scope = "msg.tenant", lease = "5s")]
+async fn book_with_the_attribute(
+    calls: &Calls,
+    msg: &PaymentEvent,
+    runs: &AtomicUsize,
+) -> Result<Receipt, BookError> {
+    let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+    if msg.amount < 0 {
+        return Err(BookError::Unavailable);
+    }
+    Ok(Receipt {
+        booked: msg.amount,
+        run,
+    })
+}
+
+async fn the_attribute_runs_once(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let runs = AtomicUsize::new(0);
+    let msg = event(13);
+    for _ in 0..3 {
+        let out = book_with_the_attribute(&calls, &msg, &runs).await.unwrap();
+        assert_eq!(out, Receipt { booked: 13, run: 1 });
+    }
+    let changed = PaymentEvent {
+        amount: 14,
+        ..msg.clone()
+    };
+    let out = book_with_the_attribute(&calls, &changed, &runs).await;
+    assert!(matches!(out, Err(CallError::Mismatch)), "{out:?}");
+    let failing = event(-1);
+    for _ in 0..2 {
+        let out = book_with_the_attribute(&calls, &failing, &runs).await;
+        assert!(matches!(
+            out,
+            Err(CallError::Failed(BookError::Unavailable))
+        ));
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "errors release: each delivery ran"
+    );
+    let bad_key = PaymentEvent {
+        id: String::new(),
+        ..msg.clone()
+    };
+    let out = book_with_the_attribute(&calls, &bad_key, &runs).await;
+    assert!(matches!(out, Err(CallError::InvalidKey(_))), "{out:?}");
+}
+
 macro_rules! on_every_store {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -366,6 +418,7 @@ on_every_store!(
     panics_release_the_key,
     derived_keys,
     unstorable_outputs_never_run_twice,
+    the_attribute_runs_once,
 );
 
 /// Transactional mode on `$db`: the booking row commits with the stored output, or not at

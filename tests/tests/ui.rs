@@ -8,4 +8,6 @@ fn ui() {
     t.pass("ui/pass/*.rs");
     t.compile_fail("ui/actix/fail/*.rs");
     t.pass("ui/actix/pass/*.rs");
+    t.compile_fail("ui/function/fail/*.rs");
+    t.pass("ui/function/pass/*.rs");
 }
