@@ -11,5 +11,6 @@
 
 pub mod api;
 pub mod charges;
+pub mod outbox;
 pub mod provider;
 pub mod proxy;

@@ -123,7 +123,8 @@
 //! operation of its own, and its derived keys are random.
 //!
 //! # The attribute
-//! See [`idempotent`] for its arguments, what it checks at compile time and the code it
+//! With `key_from = "msg.id"` it makes an idempotent *function* instead of a handler (a queue
+//! consumer's, say): see `idempotent_core::call`. See [`idempotent`] for its arguments, what it checks at compile time and the code it
 //! generates; it is the same attribute as the Axum adapter's, with the same arguments and
 //! semantics. With actix's route macros, either order works: `#[post("/x")]` above
 //! `#[idempotent(..)]` or below it. Plain functions work with

@@ -120,7 +120,8 @@
 //! operation of its own, and its derived keys are random.
 //!
 //! # The attribute
-//! See [`idempotent`] for its arguments, what it checks at compile time and the code it
+//! With `key_from = "msg.id"` it makes an idempotent *function* instead of a handler (a queue
+//! consumer's, say): see `idempotent_core::call`. See [`idempotent`] for its arguments, what it checks at compile time and the code it
 //! generates.
 //!
 //! # Responses

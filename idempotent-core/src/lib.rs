@@ -36,6 +36,10 @@
 //! went away: the adapters run it in a [`Detached`] future, and [`Engine::drain`] waits for
 //! the running ones at shutdown. See [`Store`] for what each store promises.
 //!
+//! [`call`] runs any async function the same way, for queue consumers: the output is stored
+//! and returned on redelivery; `#[idempotent(key_from = "msg.id", scope = "msg.tenant")]`
+//! ([`idempotent`]) writes that for a function.
+//!
 //! The [`http`] module holds what the HTTP adapters share (header rules, capture, replays,
 //! problems, route settings) on plain types.
 //!
