@@ -8,6 +8,10 @@
 //! [`provider`] is the fake payment provider the charges handler pays through (it
 //! deduplicates by the key derived from the request's), and [`proxy`] the lossy TCP proxy
 //! that `charges-client` sends its charges through.
+//!
+//! [`outbox`] is the queue pair's shared part: `orders-producer` writes orders with their
+//! events through a transactional outbox and relays them to RabbitMQ; `payments-consumer`
+//! books each event once through an idempotent function, whatever the broker redelivers.
 
 pub mod api;
 pub mod charges;
