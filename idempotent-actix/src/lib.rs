@@ -150,6 +150,8 @@ pub use idempotent_core::PostgresStore;
 pub use idempotent_core::SetupError;
 #[cfg(feature = "sqlite")]
 pub use idempotent_core::SqliteStore;
+/// Idempotent functions (`#[idempotent(key_from = …)]`, queue consumers): the runner and its types.
+pub use idempotent_core::call;
 pub use idempotent_core::http::{ConfigError, DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE};
 pub use idempotent_core::{CommitPath, TxOptions};
 pub use idempotent_core::{

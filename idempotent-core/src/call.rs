@@ -1,5 +1,6 @@
-//! Idempotent functions: any async function whose output is serializable, run at most once per
-//! (scope, key), with its output stored and returned again on every redelivery. This is what
+//! Idempotent functions: any async function whose output is serializable, run once per
+//! (scope, key) until it succeeds, with its output stored and returned again on every
+//! redelivery. This is what
 //! a queue consumer needs (most brokers deliver at least once: deduplicate by message id) and
 //! what `#[idempotent(key_from = …)]` expands to.
 //!
@@ -43,6 +44,18 @@
 //! - A panic releases the key and resumes.
 //! - An output that cannot be serialized is recorded as "not stored" (the work is done, so it
 //!   must not run again): later deliveries get [`CallError::NotStored`].
+//!
+//! # Limits
+//! - `run` is not detached: if its future is dropped while the function runs (a timeout, a
+//!   `select!`, shutdown), the record stays in progress until its lease ends, and a
+//!   redelivery after that runs the function again. Run calls whose caller may be cancelled
+//!   in a task of their own (`tokio::spawn`).
+//! - Plain mode (`run`): if storing the output fails even after bounded retries (logged), the
+//!   output is still returned and the record stays in progress until its lease ends; a
+//!   redelivery after that runs the function again. Transactional mode (`run_tx`) has no such
+//!   gap: the output commits with the function's writes or neither does.
+//! - JSON numbers are doubles in the fingerprint (RFC 8785): arguments that differ only in an
+//!   integer above 2^53 fingerprint the same.
 //!
 //! # Concurrent duplicates
 //! Two deliveries of one message at once (two consumers, a redelivery while the first still
@@ -95,15 +108,23 @@ impl Call {
     /// A call of the function `name` by `scope` under `key`; `args` (any `Serialize` value:
     /// the message, or a tuple of the arguments that identify the work) is fingerprinted.
     ///
+    /// Each function has records of its own: the record's scope is `scope` within `name`
+    /// (`call:<len>:<name>:<scope>`), so two functions consuming one message each run once,
+    /// and derive keys of their own. Give each function a distinct `name` (the attribute
+    /// uses its module path and name).
+    ///
     /// # Errors
-    /// When `args` cannot be serialized (a map with non-string keys, a failing `Serialize`).
+    /// [`InvalidCall`]: `args` cannot be serialized (a map with non-string keys, a failing
+    /// `Serialize`), or the scope with the name is longer than a scope may be.
     pub fn new<A: Serialize + ?Sized>(
         name: &'static str,
         scope: Scope,
         key: IdempotencyKey,
         args: &A,
-    ) -> Result<Self, serde_json::Error> {
-        let json = serde_json::to_vec(args)?;
+    ) -> Result<Self, InvalidCall> {
+        let json = serde_json::to_vec(args).map_err(InvalidCall::Encode)?;
+        let scope = Scope::new(format!("call:{}:{name}:{}", name.len(), scope.as_str()))
+            .map_err(InvalidCall::Scope)?;
         let fingerprint = Fingerprint::compute(&FingerprintInput {
             method: METHOD,
             path: name,
@@ -149,6 +170,18 @@ impl Call {
     }
 }
 
+/// Why a [`Call`] could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidCall {
+    /// The arguments could not be serialized.
+    #[error("the arguments cannot be serialized: {0}")]
+    Encode(serde_json::Error),
+    /// The scope, within the function's name, is not a valid scope (too long).
+    #[error("invalid scope: {0}")]
+    Scope(crate::ScopeError),
+}
+
 /// An error type that opts into being stored by [`Calls::run_storing`]: an error for which
 /// [`is_stored`](StoredError::is_stored) is true is recorded (as JSON) and returned on every
 /// redelivery, without running the function again. Use it for final failures (a payment
@@ -165,25 +198,30 @@ pub trait StoredError: Serialize + DeserializeOwned {
 #[non_exhaustive]
 pub enum CallError<E> {
     /// The function returned this error (a stored one on a redelivery, too).
-    #[error("the function failed")]
+    #[error("the function failed: {0}")]
     Failed(E),
     /// Another delivery of this (scope, key) is running; try again after `retry_after`.
     #[error("another call with this key is running; retry after {retry_after:?}")]
     InProgress {
-        /// Time until the other call's lease runs out.
+        /// A hint: time until the other call's lease runs out (on the single-commit path,
+        /// a short fixed time).
         retry_after: Duration,
     },
     /// The key was used for another function or other arguments.
     #[error("the key was used for another call (another function or other arguments)")]
     Mismatch,
-    /// The store failed; the function did not run.
+    /// The store failed: before the function ran (it did not), or, in transactional mode,
+    /// at the commit after it ran, when its writes may or may not have committed (a
+    /// redelivery then replays if they did and runs if they did not).
     #[error("the idempotency store failed: {0}")]
     Store(StoreError),
     /// The engine is draining (shutting down); the function did not run.
     #[error("the engine is shutting down")]
     Draining,
-    /// The ttl or lease is out of bounds, or the function takes an [`Idempotent`] context
-    /// and no derive secret is configured; the function did not run.
+    /// The ttl or lease is out of bounds, the function takes an [`Idempotent`] context and no
+    /// derive secret is configured, or the store is not on a transactional call's database:
+    /// the function did not run. Also when a transactional function kept its transaction
+    /// past its return: it ran, and its writes rolled back.
     #[error("misconfigured: {0}")]
     Misconfigured(String),
     /// A stored output (or error) does not decode as this function's type (the type changed
@@ -364,7 +402,9 @@ impl Calls {
                     Settled::Again => continue,
                 },
             };
-            let result = match execution.run(f()).await {
+            // The closure is called inside `run`, so a panic before its future exists is
+            // caught too.
+            let result = match execution.run(async move { f().await }).await {
                 Ok(result) => result,
                 Err(panic) => {
                     execution.release().await;
@@ -376,8 +416,11 @@ impl Calls {
                 return result.map_err(CallError::Failed);
             };
             let not_stored = matches!(record, StoredOutcome::Oversized { .. });
-            // A failed store is logged by the engine; the record stays in progress until its
-            // lease ends, so a redelivery meanwhile waits, never re-runs.
+            // A failed store (after bounded retries) is logged by the engine and the output
+            // still returned, so the consumer acks: nacking would bring the message back to
+            // run again once the lease ends. The record stays in progress until then; a
+            // redelivery after it (a duplicate publish) runs the body again: plain mode's
+            // documented limit, which transactional mode (`run_tx`) does not have.
             execution.finish(record).await;
             return match result {
                 Ok(_) if not_stored => Err(CallError::NotStored),
@@ -483,7 +526,7 @@ mod transactional {
                     execution.abort().await;
                     return Err(CallError::Misconfigured("no transaction".into()));
                 };
-                let result = match execution.run(f(tx)).await {
+                let result = match execution.run(async move { f(tx).await }).await {
                     Ok(result) => result,
                     Err(panic) => {
                         execution.abort().await;
@@ -536,7 +579,10 @@ impl Waiting {
         if left.is_zero() {
             return false;
         }
-        tokio::time::sleep(self.pause.min(left).min(retry_after.max(self.pause))).await;
+        // `retry_after` is when the other's lease would run out; it usually finishes far
+        // sooner, so poll with a growing pause instead.
+        let _ = retry_after;
+        tokio::time::sleep(self.pause.min(left)).await;
         self.pause = (self.pause * 2).min(Duration::from_millis(500));
         true
     }
@@ -719,7 +765,10 @@ impl Function {
     ) -> Result<Call, CallError<E>> {
         let scope = scope.map_err(CallError::InvalidScope)?;
         let key = key.to_key().map_err(CallError::InvalidKey)?;
-        let mut call = Call::new(self.name, scope, key, args).map_err(CallError::Encode)?;
+        let mut call = Call::new(self.name, scope, key, args).map_err(|e| match e {
+            InvalidCall::Encode(e) => CallError::Encode(e),
+            InvalidCall::Scope(e) => CallError::InvalidScope(e),
+        })?;
         call.ttl = self.ttl;
         call.lease = self.lease;
         call.concurrent = self.wait.map(Concurrent::Wait);

@@ -102,7 +102,8 @@ pub use tx::{Transaction, TxBegin, TxDatabase, TxExecution, TxFinished};
 pub use uuid;
 
 /// `#[idempotent(key_from = "msg.id", scope = "msg.tenant")]` on an async function: the
-/// function runs at most once per (scope, key) under the [`call::Calls`] its callers pass,
+/// function runs once per (scope, key) until it succeeds, under the [`call::Calls`] its
+/// callers pass,
 /// and its output is returned again on redelivery. See [`call`] and the attribute's docs.
 pub use idempotent_macros::idempotent_fn as idempotent;
 

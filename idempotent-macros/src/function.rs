@@ -187,6 +187,8 @@ fn generate(
         .into_iter()
         .partition(|attr| matches!(attr.style, syn::AttrStyle::Inner(_)));
     let name = sig.ident.to_string();
+    // Each function has records of its own: its module path and name.
+    let name = quote!(::core::concat!(::core::module_path!(), "::", #name));
     let statik = format_ident!("__IDEMPOTENT_FUNCTION", span = Span::mixed_site());
     let call = format_ident!("__idempotent_call", span = Span::mixed_site());
     let ctx = format_ident!("__idempotent_context", span = Span::mixed_site());

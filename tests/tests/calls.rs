@@ -155,8 +155,8 @@ async fn final_errors_are_stored(f: &impl Fixture) {
     );
 }
 
-/// The key with other arguments, or for another function, is a mismatch; a stored output of
-/// another type does not decode.
+/// The key with other arguments is a mismatch; another function runs on its own records; a
+/// stored output of another type does not decode.
 async fn mismatches_and_types(f: &impl Fixture) {
     let calls = calls(f).await;
     let msg = event(4);
@@ -171,10 +171,10 @@ async fn mismatches_and_types(f: &impl Fixture) {
         .run(call("book", &changed), || async { panic!("must not run") })
         .await;
     assert!(matches!(out, Err(CallError::Mismatch)), "{out:?}");
-    let out: Result<u32, CallError<BookError>> = calls
-        .run(call("refund", &msg), || async { panic!("must not run") })
-        .await;
-    assert!(matches!(out, Err(CallError::Mismatch)), "{out:?}");
+    // Another function on the same message has records of its own: it runs (fan-out).
+    let out: Result<u32, CallError<BookError>> =
+        calls.run(call("notify", &msg), || async { Ok(9) }).await;
+    assert_eq!(out.unwrap(), 9);
     let out: Result<String, CallError<BookError>> = calls
         .run(call("book", &msg), || async { panic!("must not run") })
         .await;
@@ -376,6 +376,56 @@ async fn the_attribute_runs_once(f: &impl Fixture) {
     assert!(matches!(out, Err(CallError::InvalidKey(_))), "{out:?}");
 }
 
+/// The attribute with a derived-key context, stored final errors and a wait.
+#[idempotent_core::idempotent(key_from = "msg.id", scope = "msg.tenant", store_errors, wait = "5s")]
+async fn settle_with_the_attribute(
+    calls: &Calls,
+    idem: &idempotent_core::Idempotent,
+    msg: &PaymentEvent,
+    runs: &AtomicUsize,
+) -> Result<String, BookError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    if msg.amount < 0 {
+        return Err(BookError::Declined);
+    }
+    Ok(idem.derive("psp").to_string())
+}
+
+async fn the_attribute_stores_final_errors_and_derives(f: &impl Fixture) {
+    let calls = calls(f)
+        .await
+        .derive_secret(DeriveSecret::new([5u8; 32]).unwrap());
+    let runs = AtomicUsize::new(0);
+    let msg = event(15);
+    let first = settle_with_the_attribute(&calls, &msg, &runs)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 36);
+    assert_eq!(
+        settle_with_the_attribute(&calls, &msg, &runs)
+            .await
+            .unwrap(),
+        first
+    );
+    let declined = event(-5);
+    for _ in 0..2 {
+        let out = settle_with_the_attribute(&calls, &declined, &runs).await;
+        assert!(
+            matches!(out, Err(CallError::Failed(BookError::Declined))),
+            "{out:?}"
+        );
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "stored: the decline ran once"
+    );
+    let bare = Calls::new(calls.engine().clone());
+    let out = settle_with_the_attribute(&bare, &event(16), &runs).await;
+    assert!(matches!(out, Err(CallError::Misconfigured(_))), "{out:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 macro_rules! on_every_store {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -419,6 +469,7 @@ on_every_store!(
     derived_keys,
     unstorable_outputs_never_run_twice,
     the_attribute_runs_once,
+    the_attribute_stores_final_errors_and_derives,
 );
 
 /// Transactional mode on `$db`: the booking row commits with the stored output, or not at
@@ -533,7 +584,8 @@ async fn sqlite_setup() -> (Calls, sqlx::SqlitePool, String, Guard) {
     let store = idempotent_core::SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
     let pool = store.pool().clone();
-    sqlx::raw_sql("CREATE TABLE bookings (id TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
+    // No unique constraint on `id`: a second booking of one message would show as a row.
+    sqlx::raw_sql("CREATE TABLE bookings (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, amount INTEGER NOT NULL)")
         .execute(&pool)
         .await
         .unwrap();
@@ -550,7 +602,7 @@ async fn postgres_setup() -> (Calls, sqlx::PgPool, String, Guard) {
         idempotent_tests::fixtures::unique_table("bookings")
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE {table} (id text PRIMARY KEY, amount bigint NOT NULL)"
+        "CREATE TABLE {table} (seq bigserial PRIMARY KEY, id text NOT NULL, amount bigint NOT NULL)"
     )))
     .execute(&pool)
     .await

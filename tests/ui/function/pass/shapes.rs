@@ -58,8 +58,9 @@ async fn book_in_tx(
 
 /// Through an adapter's attribute: `key_from` switches it to function mode.
 mod through_axum {
+    // Everything from the adapter alone.
+    use idempotent_axum::call::Calls;
     use idempotent_axum::idempotent;
-    use idempotent_core::call::Calls;
 
     #[idempotent(key_from = "id", unscoped)]
     pub async fn plain(calls: &Calls, id: &str) -> Result<(), String> {
@@ -69,8 +70,8 @@ mod through_axum {
 }
 
 mod through_actix {
+    use idempotent_actix::call::Calls;
     use idempotent_actix::idempotent;
-    use idempotent_core::call::Calls;
 
     #[idempotent(key_from = "id", unscoped)]
     pub async fn plain(calls: &Calls, id: u64) -> Result<(), String> {
