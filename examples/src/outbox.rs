@@ -76,3 +76,44 @@ pub async fn pool(url: &str, max: u32) -> Result<sqlx::PgPool, sqlx::Error> {
         .connect(url)
         .await
 }
+
+/// The pool on `--database` (else `$DATABASE_URL`), with the tables created.
+///
+/// # Errors
+/// A message naming what is missing or failed.
+pub async fn connect(database: Option<&str>, max: u32) -> Result<sqlx::PgPool, String> {
+    let url = database
+        .map(str::to_owned)
+        .or_else(|| std::env::var("DATABASE_URL").ok())
+        .ok_or("set --database or DATABASE_URL (PostgreSQL)")?;
+    let pool = pool(&url, max).await.map_err(|e| e.to_string())?;
+    create_tables(&pool).await.map_err(|e| e.to_string())?;
+    Ok(pool)
+}
+
+/// A channel on RabbitMQ at `amqp` with the durable queue `queue` declared (both programs
+/// declare it, so either may start first). Keep the connection for as long as the channel.
+///
+/// # Errors
+/// A message naming what failed.
+pub async fn channel(
+    amqp: &str,
+    queue: &str,
+) -> Result<(lapin::Connection, lapin::Channel), String> {
+    let conn = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("cannot reach RabbitMQ at {amqp}: {e}"))?;
+    let channel = conn.create_channel().await.map_err(|e| e.to_string())?;
+    channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..lapin::options::QueueDeclareOptions::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((conn, channel))
+}

@@ -258,23 +258,15 @@ fn generate(
     let refused = format_ident!("__idempotent_refused", span = Span::mixed_site());
     let (idem_make, idem_bind) = match &idem_param {
         None => (quote!(), quote!()),
-        Some(t) => {
-            let (pat, ty) = (&t.pat, &t.ty);
-            let value = if matches!(&**ty, Type::Reference(_)) {
-                quote!(&#idem_var)
-            } else {
-                quote!(#idem_var)
-            };
-            (
-                quote! {
-                    let #idem_var = match #p::context(&#ctx, &#route, &#scope_var) {
-                        ::core::result::Result::Ok(#made) => #made,
-                        ::core::result::Result::Err(#refused) => return *#refused,
-                    };
-                },
-                quote!(let #pat: #ty = #value;),
-            )
-        }
+        Some(t) => (
+            quote! {
+                let #idem_var = match #p::context(&#ctx, &#route, &#scope_var) {
+                    ::core::result::Result::Ok(#made) => #made,
+                    ::core::result::Result::Err(#refused) => return *#refused,
+                };
+            },
+            bind_context(t, &idem_var),
+        ),
     };
     // Axum: the hidden context is the first extractor (axum runs extractors one by one).
     // Actix polls a handler's extractors together, so there the context is the only one and
@@ -339,6 +331,18 @@ fn generate(
             #call.await
         }
     }
+}
+
+/// `let idem: Idempotent = var;` (or `&var` for `idem: &Idempotent`): binds the made context
+/// to the handler's or function's own parameter, at the top of its body.
+pub(crate) fn bind_context(param: &syn::PatType, var: &syn::Ident) -> TokenStream {
+    let (pat, ty) = (&param.pat, &param.ty);
+    let value = if matches!(&**ty, Type::Reference(_)) {
+        quote!(&#var)
+    } else {
+        quote!(#var)
+    };
+    quote!(let #pat: #ty = #value;)
 }
 
 /// Replaces every `impl Trait` in a type with what `f` makes of it (`_` to annotate a `let`,

@@ -240,23 +240,15 @@ fn generate(
     };
     let (make_ctx, bind_ctx) = match &idem_param {
         None => (quote!(), quote!()),
-        Some(t) => {
-            let (pat, ty) = (&t.pat, &t.ty);
-            let value = if matches!(&**ty, Type::Reference(_)) {
-                quote!(&#ctx)
-            } else {
-                quote!(#ctx)
-            };
-            (
-                quote! {
-                    let #ctx = match #runner_name.context::<#err>(&#call) {
-                        ::core::result::Result::Ok(#made) => #made,
-                        ::core::result::Result::Err(#refused) => return ::core::result::Result::Err(#refused),
-                    };
-                },
-                quote!(let #pat: #ty = #value;),
-            )
-        }
+        Some(t) => (
+            quote! {
+                let #ctx = match #runner_name.context::<#err>(&#call) {
+                    ::core::result::Result::Ok(#made) => #made,
+                    ::core::result::Result::Err(#refused) => return ::core::result::Result::Err(#refused),
+                };
+            },
+            crate::expand::bind_context(t, &ctx),
+        ),
     };
     let stmts = &block.stmts;
     let body = quote! {

@@ -5,9 +5,8 @@
 
 use clap::Parser;
 use idempotent_examples::outbox::{self, PaymentEvent};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use std::process::ExitCode;
 
 /// Orders and their events, through the outbox, to RabbitMQ.
@@ -47,15 +46,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), String> {
-    let url = args
-        .database
-        .clone()
-        .or_else(|| std::env::var("DATABASE_URL").ok())
-        .ok_or("set --database or DATABASE_URL (PostgreSQL)")?;
-    let pool = outbox::pool(&url, 4).await.map_err(|e| e.to_string())?;
-    outbox::create_tables(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
+    let pool = outbox::connect(args.database.as_deref(), 4).await?;
     let tenant = args
         .tenant
         .clone()
@@ -89,23 +80,10 @@ async fn run(args: Args) -> Result<(), String> {
         tx.commit().await.map_err(|e| e.to_string())?;
     }
 
-    let conn = Connection::connect(&args.amqp, ConnectionProperties::default())
-        .await
-        .map_err(|e| format!("cannot reach RabbitMQ at {}: {e}", args.amqp))?;
-    let channel = conn.create_channel().await.map_err(|e| e.to_string())?;
+    let (conn, channel) = outbox::channel(&args.amqp, &args.queue).await?;
+    // Publisher confirms: a row is marked published only after the broker has it.
     channel
         .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
-    channel
-        .queue_declare(
-            args.queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
         .await
         .map_err(|e| e.to_string())?;
     let (mut published, mut duplicates) = (0u64, 0u64);

@@ -11,11 +11,8 @@ use idempotent_core::call::{CallError, Calls};
 use idempotent_core::sqlx::Postgres;
 use idempotent_core::{Engine, PostgresStore, Transaction, idempotent};
 use idempotent_examples::outbox::{self, Booking, PaymentEvent};
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -107,6 +104,18 @@ async fn book_plain(pool: &sqlx::PgPool, event: &PaymentEvent) -> Result<(), sql
     tx.commit().await
 }
 
+/// Hands a delivery back to the broker, which redelivers it (to this or another consumer).
+async fn requeue(delivery: &lapin::message::Delivery) -> Result<(), String> {
+    delivery
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        })
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
@@ -125,15 +134,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), String> {
-    let url = args
-        .database
-        .clone()
-        .or_else(|| std::env::var("DATABASE_URL").ok())
-        .ok_or("set --database or DATABASE_URL (PostgreSQL)")?;
-    let pool = outbox::pool(&url, 8).await.map_err(|e| e.to_string())?;
-    outbox::create_tables(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
+    let pool = outbox::connect(args.database.as_deref(), 8).await?;
     let store = PostgresStore::new(pool.clone()).map_err(|e| e.to_string())?;
     store.migrate().await.map_err(|e| e.to_string())?;
     let calls = Calls::new(Engine::new(store));
@@ -142,21 +143,7 @@ async fn run(args: Args) -> Result<(), String> {
         announce: args.announce,
     };
 
-    let conn = Connection::connect(&args.amqp, ConnectionProperties::default())
-        .await
-        .map_err(|e| format!("cannot reach RabbitMQ at {}: {e}", args.amqp))?;
-    let channel = conn.create_channel().await.map_err(|e| e.to_string())?;
-    channel
-        .queue_declare(
-            args.queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+    let (conn, channel) = outbox::channel(&args.amqp, &args.queue).await?;
     channel
         .basic_qos(args.prefetch, BasicQosOptions::default())
         .await
@@ -208,13 +195,7 @@ async fn run(args: Args) -> Result<(), String> {
             fresh += 1;
             if fresh.is_multiple_of(args.nack_every) {
                 say(&format!("nack {}", event.id));
-                delivery
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..BasicNackOptions::default()
-                    })
-                    .await
-                    .map_err(|e| e.to_string())?;
+                requeue(&delivery).await?;
                 continue;
             }
         }
@@ -241,13 +222,7 @@ async fn run(args: Args) -> Result<(), String> {
             Err(why) => {
                 say(&format!("requeue {} ({why})", event.id));
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                delivery
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..BasicNackOptions::default()
-                    })
-                    .await
-                    .map_err(|e| e.to_string())?;
+                requeue(&delivery).await?;
             }
         }
     }
