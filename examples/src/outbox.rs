@@ -38,26 +38,28 @@ pub struct Booking {
     pub event: String,
 }
 
-/// Creates the tables both programs use (idempotent; serialised by an advisory lock).
+/// Creates the tables both programs use, in schema `outbox_example` (idempotent; serialised
+/// by an advisory lock).
 ///
 /// # Errors
 /// Database errors.
 pub async fn create_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(
         "SELECT pg_advisory_xact_lock(7201013);
-         CREATE TABLE IF NOT EXISTS orders (
+         CREATE SCHEMA IF NOT EXISTS outbox_example;
+         CREATE TABLE IF NOT EXISTS outbox_example.orders (
             id text PRIMARY KEY, tenant text NOT NULL, amount bigint NOT NULL);
-         CREATE TABLE IF NOT EXISTS outbox (
+         CREATE TABLE IF NOT EXISTS outbox_example.outbox (
             seq bigserial PRIMARY KEY, destination text NOT NULL, event_id text NOT NULL,
             payload text NOT NULL, published_at timestamptz);
-         CREATE INDEX IF NOT EXISTS outbox_unpublished ON outbox (destination, seq)
+         CREATE INDEX IF NOT EXISTS outbox_unpublished ON outbox_example.outbox (destination, seq)
             WHERE published_at IS NULL;
          -- No unique constraint on event_id: a second booking of one event would be a bug
          -- this table shows rather than hides.
-         CREATE TABLE IF NOT EXISTS bookings (
+         CREATE TABLE IF NOT EXISTS outbox_example.bookings (
             id bigserial PRIMARY KEY, event_id text NOT NULL, tenant text NOT NULL,
             amount bigint NOT NULL);
-         CREATE INDEX IF NOT EXISTS bookings_tenant ON bookings (tenant);",
+         CREATE INDEX IF NOT EXISTS bookings_tenant ON outbox_example.bookings (tenant);",
     )
     .execute(pool)
     .await?;

@@ -63,14 +63,14 @@ async fn run(args: Args) -> Result<(), String> {
         };
         let payload = serde_json::to_string(&event).map_err(|e| e.to_string())?;
         let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-        sqlx::query("INSERT INTO orders (id, tenant, amount) VALUES ($1, $2, $3)")
+        sqlx::query("INSERT INTO outbox_example.orders (id, tenant, amount) VALUES ($1, $2, $3)")
             .bind(&order)
             .bind(&tenant)
             .bind(event.amount)
             .execute(&mut *tx)
             .await
             .map_err(|e| e.to_string())?;
-        sqlx::query("INSERT INTO outbox (destination, event_id, payload) VALUES ($1, $2, $3)")
+        sqlx::query("INSERT INTO outbox_example.outbox (destination, event_id, payload) VALUES ($1, $2, $3)")
             .bind(&args.queue)
             .bind(&event.id)
             .bind(&payload)
@@ -91,7 +91,7 @@ async fn run(args: Args) -> Result<(), String> {
         // A batch of unpublished rows, locked so two relays never take the same rows.
         let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
         let rows: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT seq, payload FROM outbox WHERE destination = $1 AND published_at IS NULL
+            "SELECT seq, payload FROM outbox_example.outbox WHERE destination = $1 AND published_at IS NULL
              ORDER BY seq LIMIT 100 FOR UPDATE SKIP LOCKED",
         )
         .bind(&args.queue)
@@ -118,7 +118,11 @@ async fn run(args: Args) -> Result<(), String> {
                     .basic_publish(
                         "".into(),
                         args.queue.as_str().into(),
-                        BasicPublishOptions::default(),
+                        // Mandatory: a message no queue takes comes back, not acked.
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
                         payload.as_bytes(),
                         BasicProperties::default()
                             .with_delivery_mode(2)
@@ -126,14 +130,19 @@ async fn run(args: Args) -> Result<(), String> {
                     )
                     .await
                     .map_err(|e| e.to_string())?;
-                confirm.await.map_err(|e| e.to_string())?;
+                // Only an ack with nothing returned means the queue has it; anything else
+                // leaves the row unpublished (the batch rolls back and is relayed again).
+                let confirmation = confirm.await.map_err(|e| e.to_string())?;
+                if !confirmation.is_ack() || confirmation.take_message().is_some() {
+                    return Err(format!("the broker did not take event row {seq}"));
+                }
                 published += 1;
             }
             seqs.push(*seq);
         }
         // Marked only after the broker confirmed: a crash before this line publishes the
         // batch again (at least once).
-        sqlx::query("UPDATE outbox SET published_at = now() WHERE seq = ANY($1)")
+        sqlx::query("UPDATE outbox_example.outbox SET published_at = now() WHERE seq = ANY($1)")
             .bind(&seqs)
             .execute(&mut *tx)
             .await

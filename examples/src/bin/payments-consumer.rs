@@ -73,7 +73,7 @@ async fn book_payment(
     work: &Work,
 ) -> Result<Booking, sqlx::Error> {
     let booking: i64 = sqlx::query_scalar(
-        "INSERT INTO bookings (event_id, tenant, amount) VALUES ($1, $2, $3) RETURNING id",
+        "INSERT INTO outbox_example.bookings (event_id, tenant, amount) VALUES ($1, $2, $3) RETURNING id",
     )
     .bind(&event.id)
     .bind(&event.tenant)
@@ -95,12 +95,14 @@ async fn book_payment(
 /// The baseline: the same row, no idempotency.
 async fn book_plain(pool: &sqlx::PgPool, event: &PaymentEvent) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
-    sqlx::query("INSERT INTO bookings (event_id, tenant, amount) VALUES ($1, $2, $3)")
-        .bind(&event.id)
-        .bind(&event.tenant)
-        .bind(event.amount)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(
+        "INSERT INTO outbox_example.bookings (event_id, tenant, amount) VALUES ($1, $2, $3)",
+    )
+    .bind(&event.id)
+    .bind(&event.tenant)
+    .bind(event.amount)
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await
 }
 
@@ -170,7 +172,10 @@ async fn run(args: Args) -> Result<(), String> {
                 Err(_) => break,
             }
         };
-        let Some(delivery) = next else { break };
+        let Some(delivery) = next else {
+            // The broker cancelled the consumer (its queue deleted, a failover).
+            return Err("the broker ended the consumer".to_owned());
+        };
         let delivery = delivery.map_err(|e| e.to_string())?;
         first_seen.get_or_insert_with(Instant::now);
         let event: PaymentEvent = match serde_json::from_slice(&delivery.data) {
@@ -204,9 +209,28 @@ async fn run(args: Args) -> Result<(), String> {
         } else {
             match book_payment(&calls, &event, &work).await {
                 Ok(_) => Ok(()),
-                // Another consumer has it right now: hand it back for later.
-                Err(CallError::InProgress { .. }) => Err("in progress elsewhere".to_owned()),
-                Err(e) => Err(e.to_string()),
+                // Another consumer has it right now, or the database failed: hand it back
+                // for later.
+                Err(
+                    e @ (CallError::InProgress { .. }
+                    | CallError::Store(_)
+                    | CallError::Draining
+                    | CallError::Failed(_)),
+                ) => Err(e.to_string()),
+                // Never going to work (the id reused for another payload, an invalid id or
+                // tenant, a stored record of another shape): drop it rather than loop on it.
+                // A real consumer sends it to a dead-letter exchange here.
+                Err(e) => {
+                    say(&format!("drop {} ({e})", event.id));
+                    delivery
+                        .nack(BasicNackOptions {
+                            requeue: false,
+                            ..BasicNackOptions::default()
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    continue;
+                }
             }
         };
         match booked {
