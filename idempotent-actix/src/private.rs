@@ -121,18 +121,26 @@ where
             return refuse(ProblemError::new(*p));
         }
         let mut original = payload.take();
+        let timeout = config.config.request_body_timeout();
         Box::pin(async move {
-            let mut body = actix_web::web::BytesMut::new();
-            while let Some(chunk) = original.next().await {
-                let Ok(chunk) = chunk else {
-                    return Err(ProblemError::new(Problem::request_body_invalid()).into());
-                };
-                if body.len() + chunk.len() > limit {
-                    return Err(ProblemError::new(Problem::request_too_large(limit)).into());
+            let read = async {
+                let mut body = actix_web::web::BytesMut::new();
+                while let Some(chunk) = original.next().await {
+                    let Ok(chunk) = chunk else {
+                        return Err(Problem::request_body_invalid());
+                    };
+                    if body.len() + chunk.len() > limit {
+                        return Err(Problem::request_too_large(limit));
+                    }
+                    body.extend_from_slice(&chunk);
                 }
-                body.extend_from_slice(&chunk);
-            }
-            ready.body = body.freeze();
+                Ok(body.freeze())
+            };
+            ready.body = match tokio::time::timeout(timeout, read).await {
+                Ok(Ok(body)) => body,
+                Ok(Err(p)) => return Err(ProblemError::new(p).into()),
+                Err(_) => return Err(ProblemError::new(Problem::request_timeout(timeout)).into()),
+            };
             // The handler's extractors read the same bytes (with their own limits).
             let mut replay = Payload::from(ready.body.clone());
             let args = A::from_request(&ready.req, &mut replay)

@@ -117,7 +117,13 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
                 "the request body was read before the idempotency context (is the context extracted twice?)",
             ));
         };
-        match axum::body::to_bytes(body, limit).await {
+        let timeout = ctx.config.config.request_body_timeout();
+        let Ok(read) = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await
+        else {
+            slot.put_read(Bytes::new());
+            return Err(problem(&Problem::request_timeout(timeout)));
+        };
+        match read {
             Ok(bytes) => {
                 slot.put_read(bytes.clone());
                 ctx.body = bytes;

@@ -73,7 +73,7 @@ pub(crate) fn check_ttl_and_lease(ttl: Duration, lease: Duration) -> Result<(), 
     Ok(())
 }
 
-fn check_duration(what: &'static str, value: Duration) -> Result<(), ConfigError> {
+pub(crate) fn check_duration(what: &'static str, value: Duration) -> Result<(), ConfigError> {
     if value < MIN_DURATION {
         Err(ConfigError::TooShort { what, value })
     } else if value > MAX_DURATION {

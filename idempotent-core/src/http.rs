@@ -15,7 +15,7 @@
 
 pub use crate::engine::{ConfigError, MAX_DURATION, MIN_DURATION};
 
-use crate::engine::{Begin, Execution, Unprotected, check_ttl_and_lease};
+use crate::engine::{Begin, Execution, Unprotected, check_duration, check_ttl_and_lease};
 use crate::tx::{CommitPath, DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, TxOptions};
 use crate::{
     DEFAULT_LEASE, DEFAULT_TTL, DeriveSecret, Engine, Fingerprint, FingerprintInput,
@@ -40,6 +40,8 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 pub const DEFAULT_MAX_RESPONSE: usize = 1 << 20;
 /// Default limit on request bodies read for fingerprinting: 2 MiB.
 pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
+/// Default time allowed to read a request body for fingerprinting: 30 s.
+pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Whether a method is safe (GET, HEAD, OPTIONS): its requests ignore the key and run.
 ///
 /// ```
@@ -161,6 +163,7 @@ pub struct Config {
     lease: Duration,
     max_response: usize,
     max_request: usize,
+    request_body_timeout: Duration,
     fail_open: bool,
     commit: Option<CommitPath>,
     tx_wait: Duration,
@@ -178,6 +181,7 @@ impl Config {
             lease: DEFAULT_LEASE,
             max_response: DEFAULT_MAX_RESPONSE,
             max_request: DEFAULT_MAX_REQUEST,
+            request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
             fail_open: false,
             commit: None,
             tx_wait: DEFAULT_TX_WAIT,
@@ -210,6 +214,11 @@ impl Config {
     /// Limit on request bodies read for fingerprinting.
     pub fn max_request(&self) -> usize {
         self.max_request
+    }
+
+    /// Time allowed to read a request body for fingerprinting.
+    pub fn request_body_timeout(&self) -> Duration {
+        self.request_body_timeout
     }
 
     /// Whether handlers run unprotected when the store fails.
@@ -301,6 +310,15 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
+    /// How long reading a request body for fingerprinting may take, from the first byte
+    /// read to the last (default 30 s, 100 ms to 365 days). A client that sends its body
+    /// slower (slowloris) gets a 408 problem and its connection's task is freed; no key is
+    /// claimed before the body is read, so it never holds a record.
+    pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
+        self.config.request_body_timeout = timeout;
+        self
+    }
+
     /// Run handlers unprotected when the store fails (default: refuse with 503). Never
     /// applies to transactional routes, whose transaction is on the store's database.
     pub fn fail_open(mut self, on: bool) -> Self {
@@ -376,6 +394,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
                 what: "max_request",
             });
         }
+        check_duration("request_body_timeout", c.request_body_timeout)?;
         if c.tx_wait > MAX_DURATION {
             return Err(ConfigError::TooLong {
                 what: "transaction_wait",

@@ -2,12 +2,12 @@
 
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 use crate::{
-    Clock, Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome,
+    Clock, Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, Scope, StoredOutcome,
     StoredResponse, SystemClock,
 };
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
@@ -20,9 +20,22 @@ use std::time::{Duration, SystemTime};
 /// would let a retry run the handler twice). Records do not survive a restart and are not
 /// shared between processes; use the SQL stores for that.
 ///
+/// # One caller cannot fill it for everyone
+/// Each scope (caller) holds at most `max_per_scope` records (default 100,000), so a caller
+/// sending fresh keys as fast as it can fills its own share and then gets
+/// [`StoreError::ScopeCapacity`] (HTTP: 503 with `Retry-After`), while other callers' claims
+/// go on. Expired records count until purged, and they are purged first: a claim refused for
+/// room purges every expired record (at most once a second, so a caller hammering a full
+/// store cannot make each of its requests scan the whole store) and tries again. The unscoped
+/// namespace (`Scope::unscoped()`, shared by every caller of an unscoped route) has no
+/// per-scope bound; `max_entries` bounds it.
+///
 /// ```
 /// use idempotent_core::MemoryStore;
-/// let store = MemoryStore::builder().max_entries(10_000).build();
+/// let store = MemoryStore::builder()
+///     .max_entries(10_000)
+///     .max_per_scope(1_000)
+///     .build();
 /// # let _ = store;
 /// ```
 #[derive(Debug, Clone)]
@@ -39,6 +52,13 @@ struct Inner {
     hasher: RandomState,
     len: AtomicUsize,
     max_entries: usize,
+    /// Records held per scope, sharded by the scope's hash (taken after a record shard's lock,
+    /// never before, and never across another lock).
+    per_scope: Box<[Mutex<HashMap<Scope, usize>>]>,
+    max_per_scope: usize,
+    /// When the last purge for room ran (nanoseconds since the epoch, by the store's clock;
+    /// `u64::MAX`: never).
+    last_room_purge: AtomicU64,
     clock: Arc<dyn Clock>,
 }
 
@@ -46,6 +66,7 @@ struct Inner {
 #[derive(Debug)]
 pub struct MemoryStoreBuilder {
     max_entries: usize,
+    max_per_scope: usize,
     clock: Arc<dyn Clock>,
 }
 
@@ -54,6 +75,15 @@ impl MemoryStoreBuilder {
     #[must_use]
     pub fn max_entries(mut self, n: usize) -> Self {
         self.max_entries = n;
+        self
+    }
+
+    /// Upper bound on records one scope holds (default 100,000; at least 1), so one caller
+    /// cannot fill the store for everyone. The unscoped namespace is bounded by
+    /// [`max_entries`](Self::max_entries) alone.
+    #[must_use]
+    pub fn max_per_scope(mut self, n: usize) -> Self {
+        self.max_per_scope = n.max(1);
         self
     }
 
@@ -75,6 +105,9 @@ impl MemoryStoreBuilder {
                 hasher: RandomState::new(),
                 len: AtomicUsize::new(0),
                 max_entries: self.max_entries,
+                per_scope: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+                max_per_scope: self.max_per_scope,
+                last_room_purge: AtomicU64::new(u64::MAX),
                 clock: self.clock,
             }),
         }
@@ -88,7 +121,7 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// A store with the defaults (1,000,000 records, system clock).
+    /// A store with the defaults (1,000,000 records, 100,000 per scope, system clock).
     pub fn new() -> Self {
         Self::builder().build()
     }
@@ -97,6 +130,7 @@ impl MemoryStore {
     pub fn builder() -> MemoryStoreBuilder {
         MemoryStoreBuilder {
             max_entries: 1_000_000,
+            max_per_scope: 100_000,
             clock: Arc::new(SystemClock),
         }
     }
@@ -124,6 +158,65 @@ impl MemoryStore {
         self.inner.clock.now()
     }
 
+    /// Counts one more record for `scope`, unless it holds its share already (the unscoped
+    /// namespace is not counted).
+    fn reserve_in_scope(&self, scope: &Scope) -> bool {
+        if scope.is_unscoped() {
+            return true;
+        }
+        let mut counts = self.scope_counts(scope);
+        let n = counts.entry(scope.clone()).or_insert(0);
+        if *n >= self.inner.max_per_scope {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    /// Counts one record fewer for `scope`.
+    fn unreserve_in_scope(&self, scope: &Scope) {
+        if scope.is_unscoped() {
+            return;
+        }
+        let mut counts = self.scope_counts(scope);
+        if let Some(n) = counts.get_mut(scope) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(scope);
+            }
+        }
+    }
+
+    fn scope_counts(&self, scope: &Scope) -> MutexGuard<'_, HashMap<Scope, usize>> {
+        let i = self.inner.hasher.hash_one(scope) as usize & (self.inner.per_scope.len() - 1);
+        self.inner.per_scope[i]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Purges expired records to make room, unless that ran less than a second ago (by the
+    /// store's clock). Whether it ran.
+    fn purge_for_room(&self) -> bool {
+        let now = self
+            .now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let last = self.inner.last_room_purge.load(Ordering::Acquire);
+        let due = now >= last.saturating_add(1_000_000_000) || now < last;
+        if due
+            && self
+                .inner
+                .last_room_purge
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            self.purge(usize::MAX);
+            true
+        } else {
+            false
+        }
+    }
+
     fn purge(&self, batch: usize) -> u64 {
         let now = self.now();
         let mut purged = 0_u64;
@@ -134,9 +227,10 @@ impl MemoryStore {
             }
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
             let before = map.len();
-            map.retain(|_, r| {
+            map.retain(|k, r| {
                 if left > 0 && r.expires_at <= now {
                     left -= 1;
+                    self.unreserve_in_scope(&k.scope);
                     false
                 } else {
                     true
@@ -185,6 +279,10 @@ impl MemoryStore {
                     .is_err()
                 {
                     return Err(Refused::Full);
+                }
+                if !self.reserve_in_scope(&req.key.scope) {
+                    self.inner.len.fetch_sub(1, Ordering::AcqRel);
+                    return Err(Refused::ScopeFull);
                 }
                 let (lease, record) = fresh(false);
                 map.insert(req.key.clone(), Box::new(record));
@@ -246,6 +344,8 @@ impl MemoryStore {
 enum Refused {
     /// No room for a new record.
     Full,
+    /// No room for a new record of this scope.
+    ScopeFull,
     /// A packed response did not unpack (cannot happen: this store packed it).
     Corrupt,
 }
@@ -374,18 +474,21 @@ fn later(t: SystemTime, d: Duration) -> SystemTime {
 #[async_trait::async_trait]
 impl Store for MemoryStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let refused = |refused| match refused {
+            Refused::Full => StoreError::Capacity {
+                max_entries: self.inner.max_entries,
+            },
+            Refused::ScopeFull => StoreError::ScopeCapacity {
+                max_per_scope: self.inner.max_per_scope,
+            },
+            Refused::Corrupt => corrupt(),
+        };
         match self.try_claim(&req) {
             Ok(outcome) => Ok(outcome),
-            Err(Refused::Full) => {
-                self.purge(usize::MAX);
-                self.try_claim(&req).map_err(|refused| match refused {
-                    Refused::Full => StoreError::Capacity {
-                        max_entries: self.inner.max_entries,
-                    },
-                    Refused::Corrupt => corrupt(),
-                })
+            Err(Refused::Full | Refused::ScopeFull) if self.purge_for_room() => {
+                self.try_claim(&req).map_err(refused)
             }
-            Err(Refused::Corrupt) => Err(corrupt()),
+            Err(other) => Err(refused(other)),
         }
     }
 
@@ -411,6 +514,7 @@ impl Store for MemoryStore {
         self.fenced(key, token, |map, _| {
             if map.remove(key).is_some() {
                 self.inner.len.fetch_sub(1, Ordering::Relaxed);
+                self.unreserve_in_scope(&key.scope);
             }
         })
     }

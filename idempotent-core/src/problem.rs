@@ -161,6 +161,21 @@ impl Problem {
         )
     }
 
+    /// 408: the request body did not arrive within the configured time
+    /// ([`ConfigBuilder::request_body_timeout`](crate::http::ConfigBuilder::request_body_timeout)).
+    /// Nothing was claimed: a retry with the same key runs normally.
+    pub fn request_timeout(timeout: std::time::Duration) -> Self {
+        Self::new(
+            "idempotency-request-timeout",
+            408,
+            "Request body too slow",
+            format!(
+                "the request body did not arrive within {}; send it again with the same key",
+                crate::format_duration(timeout)
+            ),
+        )
+    }
+
     /// 500: the server is misconfigured (the adapter's layer is missing, a route's arguments
     /// do not fit the configuration). The client is told nothing about the server's wiring:
     /// log what to fix where it is found.

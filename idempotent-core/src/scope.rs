@@ -8,6 +8,14 @@ use std::fmt;
 /// with another caller's record. Routes without a caller use [`Scope::unscoped`], which no
 /// scope value can produce (scope values are never empty).
 ///
+/// **A scope is text.** An integer scope is its decimal text, so account `42` (an integer id)
+/// and account `"42"` (the same id as a string) are one caller, as they are one account in
+/// the application: an application that moves its ids from integers to strings, or reads the
+/// id from a token where it is a string, keeps its records. Strings are compared exactly
+/// (`"042"` is not `42`). An application whose integer and string ids name *different*
+/// callers must give them different text through its own [`ScopeValue`] (a prefix, as in
+/// `acct_7` below).
+///
 /// ```
 /// use idempotent_core::{Scope, ScopeValue};
 ///
@@ -220,5 +228,24 @@ mod tests {
         );
         assert!(Scope::unscoped().is_unscoped());
         assert!("x".repeat(Scope::MAX_LEN + 1).to_scope().is_err());
+    }
+
+    /// Integer and string ids with the same decimal text are one scope; anything else is not.
+    #[test]
+    fn integer_and_string_scopes() {
+        let text = "42".to_scope().unwrap();
+        for same in [
+            42_u64.to_scope(),
+            42_i32.to_scope(),
+            42_u8.to_scope(),
+            std::num::NonZeroU64::new(42).unwrap().to_scope(),
+            String::from("42").to_scope(),
+        ] {
+            assert_eq!(same.unwrap(), text);
+        }
+        for other in ["042", "+42", "42.0", " 42", "-42"] {
+            assert_ne!(other.to_scope().unwrap(), text, "{other}");
+        }
+        assert_ne!((-42_i64).to_scope().unwrap(), text);
     }
 }

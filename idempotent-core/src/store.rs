@@ -49,6 +49,14 @@ pub enum StoreError {
         /// The configured bound.
         max_entries: usize,
     },
+    /// One scope holds as many records as the store allows a scope (memory store:
+    /// `max_per_scope` live records), so this caller's new keys are refused while other
+    /// callers' go on.
+    #[error("this scope holds as many records as the store allows one scope ({max_per_scope})")]
+    ScopeCapacity {
+        /// The configured bound.
+        max_per_scope: usize,
+    },
     /// The store cannot be reached or failed (connection loss, pool timeout, busy database).
     #[error("store unavailable: {0}")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -84,7 +92,8 @@ pub trait Store: Send + Sync + 'static {
     /// Claims `req.key`, or reports the record that holds it (see the trait's promises).
     ///
     /// # Errors
-    /// [`StoreError::Unavailable`], [`StoreError::Capacity`], [`StoreError::Corrupt`].
+    /// [`StoreError::Unavailable`], [`StoreError::Capacity`], [`StoreError::ScopeCapacity`],
+    /// [`StoreError::Corrupt`].
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
 
     /// Finishes the attempt holding `token`: the record becomes `done` with `outcome`, and

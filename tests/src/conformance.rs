@@ -254,6 +254,46 @@ pub async fn scope_isolation(f: &impl Fixture) {
     store.release(&u, lu.token).await.expect("release unscoped");
 }
 
+/// (scope, key) pairs that a naive `scope + ":" + key` (or `scope + key`) would join into the
+/// same string are different records: scope `a:b` with key `c`, scope `a` with key `b:c`,
+/// scope `a:` with key `b:c`... Each is claimed and completed on its own and replays its own
+/// response.
+pub async fn scope_and_key_never_collide(f: &impl Fixture) {
+    let store = f.fresh().await;
+    let base = unique_key("x").scope.as_str().to_owned();
+    let pairs = [
+        (format!("{base}:a:b"), "c"),
+        (format!("{base}:a"), "b:c"),
+        (format!("{base}:a:"), "b:c"),
+        (format!("{base}:a"), ":b:c"),
+        (format!("{base}:ab"), "c"),
+        (format!("{base}:a"), "bc"),
+    ];
+    let keys: Vec<RecordKey> = pairs
+        .iter()
+        .map(|(scope, key)| {
+            RecordKey::new(
+                Scope::new(scope.clone()).expect("scope"),
+                IdempotencyKey::parse(key.as_bytes()).expect("key"),
+            )
+        })
+        .collect();
+    for (i, k) in keys.iter().enumerate() {
+        let lease = claimed(claim(&*store, k, &fp("same"), f.lease(), TTL).await);
+        store
+            .complete(k, lease.token, &response(&format!("pair {i}")), TTL)
+            .await
+            .expect("complete");
+    }
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(
+            claim(&*store, k, &fp("same"), f.lease(), TTL).await,
+            ClaimOutcome::Replay(response(&format!("pair {i}"))),
+            "pair {i}: {k:?}"
+        );
+    }
+}
+
 /// Purge deletes only expired records, at most `batch` per call.
 pub async fn purge_in_batches(f: &impl Fixture) {
     let store = f.fresh().await;

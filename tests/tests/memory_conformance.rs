@@ -115,3 +115,82 @@ async fn capacity_holds_under_concurrent_claims() {
     }
     assert_eq!((claimed, store.len()), (10, 10));
 }
+
+/// One caller sending fresh keys fills its own share and no more: its next claim is refused
+/// with `ScopeCapacity` while another caller's claim goes on; its expired records make room
+/// again; a released record frees its slot; the unscoped namespace has no per-scope bound.
+#[tokio::test]
+async fn one_scope_cannot_fill_the_store_for_everyone() {
+    use idempotent_core::*;
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::builder()
+        .max_entries(100)
+        .max_per_scope(3)
+        .clock(clock.clone())
+        .build();
+    let fp = idempotent_tests::conformance::fp("a");
+    let short = Duration::from_secs(10);
+    let key = |scope: &Scope, k: &str| RecordKey::new(scope.clone(), k.parse().unwrap());
+    let claim = |k: RecordKey| {
+        let store = store.clone();
+        let fp = fp.clone();
+        async move {
+            store
+                .claim(ClaimRequest {
+                    key: &k,
+                    fingerprint: &fp,
+                    lease: short,
+                    ttl: short,
+                })
+                .await
+        }
+    };
+    let greedy = Scope::new("greedy").unwrap();
+    let mut tokens = Vec::new();
+    for i in 0..3 {
+        match claim(key(&greedy, &format!("k{i}"))).await.unwrap() {
+            ClaimOutcome::Claimed(lease) => tokens.push(lease.token),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(matches!(
+        claim(key(&greedy, "k3")).await,
+        Err(StoreError::ScopeCapacity { max_per_scope: 3 })
+    ));
+    // Its own records still answer, and another caller is not held up.
+    assert!(matches!(
+        claim(key(&greedy, "k0")).await,
+        Ok(ClaimOutcome::InProgress { .. })
+    ));
+    let other = Scope::new("other").unwrap();
+    assert!(matches!(
+        claim(key(&other, "k0")).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    // A release frees its slot.
+    store.release(&key(&greedy, "k0"), tokens[0]).await.unwrap();
+    assert!(matches!(
+        claim(key(&greedy, "k3")).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    assert!(matches!(
+        claim(key(&greedy, "k4")).await,
+        Err(StoreError::ScopeCapacity { .. })
+    ));
+    // Expired records are purged to make room.
+    clock.advance(short * 3);
+    for i in 5..8 {
+        assert!(matches!(
+            claim(key(&greedy, &format!("k{i}"))).await,
+            Ok(ClaimOutcome::Claimed(_))
+        ));
+    }
+    assert_eq!(store.len(), 3, "the expired records were purged");
+    // The unscoped namespace is everyone's: only max_entries bounds it.
+    for i in 0..10 {
+        assert!(matches!(
+            claim(key(&Scope::unscoped(), &format!("u{i}"))).await,
+            Ok(ClaimOutcome::Claimed(_))
+        ));
+    }
+}

@@ -9,6 +9,13 @@
 
 mod actix_app;
 mod axum_app;
+mod hostile;
+
+use hostile::{
+    hostile_json_is_fingerprinted_without_harm, hostile_keys_are_400_and_claim_nothing,
+    scope_and_key_values_never_collide, slow_bodies_time_out_and_claim_nothing,
+    thousands_of_headers_are_refused_cleanly,
+};
 
 use idempotent_core::http::{Config, ConfigBuilder, ConfigError};
 use idempotent_core::{Engine, MemoryStore, Store};
@@ -1322,6 +1329,11 @@ on_both!(
     failed_completes_are_retried_then_hold_the_key,
     drain_waits_for_executions_whose_client_left,
     derived_keys_are_stable_across_runs_and_instances,
+    hostile_keys_are_400_and_claim_nothing,
+    thousands_of_headers_are_refused_cleanly,
+    slow_bodies_time_out_and_claim_nothing,
+    hostile_json_is_fingerprinted_without_harm,
+    scope_and_key_values_never_collide,
 );
 
 fn with_secret(store: impl Store, secret: &[u8]) -> Config {
