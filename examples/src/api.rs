@@ -35,6 +35,12 @@ pub struct Args {
     /// response in one commit) or `two` (the claim commits first). Default: single.
     #[arg(long, value_parser = parse_commit)]
     pub commit: Option<CommitPath>,
+    /// SQLite, PostgreSQL: plain mode instead of transactional (the charge commits on its own,
+    /// apart from the stored response, as on `memory`). For comparison and the reliability
+    /// tests: a process frozen past its lease can then still write its charge after a retry
+    /// took over.
+    #[arg(long, conflicts_with = "commit")]
+    pub plain: bool,
     /// The secret downstream keys (the payment provider's idempotency keys) are derived
     /// under: at least 32 bytes, the same on every instance. Defaults to
     /// `$IDEMPOTENCY_SECRET`, then to a secret made once and kept in the database.
@@ -55,6 +61,12 @@ fn parse_commit(s: &str) -> Result<CommitPath, String> {
 }
 
 impl Args {
+    /// Whose handlers serve the POSTs on a database of `kind`: the plain handlers
+    /// (`Kind::Memory`'s, writing through the pool) with `--plain`, else `kind`'s own.
+    pub fn handlers(&self, kind: Kind) -> Kind {
+        if self.plain { Kind::Memory } else { kind }
+    }
+
     /// The database URL: the flag, else `$DATABASE_URL`, else `sqlite://charges.db`.
     pub fn database_url(&self) -> String {
         self.database

@@ -243,7 +243,7 @@ async fn main() -> ExitCode {
         idempotency,
         sweeper,
     } = started;
-    let kind = api.kind();
+    let kind = args.handlers(api.kind());
     let api = web::Data::new(api);
     let middleware = idempotency.middleware();
     let server = HttpServer::new(move || {

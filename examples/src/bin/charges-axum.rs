@@ -212,7 +212,7 @@ async fn main() -> ExitCode {
         idempotency,
         sweeper,
     } = started;
-    let (charge, refund) = posts(api.kind());
+    let (charge, refund) = posts(args.handlers(api.kind()));
     let app = Router::new()
         .route("/v1/charges", charge.get(list_charges))
         .route("/v1/charges/{charge}/refunds", refund.get(list_refunds))

@@ -1,0 +1,743 @@
+//! Reliability under load and faults, with the charges example as real processes:
+//!
+//! - **Multi-instance load**: two servers on one database (PostgreSQL; one SQLite file), each
+//!   logical operation sent as 8 concurrent duplicates split across both, 409s retried:
+//!   exactly one charge per operation, and every response for one key carries the same charge.
+//!   `RELIABILITY_OPS` sets the number of operations (CI: 400; the full run: 10000).
+//! - **Database outage**: the servers reach PostgreSQL through a TCP proxy the test controls;
+//!   under load it cuts every connection and refuses new ones, then blackholes them (holds
+//!   them silent), then lets them through again: 503 problem+json with `Retry-After` while the
+//!   database is away, recovery without a restart, and again exactly one charge per operation.
+//! - **Slow and stuck**: a handler slower than its lease keeps it (heartbeat); a process frozen
+//!   with SIGSTOP past its lease, then resumed, on each path: plain and two-commit (a retry
+//!   takes over; the late completion is refused by the fence; the taker-over's response
+//!   stands) and single-commit (retries get 409 until PostgreSQL ends the frozen session's
+//!   transaction at its idle timeout, then exactly one runs).
+//!
+//! The PostgreSQL tests need `DATABASE_URL` (else they are ignored, with the reason).
+#![allow(clippy::unwrap_used)] // tests unwrap freely
+
+mod common;
+
+use common::{Bin, Server, start, start_reading};
+use serde_json::Value;
+use std::collections::HashSet;
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap()
+}
+
+fn ops_count() -> usize {
+    std::env::var("RELIABILITY_OPS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(400)
+}
+
+/// What the load saw, besides the charges.
+#[derive(Default)]
+struct Seen {
+    created: AtomicU64,
+    replayed: AtomicU64,
+    in_progress: AtomicU64,
+    unavailable: AtomicU64,
+    handler_failed: AtomicU64,
+    transport_errors: AtomicU64,
+}
+
+impl std::fmt::Display for Seen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        write!(
+            f,
+            "{} first executions, {} replays, {} answers 409, {} answers 503, {} handler failures (500), {} transport errors",
+            n(&self.created),
+            n(&self.replayed),
+            n(&self.in_progress),
+            n(&self.unavailable),
+            n(&self.handler_failed),
+            n(&self.transport_errors)
+        )
+    }
+}
+
+/// One logical operation: a charge under one key.
+struct Op {
+    account: String,
+    key: String,
+    body: String,
+}
+
+/// Sends `op` to `base` until it gets its charge (201, first or replayed), retrying 409 and
+/// 503 (each checked for its problem and `Retry-After`), the handler's own 500 (its database
+/// failed under it: the key was released, so the retry runs again) and transport errors;
+/// anything else fails the test. Its charge id.
+async fn until_charged(client: &reqwest::Client, base: &str, op: &Op, seen: &Seen) -> String {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "{}: no charge after 180 s; {seen}",
+            op.key
+        );
+        let res = client
+            .post(format!("{base}/v1/charges"))
+            .bearer_auth(&op.account)
+            .header("idempotency-key", &op.key)
+            .header("content-type", "application/json")
+            .body(op.body.clone())
+            .timeout(Duration::from_secs(20))
+            .send()
+            .await;
+        let res = match res {
+            Ok(res) => res,
+            Err(_) => {
+                seen.transport_errors.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let status = res.status().as_u16();
+        match status {
+            201 => {
+                let replayed = res.headers()["idempotent-replayed"] == "true";
+                let counter = if replayed {
+                    &seen.replayed
+                } else {
+                    &seen.created
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                let charge: Value = res.json().await.unwrap();
+                return charge["id"].as_str().unwrap().to_owned();
+            }
+            409 | 503 => {
+                assert_eq!(res.headers()["content-type"], "application/problem+json");
+                let after: u64 = res.headers()["retry-after"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!(after >= 1, "Retry-After {after}");
+                let counter = if status == 409 {
+                    &seen.in_progress
+                } else {
+                    &seen.unavailable
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                // Faster than Retry-After asks: the test wants to hammer the recovery.
+                tokio::time::sleep(Duration::from_millis(20 + fastrand::u64(0..30))).await;
+            }
+            500 => {
+                let problem: Value = res.json().await.unwrap();
+                assert_eq!(
+                    problem["type"], "https://idempotent.dev/examples/charges/internal",
+                    "{problem}"
+                );
+                seen.handler_failed.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            _ => panic!("{}: {status} {}", op.key, res.text().await.unwrap()),
+        }
+    }
+}
+
+/// `ops` operations, each as 8 concurrent duplicates spread over `bases`, `parallel` operations
+/// at a time; checks each operation's duplicates got one charge. The charge of each operation.
+async fn load(bases: &[String], ops: &[Op], parallel: usize, seen: &Arc<Seen>) -> Vec<String> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()
+        .unwrap();
+    let gate = Arc::new(tokio::sync::Semaphore::new(parallel));
+    let mut running = Vec::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate() {
+        let permit = gate.clone().acquire_owned().await.unwrap();
+        let dups: Vec<_> = (0..8)
+            .map(|d| {
+                let (client, seen) = (client.clone(), seen.clone());
+                let base = bases[(i + d) % bases.len()].clone();
+                let op = Op {
+                    account: op.account.clone(),
+                    key: op.key.clone(),
+                    body: op.body.clone(),
+                };
+                tokio::spawn(async move { until_charged(&client, &base, &op, &seen).await })
+            })
+            .collect();
+        running.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for d in dups {
+                ids.push(d.await.unwrap());
+            }
+            drop(permit);
+            ids
+        }));
+    }
+    let mut charges = Vec::with_capacity(ops.len());
+    for (op, r) in ops.iter().zip(running) {
+        let ids = r.await.unwrap();
+        assert!(
+            ids.iter().all(|id| *id == ids[0]),
+            "{}: duplicates got different charges {ids:?}",
+            op.key
+        );
+        charges.push(ids[0].clone());
+    }
+    charges
+}
+
+/// `n` operations over 16 accounts of their own.
+fn operations(n: usize) -> Vec<Op> {
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    (0..n)
+        .map(|i| Op {
+            account: format!("acct_rel_{}_{}", &run[..12], i % 16),
+            key: uuid::Uuid::new_v4().to_string(),
+            body: format!(
+                r#"{{"amount": {}, "currency": "usd", "customer": "cus_{i}"}}"#,
+                100 + i
+            ),
+        })
+        .collect()
+}
+
+/// The charges the accounts of `ops` hold, read through `base`.
+async fn charges_held(base: &str, ops: &[Op]) -> Vec<String> {
+    let client = reqwest::Client::new();
+    let accounts: HashSet<&str> = ops.iter().map(|o| o.account.as_str()).collect();
+    let mut ids = Vec::new();
+    for account in accounts {
+        let list: Value = client
+            .get(format!("{base}/v1/charges"))
+            .bearer_auth(account)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        for c in list["data"].as_array().unwrap() {
+            ids.push(c["id"].as_str().unwrap().to_owned());
+        }
+    }
+    ids
+}
+
+/// Exactly one charge per operation: the accounts hold as many charges as there were
+/// operations, and they are the ones the operations were answered with.
+async fn assert_exactly_once(base: &str, ops: &[Op], answered: &[String]) {
+    let held = charges_held(base, ops).await;
+    let distinct: HashSet<&String> = answered.iter().collect();
+    assert_eq!(distinct.len(), ops.len(), "two operations got one charge");
+    assert_eq!(
+        held.len(),
+        ops.len(),
+        "charges held ≠ operations: a duplicate or a loss"
+    );
+    let held: HashSet<&String> = held.iter().collect();
+    assert_eq!(held, distinct, "the charges held are not the ones answered");
+}
+
+// -------------------------------------------------------------------------------------------
+// Multi-instance load
+
+async fn two_instances_one_database(database: &str) {
+    let n = ops_count();
+    let a = start(Bin::Axum, database, &[]);
+    let b = start(Bin::Actix, database, &[]);
+    let bases = [a.base.clone(), b.base.clone()];
+    let ops = operations(n);
+    let seen = Arc::new(Seen::default());
+    let started = Instant::now();
+    let charges = load(&bases, &ops, 32, &seen).await;
+    let took = started.elapsed();
+    assert_exactly_once(&a.base, &ops, &charges).await;
+    let created = seen.created.load(Ordering::Relaxed);
+    assert_eq!(created, n as u64, "first executions ≠ operations; {seen}");
+    println!(
+        "{database}: {n} operations × 8 duplicates over two instances in {:.1}s ({:.0} requests answered 201/s): {seen}",
+        took.as_secs_f64(),
+        (n * 8) as f64 / took.as_secs_f64()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn two_instances_on_postgres() {
+    two_instances_one_database(&database_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_one_sqlite_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("charges.db").display());
+    two_instances_one_database(&url).await;
+}
+
+// -------------------------------------------------------------------------------------------
+// Database outage
+
+/// What the fault proxy does to connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Forward both ways.
+    Pass,
+    /// Close every open connection and close new ones at once.
+    Cut,
+    /// Keep connections open but forward nothing either way (packets dropped).
+    Blackhole,
+}
+
+/// A TCP proxy in front of PostgreSQL whose faults the test switches.
+struct FaultProxy {
+    addr: SocketAddr,
+    mode: watch::Sender<Mode>,
+    refused: Arc<AtomicU64>,
+    cut: Arc<AtomicU64>,
+}
+
+impl FaultProxy {
+    async fn start(upstream: SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (mode, _) = watch::channel(Mode::Pass);
+        let (refused, cut) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let proxy = FaultProxy {
+            addr,
+            mode: mode.clone(),
+            refused: refused.clone(),
+            cut: cut.clone(),
+        };
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if *mode.borrow() == Mode::Cut {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    drop(client);
+                    continue;
+                }
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                let (m1, m2) = (mode.subscribe(), mode.subscribe());
+                let cut = cut.clone();
+                tokio::spawn(async move {
+                    // Either direction ending (a close, or the cut) ends both: dropping all
+                    // four halves closes both sockets.
+                    tokio::select! {
+                        cut_here = pump(cr, sw, m1) => if cut_here { cut.fetch_add(1, Ordering::Relaxed); },
+                        cut_here = pump(sr, cw, m2) => if cut_here { cut.fetch_add(1, Ordering::Relaxed); },
+                    }
+                });
+            }
+        });
+        proxy
+    }
+
+    fn set(&self, mode: Mode) {
+        self.mode.send_replace(mode);
+    }
+}
+
+/// Copies `from` to `to` while the mode allows: stalls (reads nothing, so nothing moves) while
+/// blackholed, stops when cut. Whether the cut ended it.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut mode: watch::Receiver<Mode>,
+) -> bool {
+    let mut buf = vec![0_u8; 16 * 1024];
+    loop {
+        // Not while blackholed; a cut meanwhile ends the connection.
+        let now = *mode.wait_for(|m| *m != Mode::Blackhole).await.unwrap();
+        if now == Mode::Cut {
+            return true;
+        }
+        let n = tokio::select! {
+            read = from.read(&mut buf) => match read {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => n,
+            },
+            _ = mode.wait_for(|m| *m == Mode::Cut) => return true,
+        };
+        // A blackhole that starts now swallows this chunk's delivery until it ends.
+        let now = *mode.wait_for(|m| *m != Mode::Blackhole).await.unwrap();
+        if now == Mode::Cut {
+            return true;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// Two servers on `url` under load while `faults` runs (it reads the 503 count it is given and
+/// reports, per fault, how many 503s came while the database was away). Batches of operations
+/// go on until `faults` has finished; then each server must serve a new operation (recovered
+/// without a restart), and every operation must hold exactly one charge.
+async fn outage_under_load<F, Fut>(url: &str, faults: F)
+where
+    F: FnOnce(Arc<Seen>) -> Fut,
+    Fut: std::future::Future<Output = Vec<(String, u64)>>,
+{
+    let a = start(Bin::Axum, url, &[]);
+    let b = start(Bin::Actix, url, &[]);
+    let bases = [a.base.clone(), b.base.clone()];
+    let seen = Arc::new(Seen::default());
+    let faults_done = std::sync::atomic::AtomicBool::new(false);
+    let traffic = async {
+        let (mut ops, mut charges) = (Vec::new(), Vec::new());
+        while !faults_done.load(Ordering::SeqCst) {
+            let batch = operations(50);
+            charges.extend(load(&bases, &batch, 16, &seen).await);
+            ops.extend(batch);
+        }
+        (ops, charges)
+    };
+    let faults = async {
+        let away = faults(seen.clone()).await;
+        faults_done.store(true, Ordering::SeqCst);
+        away
+    };
+    let ((ops, charges), away) = tokio::join!(traffic, faults);
+    println!(
+        "{url}: 503s while the database was away: {away:?}; {} operations: {seen}",
+        ops.len()
+    );
+    for (fault, answers) in &away {
+        assert!(*answers > 0, "no 503 while the database was away ({fault})");
+    }
+    // No operation ran twice: one first execution each.
+    assert_eq!(
+        seen.created.load(Ordering::Relaxed),
+        ops.len() as u64,
+        "{seen}"
+    );
+    // Recovered by itself: a new operation on each server runs.
+    for base in &bases {
+        let fresh = operations(1);
+        let charge = until_charged(&reqwest::Client::new(), base, &fresh[0], &seen).await;
+        assert!(charge.starts_with("ch_"));
+    }
+    assert_exactly_once(&a.base, &ops, &charges).await;
+}
+
+/// PostgreSQL behind the proxy goes away twice under load (cut, then blackholed), each for a
+/// few seconds, and comes back: 503 problems with `Retry-After` while it is away, recovery
+/// without a restart, and exactly one charge per operation at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn database_outage_under_load() {
+    let proxy = Arc::new(FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await);
+    let url = database_url().replace("127.0.0.1:5432", &proxy.addr.to_string());
+    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
+    let switch = proxy.clone();
+    outage_under_load(&url, |seen| async move {
+        let mut away = Vec::new();
+        for (fault, secs) in [(Mode::Cut, 3), (Mode::Blackhole, 8)] {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let before = seen.unavailable.load(Ordering::Relaxed);
+            switch.set(fault);
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            switch.set(Mode::Pass);
+            away.push((
+                format!("{fault:?}"),
+                seen.unavailable.load(Ordering::Relaxed) - before,
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        away
+    })
+    .await;
+    println!(
+        "the proxy closed {} open connections and refused {} new ones",
+        proxy.cut.load(Ordering::Relaxed),
+        proxy.refused.load(Ordering::Relaxed)
+    );
+    assert!(
+        proxy.cut.load(Ordering::Relaxed) > 0,
+        "the cut closed no connection"
+    );
+    assert!(
+        proxy.refused.load(Ordering::Relaxed) > 0,
+        "the cut refused no connection"
+    );
+}
+
+/// The same with PostgreSQL itself stopped (`pg_ctlcluster … stop -m fast`, which ends every
+/// session) for 4 seconds and started again. It stops the machine's shared server, so it runs
+/// only when asked for, alone: `cargo test -p idempotent-examples --test reliability --
+/// --ignored database_restart`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "stops and starts the machine's PostgreSQL; run it alone with --ignored"]
+async fn database_restart_under_load() {
+    let cluster = || {
+        let versions = std::fs::read_dir("/etc/postgresql").unwrap();
+        versions
+            .flatten()
+            .next()
+            .unwrap()
+            .file_name()
+            .into_string()
+            .unwrap()
+    };
+    let ctl = move |action: &str| {
+        let mut args = vec![
+            "--skip-systemctl-redirect".to_owned(),
+            cluster(),
+            "main".into(),
+        ];
+        args.push(action.into());
+        if action == "stop" {
+            args.extend(["-m".into(), "fast".into()]);
+        }
+        let ok = std::process::Command::new("pg_ctlcluster")
+            .args(&args)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "pg_ctlcluster {action}");
+    };
+    outage_under_load(&database_url(), |seen| async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let before = seen.unavailable.load(Ordering::Relaxed);
+        tokio::task::spawn_blocking(move || ctl("stop"))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let away = seen.unavailable.load(Ordering::Relaxed) - before;
+        tokio::task::spawn_blocking(move || ctl("start"))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        vec![("restart".to_owned(), away)]
+    })
+    .await;
+}
+
+// -------------------------------------------------------------------------------------------
+// Slow and stuck
+
+/// One charge request on its own task.
+fn charge_on(base: &str, op: &Op) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+    let req = reqwest::Client::new()
+        .post(format!("{base}/v1/charges"))
+        .bearer_auth(&op.account)
+        .header("idempotency-key", &op.key)
+        .header("content-type", "application/json")
+        .body(op.body.clone())
+        .timeout(Duration::from_secs(60));
+    tokio::spawn(req.send())
+}
+
+async fn status_of(base: &str, op: &Op) -> (u16, String) {
+    let res = charge_on(base, op).await.unwrap().unwrap();
+    let status = res.status().as_u16();
+    (status, res.text().await.unwrap())
+}
+
+/// A handler three times slower than its lease, on the paths with a heartbeat (plain, two
+/// commits): the heartbeat keeps the lease, so a duplicate on the other instance meanwhile
+/// gets 409 (never a second run), then the replay.
+///
+/// The single-commit path has no heartbeat: its uncommitted claim lives as long as its
+/// transaction, and on PostgreSQL that transaction may idle a lease at most (so that a frozen
+/// session gives the key back; README, "Transactional mode"). A handler idle longer than that
+/// inside it is ended by PostgreSQL: 503, nothing committed, the key free again, so no charge
+/// is written twice and none is lost (the documented limit: such a handler takes a longer
+/// lease, or two commits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn a_handler_slower_than_its_lease_keeps_it() {
+    for path in [&["--plain"][..], &["--commit", "two"]] {
+        let flags = [&["--lease", "1s", "--work-delay", "3s"][..], path].concat();
+        let a = start(Bin::Axum, &database_url(), &flags);
+        let b = start(Bin::Actix, &database_url(), &flags);
+        let op = &operations(1)[0];
+        let first = charge_on(&a.base, op);
+        for wait in [1500, 1000] {
+            tokio::time::sleep(Duration::from_millis(wait)).await;
+            let (status, body) = status_of(&b.base, op).await;
+            assert_eq!(status, 409, "{path:?}: {body}");
+        }
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.status(), 201, "{path:?}");
+        let first: Value = first.json().await.unwrap();
+        let (status, replay) = status_of(&b.base, op).await;
+        assert_eq!(status, 201);
+        let replay: Value = serde_json::from_str(&replay).unwrap();
+        assert_eq!(replay["id"], first["id"], "{path:?}");
+        let held = charges_held(&a.base, std::slice::from_ref(op)).await;
+        assert_eq!(held.len(), 1, "{path:?}");
+    }
+    let single = ["--lease", "1s", "--work-delay", "3s", "--commit", "single"];
+    let a = start(Bin::Axum, &database_url(), &single);
+    let op = &operations(1)[0];
+    let (status, body) = status_of(&a.base, op).await;
+    assert_eq!(status, 503, "single commit, idle past its lease: {body}");
+    assert!(body.contains("idempotency-store-unavailable"), "{body}");
+    assert!(
+        charges_held(&a.base, std::slice::from_ref(op))
+            .await
+            .is_empty()
+    );
+    // Nothing holds the key: a server whose lease covers the handler's idle time runs it once.
+    drop(a);
+    let a = start(
+        Bin::Axum,
+        &database_url(),
+        &["--lease", "5s", "--work-delay", "3s"],
+    );
+    let (status, body) = status_of(&a.base, op).await;
+    assert_eq!(status, 201, "{body}");
+    let held = charges_held(&a.base, std::slice::from_ref(op)).await;
+    assert_eq!(held.len(), 1);
+}
+
+/// Freezes (SIGSTOP) or resumes (SIGCONT) a server process.
+fn signal(server: &Server, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &server.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig}");
+}
+
+/// A process frozen mid-handler (after its charge is written, inside its transaction on the
+/// transactional paths) past its lease, then resumed.
+async fn frozen_past_its_lease(path: &[&str]) {
+    let lease = ["--lease", "1s"];
+    let frozen_flags = [&lease[..], path, &["--work-delay", "3s", "--announce-work"]].concat();
+    let (frozen, mut out) = start_reading(Bin::Axum, &database_url(), &frozen_flags);
+    let other = start(Bin::Actix, &database_url(), &[&lease[..], path].concat());
+    let op = &operations(1)[0];
+    let late = charge_on(&frozen.base, op);
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    assert_eq!(line.trim(), "working");
+    signal(&frozen, "-STOP");
+    let single = path.contains(&"single");
+    let started = Instant::now();
+    let mut busy = 0;
+    // The retry: 409 while the frozen attempt still holds the key, then it runs.
+    let taken = loop {
+        let (status, body) = status_of(&other.base, op).await;
+        match status {
+            409 => busy += 1,
+            201 => break serde_json::from_str::<Value>(&body).unwrap(),
+            _ => panic!("{path:?}: {status} {body}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{path:?}: still 409"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let waited = started.elapsed();
+    assert!(busy > 0, "{path:?}: the retry never met the frozen attempt");
+    if single {
+        // Held until PostgreSQL ended the frozen session's idle transaction (its timeout is
+        // the lease), not taken over on the lease alone.
+        assert!(waited >= Duration::from_millis(900), "{path:?}: {waited:?}");
+    }
+    signal(&frozen, "-CONT");
+    // The frozen attempt finishes its work and is refused: its late result never replaces the
+    // taker-over's.
+    let late = late.await.unwrap().unwrap();
+    let late_status = late.status().as_u16();
+    let late_body = late.text().await.unwrap();
+    let plain = path.contains(&"--plain");
+    if plain {
+        // Plain mode: the frozen attempt's charge was written (committed on its own) before
+        // the freeze, and its client is told so; the fence refused its record, so retries
+        // replay the taker-over's response, not this one.
+        assert_eq!(late_status, 201, "{path:?}: {late_body}");
+    } else {
+        // Transactional: its transaction rolled back (the fence refused it, or PostgreSQL
+        // ended the frozen session), so its client gets a retryable 503, never its charge.
+        assert_eq!(late_status, 503, "{path:?}: {late_body}");
+        assert!(
+            late_body.contains("idempotency-store-unavailable"),
+            "{late_body}"
+        );
+    }
+    for base in [&frozen.base, &other.base] {
+        let (status, body) = status_of(base, op).await;
+        assert_eq!(status, 201, "{path:?}");
+        let replay: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            replay["id"], taken["id"],
+            "{path:?}: the taker-over's result stands"
+        );
+    }
+    let held = charges_held(&other.base, std::slice::from_ref(op)).await;
+    if plain {
+        // The fence refuses the late record, not the late write: plain mode's documented
+        // limit, and why local writes belong in the transactional mode (DESIGN §4).
+        let late: Value = serde_json::from_str(&late_body).unwrap();
+        assert_ne!(late["id"], taken["id"]);
+        let mut expected = vec![late["id"].as_str().unwrap(), taken["id"].as_str().unwrap()];
+        let mut held: Vec<&str> = held.iter().map(String::as_str).collect();
+        expected.sort_unstable();
+        held.sort_unstable();
+        assert_eq!(held, expected, "{path:?}");
+    } else {
+        assert_eq!(
+            held,
+            vec![taken["id"].as_str().unwrap().to_owned()],
+            "{path:?}"
+        );
+    }
+    println!(
+        "{path:?}: {busy} answers 409 over {waited:?}, then the retry ran; late answer {late_status}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn frozen_past_its_lease_plain() {
+    frozen_past_its_lease(&["--plain"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn frozen_past_its_lease_two_commits() {
+    frozen_past_its_lease(&["--commit", "two"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn frozen_past_its_lease_single_commit() {
+    frozen_past_its_lease(&["--commit", "single"]).await;
+}
