@@ -578,6 +578,9 @@ fn refused(bin: Bin, args: &[&str]) -> String {
 
 async fn bad_flags_fail_clearly(bin: Bin) {
     assert!(refused(bin, &["--lease", "0s"]).contains("is zero"));
+    // Plain mode has no commit path.
+    let err = refused(bin, &["--plain", "--commit", "two"]);
+    assert!(err.contains("cannot be used with"), "{err}");
     let err = refused(
         bin,
         &["--listen", "127.0.0.1:0", "--database", "mysql://nope"],
