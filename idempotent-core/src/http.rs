@@ -310,8 +310,9 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
-    /// How long reading a request body for fingerprinting may take, from the first byte
-    /// read to the last (default 30 s, 100 ms to 365 days). A client that sends its body
+    /// How long reading a request body for fingerprinting may take, from when the
+    /// idempotency layer starts reading it (waiting for its first byte included) to its last
+    /// byte (default 30 s, 100 ms to 365 days). A client that sends its body
     /// slower (slowloris) gets a 408 problem and its connection's task is freed; no key is
     /// claimed before the body is read, so it never holds a record.
     pub fn request_body_timeout(mut self, timeout: Duration) -> Self {

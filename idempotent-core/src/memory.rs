@@ -7,7 +7,7 @@ use crate::{
 };
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
@@ -27,8 +27,14 @@ use std::time::{Duration, SystemTime};
 /// go on. Expired records count until purged, and they are purged first: a claim refused for
 /// room purges every expired record (at most once a second, so a caller hammering a full
 /// store cannot make each of its requests scan the whole store) and tries again. The unscoped
-/// namespace (`Scope::unscoped()`, shared by every caller of an unscoped route) has no
-/// per-scope bound; `max_entries` bounds it.
+/// namespaces shared by every caller, unscoped routes' (`Scope::unscoped()`) and unscoped
+/// idempotent functions' (queue consumers deduplicating by message id), have no per-scope
+/// bound; `max_entries` bounds them.
+///
+/// The per-scope bound is a ceiling on *live* records, so it also limits a legitimate busy
+/// caller: with the default ttl of 24 hours, a caller sending more than about 1.1 new keys a
+/// second on average (100,000 a day) meets it. Size `max_per_scope` (and the ttl) for your
+/// busiest caller, or use a SQL store, which has no such bound.
 ///
 /// ```
 /// use idempotent_core::MemoryStore;
@@ -56,9 +62,8 @@ struct Inner {
     /// never before, and never across another lock).
     per_scope: Box<[Mutex<HashMap<Scope, usize>>]>,
     max_per_scope: usize,
-    /// When the last purge for room ran (nanoseconds since the epoch, by the store's clock;
-    /// `u64::MAX`: never).
-    last_room_purge: AtomicU64,
+    /// When the last purge for room ran (by the store's clock; `None`: never).
+    last_room_purge: Mutex<Option<SystemTime>>,
     clock: Arc<dyn Clock>,
 }
 
@@ -107,7 +112,7 @@ impl MemoryStoreBuilder {
                 max_entries: self.max_entries,
                 per_scope: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
                 max_per_scope: self.max_per_scope,
-                last_room_purge: AtomicU64::new(u64::MAX),
+                last_room_purge: Mutex::new(None),
                 clock: self.clock,
             }),
         }
@@ -158,10 +163,10 @@ impl MemoryStore {
         self.inner.clock.now()
     }
 
-    /// Counts one more record for `scope`, unless it holds its share already (the unscoped
-    /// namespace is not counted).
+    /// Counts one more record for `scope`, unless it holds its share already (the shared
+    /// namespaces, unscoped routes' and unscoped functions', are not counted).
     fn reserve_in_scope(&self, scope: &Scope) -> bool {
-        if scope.is_unscoped() {
+        if scope.is_shared() {
             return true;
         }
         let mut counts = self.scope_counts(scope);
@@ -175,7 +180,7 @@ impl MemoryStore {
 
     /// Counts one record fewer for `scope`.
     fn unreserve_in_scope(&self, scope: &Scope) {
-        if scope.is_unscoped() {
+        if scope.is_shared() {
             return;
         }
         let mut counts = self.scope_counts(scope);
@@ -197,24 +202,25 @@ impl MemoryStore {
     /// Purges expired records to make room, unless that ran less than a second ago (by the
     /// store's clock). Whether it ran.
     fn purge_for_room(&self) -> bool {
-        let now = self
-            .now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        let last = self.inner.last_room_purge.load(Ordering::Acquire);
-        let due = now >= last.saturating_add(1_000_000_000) || now < last;
-        if due
-            && self
+        let now = self.now();
+        {
+            let mut last = self
                 .inner
                 .last_room_purge
-                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-        {
-            self.purge(usize::MAX);
-            true
-        } else {
-            false
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            // Due when it never ran, a second has passed, or the clock went back.
+            let due = last.is_none_or(|last| {
+                now.duration_since(last)
+                    .map_or(true, |d| d >= Duration::from_secs(1))
+            });
+            if !due {
+                return false;
+            }
+            *last = Some(now);
         }
+        self.purge(usize::MAX);
+        true
     }
 
     fn purge(&self, batch: usize) -> u64 {

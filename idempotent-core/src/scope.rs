@@ -81,6 +81,25 @@ impl Scope {
         self.0.is_empty()
     }
 
+    /// Whether every caller shares this namespace: the unscoped one, or an unscoped idempotent
+    /// function's (`call:<length>:<name>:`, see [`Call`](crate::call::Call)).
+    pub(crate) fn is_shared(&self) -> bool {
+        if self.is_unscoped() {
+            return true;
+        }
+        // `call:<len>:<name>:` with nothing after the name.
+        let Some(rest) = self.0.strip_prefix("call:") else {
+            return false;
+        };
+        let Some((len, after)) = rest.split_once(':') else {
+            return false;
+        };
+        len.parse::<usize>()
+            .ok()
+            .and_then(|len| after.get(len..))
+            .is_some_and(|tail| tail == ":")
+    }
+
     /// The scope's text (empty for [`Scope::unscoped`]).
     pub fn as_str(&self) -> &str {
         &self.0
@@ -228,6 +247,22 @@ mod tests {
         );
         assert!(Scope::unscoped().is_unscoped());
         assert!("x".repeat(Scope::MAX_LEN + 1).to_scope().is_err());
+    }
+
+    #[test]
+    fn shared_namespaces() {
+        assert!(Scope::unscoped().is_shared());
+        assert!(Scope::new("call:4:book:").unwrap().is_shared());
+        for own in [
+            "call:4:book:acme",
+            "call:4:book",
+            "call:9:book:",
+            "call:x:book:",
+            "acct",
+            "call:",
+        ] {
+            assert!(!Scope::new(own).unwrap().is_shared(), "{own}");
+        }
     }
 
     /// Integer and string ids with the same decimal text are one scope; anything else is not.

@@ -7,7 +7,7 @@
 //! is what CI runs. For a long campaign give each target a time budget:
 //!
 //! ```text
-//! FUZZ_SECONDS=600 cargo test --release -p idempotent-core --test fuzz -- --test-threads 2 --nocapture
+//! FUZZ_SECONDS=600 cargo test --release -p idempotent-core --test fuzz -- --test-threads 1 --nocapture
 //! ```
 //!
 //! Every target prints how many cases it ran. A failure prints the shrunk input; proptest's

@@ -186,11 +186,27 @@ async fn one_scope_cannot_fill_the_store_for_everyone() {
         ));
     }
     assert_eq!(store.len(), 3, "the expired records were purged");
-    // The unscoped namespace is everyone's: only max_entries bounds it.
+    // The unscoped namespaces are everyone's: only max_entries bounds them (unscoped routes,
+    // and unscoped functions: a consumer deduplicating by message id); a function's records
+    // for one caller are that caller's.
+    let unscoped_call = Scope::new("call:4:book:").unwrap();
     for i in 0..10 {
+        for scope in [&Scope::unscoped(), &unscoped_call] {
+            assert!(matches!(
+                claim(key(scope, &format!("u{i}"))).await,
+                Ok(ClaimOutcome::Claimed(_))
+            ));
+        }
+    }
+    let tenant_call = Scope::new("call:4:book:acme").unwrap();
+    for i in 0..3 {
         assert!(matches!(
-            claim(key(&Scope::unscoped(), &format!("u{i}"))).await,
+            claim(key(&tenant_call, &format!("t{i}"))).await,
             Ok(ClaimOutcome::Claimed(_))
         ));
     }
+    assert!(matches!(
+        claim(key(&tenant_call, "t3")).await,
+        Err(StoreError::ScopeCapacity { .. })
+    ));
 }

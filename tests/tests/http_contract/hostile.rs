@@ -210,6 +210,17 @@ pub(crate) async fn slow_bodies_time_out_and_claim_nothing(fw: Fw) {
         "the timeout fired before the body was complete ({sent} bytes sent)"
     );
     assert_eq!((store.claims(), s.runs()), (0, 0));
+    // The server let go of the connection: nothing more is read from it or written to it.
+    let closed = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match conn.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection stayed open after the 408");
     // The key was never claimed: the whole request runs.
     let res = s
         .post(
@@ -303,6 +314,30 @@ pub(crate) async fn hostile_json_is_fingerprinted_without_harm(fw: Fw) {
         &json(&k, "[9007199254740992]".into()).send().await.unwrap()
     ));
     assert_eq!(s.runs(), 6, "one run per distinct request");
+}
+
+/// A caller at its share of the memory store gets 503 with `Retry-After` for new keys, never
+/// a run; its stored keys still replay, and other callers go on.
+pub(crate) async fn one_caller_cannot_fill_the_memory_store(fw: Fw) {
+    let store = MemoryStore::builder().max_per_scope(3).build();
+    let s = serve(fw, config(store)).await;
+    let charge =
+        |account: &str, k: &str| s.post("/v1/charges", account, Some(k), r#"{"amount": 1}"#);
+    for i in 0..3 {
+        let res = charge("acct_greedy", &format!("k{i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+    }
+    let full = charge("acct_greedy", "k3").send().await.unwrap();
+    assert!(full.headers().contains_key("retry-after"));
+    problem(full, 503, "idempotency-store-unavailable").await;
+    let replay = charge("acct_greedy", "k0").send().await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let other = charge("acct_other", "k3").send().await.unwrap();
+    assert_eq!(other.status(), 201);
+    assert_eq!(s.runs(), 4, "the refused request never ran");
 }
 
 /// Scope and key values that a naive concatenation would join into one string stay apart:

@@ -13,8 +13,8 @@ mod hostile;
 
 use hostile::{
     hostile_json_is_fingerprinted_without_harm, hostile_keys_are_400_and_claim_nothing,
-    scope_and_key_values_never_collide, slow_bodies_time_out_and_claim_nothing,
-    thousands_of_headers_are_refused_cleanly,
+    one_caller_cannot_fill_the_memory_store, scope_and_key_values_never_collide,
+    slow_bodies_time_out_and_claim_nothing, thousands_of_headers_are_refused_cleanly,
 };
 
 use idempotent_core::http::{Config, ConfigBuilder, ConfigError};
@@ -1334,6 +1334,7 @@ on_both!(
     slow_bodies_time_out_and_claim_nothing,
     hostile_json_is_fingerprinted_without_harm,
     scope_and_key_values_never_collide,
+    one_caller_cannot_fill_the_memory_store,
 );
 
 fn with_secret(store: impl Store, secret: &[u8]) -> Config {
