@@ -324,8 +324,10 @@ fn fuzz_form_canonicaliser() {
     );
     // One field's name and value spelled two ways canonicalise alike; another field moved in
     // front of it does not matter.
+    // (A field named `zz` would be a repeated field with the other one, whose values' order
+    // matters: the first campaign found that case, a fault of this property, not of the code.)
     let field = (
-        prop::collection::vec(any::<u8>(), 1..8),
+        prop::collection::vec(any::<u8>(), 1..8).prop_filter("not the other field", |n| n != b"zz"),
         prop::collection::vec(any::<u8>(), 0..8),
     );
     let pair = field.prop_flat_map(|(name, value)| {
