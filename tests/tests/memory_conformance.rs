@@ -133,7 +133,6 @@ async fn one_scope_cannot_fill_the_store_for_everyone() {
     let key = |scope: &Scope, k: &str| RecordKey::new(scope.clone(), k.parse().unwrap());
     let claim = |k: RecordKey| {
         let store = store.clone();
-        let fp = fp.clone();
         async move {
             store
                 .claim(ClaimRequest {
