@@ -8,8 +8,9 @@ use crate::charges::{
 use crate::provider::{Payment, Provider, ProviderError};
 use clap::Parser;
 use idempotent_core::http::{Config, ConfigBuilder};
-use idempotent_core::{CommitPath, Drained, Engine, Store, Sweeper};
+use idempotent_core::{CommitPath, Drained, Engine, Store};
 use idempotent_core::{DeriveSecret, DerivedKey, IdempotencyKey, Idempotent, Scope};
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +42,9 @@ pub struct Args {
     /// took over.
     #[arg(long, conflicts_with = "commit")]
     pub plain: bool,
+    /// Serve the idempotency metrics at `GET /metrics`, in Prometheus' text format.
+    #[arg(long)]
+    pub metrics: bool,
     /// The secret downstream keys (the payment provider's idempotency keys) are derived
     /// under: at least 32 bytes, the same on every instance. Defaults to
     /// `$IDEMPOTENCY_SECRET`, then to a secret made once and kept in the database.
@@ -98,20 +102,44 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// What a binary starts with: the API, the adapter's idempotency configuration `T`, and the
-/// sweeper deleting expired records.
+/// What a binary starts with: the API, the adapter's idempotency configuration `T` (whose
+/// sweeper deletes expired records every minute from the first request on), and with
+/// `--metrics` the handle rendering the metrics for `GET /metrics`.
 #[derive(Debug)]
 pub struct Started<T> {
     /// The routes' logic.
     pub api: Api,
     /// The adapter's configuration (`idempotent_axum::Idempotency` or the Actix one).
     pub idempotency: T,
-    /// Deletes expired records every minute; shut it down last.
-    pub sweeper: Sweeper,
+    /// With `--metrics`: the Prometheus recorder's handle.
+    pub metrics: Option<PrometheusHandle>,
 }
 
-/// Opens the database, builds the idempotency configuration with `--lease` and starts the
-/// sweeper. Errors are printed as `NAME: …`.
+/// Logs through `tracing-subscriber` to stderr, filtered by `RUST_LOG` (default `info`; the
+/// idempotency spans need `RUST_LOG=info,idempotent_core=debug`). Stdout stays the binaries'
+/// own (its first line is the address).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Installs the Prometheus recorder of the `metrics` facade.
+///
+/// # Errors
+/// A recorder is installed already.
+pub fn install_metrics() -> Result<PrometheusHandle, String> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))
+}
+
+/// Opens the database and builds the idempotency configuration with `--lease`, after
+/// setting up logging and, with `--metrics`, the metrics recorder. Errors are printed as
+/// `NAME: …`.
 ///
 /// # Errors
 /// The exit code to end with.
@@ -119,6 +147,18 @@ pub async fn start<T: From<Config>>(
     name: &str,
     args: &Args,
 ) -> Result<Started<T>, std::process::ExitCode> {
+    init_logging();
+    let metrics = if args.metrics {
+        match install_metrics() {
+            Ok(handle) => Some(handle),
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                return Err(std::process::ExitCode::FAILURE);
+            }
+        }
+    } else {
+        None
+    };
     let (api, store) = Api::open(args).await.map_err(|e| {
         eprintln!("{name}: cannot open {}: {e}", args.database_url());
         std::process::ExitCode::FAILURE
@@ -145,11 +185,10 @@ pub async fn start<T: From<Config>>(
         eprintln!("{name}: {e}");
         return Err(std::process::ExitCode::FAILURE);
     }
-    let sweeper = Sweeper::spawn(store, Duration::from_secs(60), 1_000);
     Ok(Started {
         api,
         idempotency,
-        sweeper,
+        metrics,
     })
 }
 

@@ -104,6 +104,7 @@ where
             KeyRequirement::Optional
         };
         if let Err(p) = check_key(&ready.key, requirement) {
+            idempotent_core::observe::rejected(req.match_pattern().as_deref());
             return refuse(ProblemError::new(*p));
         }
         if ready.key.is_err() {

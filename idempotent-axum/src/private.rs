@@ -92,7 +92,10 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
         } else {
             KeyRequirement::Optional
         };
-        check_key(&ctx.key, requirement).map_err(|p| problem(&p))?;
+        check_key(&ctx.key, requirement).map_err(|p| {
+            idempotent_core::observe::rejected(ctx.route.as_ref().map(MatchedPath::as_str));
+            problem(&p)
+        })?;
         if ctx.key.is_err() {
             // No key on an optional route: the request runs unprotected, so its body is left
             // for the handler (and its own limits) and never fingerprinted.

@@ -299,6 +299,8 @@ impl Calls {
     /// The secret of [`Calls::context`]'s [`Idempotent::derive`] (see [`DeriveSecret`]).
     #[must_use]
     pub fn derive_secret(mut self, secret: DeriveSecret) -> Self {
+        // Every instance sharing the secret logs the same hash for one record.
+        self.engine.inner.log_key.set_from(&secret);
         self.secret = Some(secret);
         self
     }

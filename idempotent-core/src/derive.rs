@@ -105,6 +105,14 @@ impl DeriveSecret {
         field(&mut mac, DOMAIN);
         Ok(DeriveSecret { mac })
     }
+
+    /// The key of the logs' record hashes ([`crate::observe`]): one field after the domain,
+    /// where a derived key has three, so it is never a derived key.
+    pub(crate) fn log_key(&self) -> [u8; 32] {
+        let mut mac = self.mac.clone();
+        field(&mut mac, b"idempotent/log-hash/v1");
+        mac.finalize().into_bytes().into()
+    }
 }
 
 impl fmt::Debug for DeriveSecret {

@@ -1,5 +1,6 @@
 //! The engine: claim → execute → complete/release → replay, and the executions it owns.
 
+use crate::observe;
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 use crate::{Fingerprint, IdempotencyKey, KeyError, LeaseToken, RecordKey, Scope, StoredOutcome};
 use futures_util::FutureExt;
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
+use tracing::Instrument;
 
 /// Default ttl: how long a finished response is replayed.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -315,6 +317,10 @@ pub struct Engine {
 pub(crate) struct Inner {
     pub(crate) store: Arc<dyn Store>,
     flight: Flight,
+    /// The key of the record hashes in spans ([`crate::observe`]).
+    pub(crate) log_key: observe::LogKey,
+    /// The sweeper an adapter's configuration starts with the first request.
+    pub(crate) auto_sweep: AutoSweep,
     /// Requests waiting for another transaction on their key, per key (transactional mode).
     #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     pub(crate) waiters: std::sync::Mutex<std::collections::HashMap<RecordKey, usize>>,
@@ -364,6 +370,8 @@ impl Engine {
             inner: Arc::new(Inner {
                 store,
                 flight: Flight::default(),
+                log_key: observe::LogKey::new(),
+                auto_sweep: AutoSweep::default(),
                 waiters: std::sync::Mutex::default(),
             }),
         }
@@ -377,6 +385,12 @@ impl Engine {
     /// Executions claimed (or being claimed) and not yet finished.
     pub fn running(&self) -> usize {
         self.inner.flight.running.load(Ordering::SeqCst)
+    }
+
+    /// Whether the sweeper the adapter's configuration starts ([`crate::http::ConfigBuilder::sweep_every`])
+    /// is running: from the first request until [`Engine::drain`].
+    pub fn sweeper_running(&self) -> bool {
+        self.inner.auto_sweep.is_running()
     }
 
     /// Whether [`Engine::drain`] has been called.
@@ -399,6 +413,8 @@ impl Engine {
     pub async fn drain(&self, timeout: Duration) -> Drained {
         let flight = &self.inner.flight;
         flight.draining.store(true, Ordering::SeqCst);
+        // The automatic sweeper stops with the engine.
+        self.inner.auto_sweep.stop().await;
         let all_done = async {
             loop {
                 let idle = flight.idle.notified();
@@ -434,7 +450,47 @@ impl Engine {
     /// the returned [`Execution`] and finishes it with the outcome; every other variant says
     /// how to answer without running it (except [`Begin::Unprotected`], which says to run it
     /// without a record).
+    ///
+    /// Traced and counted ([`crate::observe`]): a span per request, its outcome, the claim's
+    /// latency.
     pub async fn begin(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
+        self.inner.auto_sweep.ensure(&self.inner.store);
+        let span = self.span(&req, policy);
+        let start = std::time::Instant::now();
+        let mut begin = self
+            .begin_untraced(req, policy)
+            .instrument(span.clone())
+            .await;
+        let outcome = observe::begin_outcome(&begin);
+        let store = touched_store(&begin).then(|| start.elapsed());
+        if let Some(took) = store {
+            observe::store_time("claim", took);
+        }
+        observe::outcome(&span, policy.route, outcome, store);
+        if let Begin::Claimed(execution) = &mut begin {
+            execution.span = span;
+            execution.observed = true;
+        }
+        begin
+    }
+
+    /// The span of one request ([`crate::observe`]); the record's hash is computed only when
+    /// the span is enabled.
+    pub(crate) fn span(&self, req: &ExecuteRequest, policy: &Policy) -> tracing::Span {
+        let span = observe::span(policy.route);
+        if !span.is_disabled()
+            && let Ok(key) = &req.key
+        {
+            let hash = self
+                .inner
+                .log_key
+                .hash(&RecordKey::new(req.scope.clone(), key.clone()));
+            span.record("key", hash.as_str());
+        }
+        span
+    }
+
+    pub(crate) async fn begin_untraced(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
         let key = match req.key {
             Ok(key) => key,
             Err(KeyError::Missing) if policy.key == KeyRequirement::Optional => {
@@ -466,12 +522,15 @@ impl Engine {
         match claim {
             Ok(ClaimOutcome::Claimed(lease)) => {
                 if lease.took_over {
+                    observe::event(policy.route, "takeover");
                     tracing::info!(
                         route = policy.route,
                         "idempotency: took over a record whose lease or ttl had run out"
                     );
                 }
                 Begin::Claimed(Execution {
+                    span: tracing::Span::none(),
+                    observed: false,
                     slot,
                     claimed_at: tokio::time::Instant::now(),
                     key,
@@ -542,6 +601,75 @@ impl Engine {
     }
 }
 
+/// The sweeper an adapter's configuration asks for ([`crate::http::ConfigBuilder::sweep_every`]):
+/// started on the current tokio runtime by the engine's first request, once per engine however
+/// many workers share it, and stopped by [`Engine::drain`].
+#[derive(Default)]
+pub(crate) struct AutoSweep {
+    /// The interval in milliseconds; 0: no automatic sweeper.
+    interval_ms: std::sync::atomic::AtomicU64,
+    started: AtomicBool,
+    task: std::sync::Mutex<Option<crate::Sweeper>>,
+}
+
+impl AutoSweep {
+    /// Records expired rows deleted per batch.
+    const BATCH: usize = 1_000;
+
+    pub(crate) fn configure(&self, every: Option<Duration>) {
+        let ms = every.map_or(0, |d| {
+            u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+        });
+        self.interval_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Starts the sweeper if one is configured and none was started (cheap after the first
+    /// call: one atomic load).
+    pub(crate) fn ensure(&self, store: &Arc<dyn Store>) {
+        if self.started.load(Ordering::Acquire) {
+            return;
+        }
+        let ms = self.interval_ms.load(Ordering::Acquire);
+        if ms == 0 || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        if self.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let sweeper =
+            crate::Sweeper::spawn(Arc::clone(store), Duration::from_millis(ms), Self::BATCH);
+        *self.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(sweeper);
+    }
+
+    /// Whether the sweeper runs.
+    pub(crate) fn is_running(&self) -> bool {
+        self.task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Stops the sweeper (for good: a drained engine starts no other).
+    pub(crate) async fn stop(&self) {
+        self.started.store(true, Ordering::SeqCst);
+        let sweeper = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(sweeper) = sweeper {
+            sweeper.shutdown().await;
+        }
+    }
+}
+
+/// Whether answering `begin` took a store call (for the claim latency).
+fn touched_store(begin: &Begin) -> bool {
+    !matches!(
+        begin,
+        Begin::KeyRejected(_)
+            | Begin::Misconfigured(_)
+            | Begin::Draining
+            | Begin::Unprotected(Unprotected::NoKey)
+    )
+}
+
 /// The payload of a caught panic.
 pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 
@@ -553,6 +681,11 @@ pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 /// stops its heartbeat and leaves the record in progress until the lease runs out (logged):
 /// that is what a crash does too, and it never lets a retry run while the work may be done.
 pub struct Execution {
+    /// The request's span ([`crate::observe`]).
+    span: tracing::Span,
+    /// Whether this execution counts its own outcome (not when a transactional execution,
+    /// which counts it, holds it).
+    observed: bool,
     slot: InFlight,
     /// When the claim returned (local clock): the lease's first half ends half a lease later.
     claimed_at: tokio::time::Instant,
@@ -595,6 +728,7 @@ impl Execution {
     /// # Errors
     /// The panic's payload, if `fut` panicked.
     pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
+        let fut = fut.instrument(self.span.clone());
         let mut fut = std::pin::pin!(AssertUnwindSafe(fut).catch_unwind());
         std::future::poll_fn(|cx| {
             if let Poll::Ready(out) = fut.as_mut().poll(cx) {
@@ -656,7 +790,14 @@ impl Execution {
     /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
     pub async fn finish(mut self, outcome: StoredOutcome) -> Recorded {
         let stores = self.policy.stores(outcome.status());
-        let recorded = self.write(stores.then_some(&outcome)).await;
+        let span = self.span.clone();
+        let recorded = self
+            .write(stores.then_some(&outcome))
+            .instrument(span.clone())
+            .await;
+        if self.observed {
+            observe::settled(&span, self.policy.route, (&recorded).into());
+        }
         self.done();
         recorded
     }
@@ -665,7 +806,11 @@ impl Execution {
     /// could be stored): releases the key so a retry runs again. Failures are retried and
     /// logged like [`Execution::finish`]'s.
     pub async fn release(mut self) -> Recorded {
-        let recorded = self.write(None).await;
+        let span = self.span.clone();
+        let recorded = self.write(None).instrument(span.clone()).await;
+        if self.observed {
+            observe::settled(&span, self.policy.route, (&recorded).into());
+        }
         self.done();
         recorded
     }
@@ -687,8 +832,11 @@ impl Execution {
             policy,
             || async {
                 match outcome {
-                    Some(outcome) => store.complete(key, *token, outcome, policy.ttl).await,
-                    None => store.release(key, *token).await,
+                    Some(outcome) => {
+                        let complete = store.complete(key, *token, outcome, policy.ttl);
+                        observe::timed("complete", complete).await
+                    }
+                    None => observe::timed("release", store.release(key, *token)).await,
                 }
             },
             || {
@@ -847,12 +995,14 @@ pub(crate) struct InFlight {
 impl InFlight {
     pub(crate) fn enter(engine: Arc<Inner>) -> Self {
         engine.flight.running.fetch_add(1, Ordering::SeqCst);
+        observe::in_flight(1.0);
         InFlight { engine }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        observe::in_flight(-1.0);
         let flight = &self.engine.flight;
         // Only a drain waits for the count; both sides use SeqCst, so either the drain sees
         // this decrement when it reads the count, or this sees the drain's flag and wakes it.
@@ -891,7 +1041,7 @@ async fn heartbeat(
     let half = lease / 2;
     tokio::time::sleep(first_after).await;
     loop {
-        match store.extend(&key, token, lease).await {
+        match observe::timed("extend", store.extend(&key, token, lease)).await {
             Ok(_) => tokio::time::sleep(half).await,
             // Someone took over: stop; `complete` will report the stale lease.
             Err(StoreError::StaleLease) => {

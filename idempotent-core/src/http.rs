@@ -40,6 +40,8 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 pub const DEFAULT_MAX_RESPONSE: usize = 1 << 20;
 /// Default limit on request bodies read for fingerprinting: 2 MiB.
 pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
+/// Default interval of the sweeper the configuration starts: 60 s.
+pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// Default time allowed to read a request body for fingerprinting: 30 s.
 pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Whether a method is safe (GET, HEAD, OPTIONS): its requests ignore the key and run.
@@ -164,6 +166,7 @@ pub struct Config {
     max_response: usize,
     max_request: usize,
     request_body_timeout: Duration,
+    sweep_every: Option<Duration>,
     fail_open: bool,
     commit: Option<CommitPath>,
     tx_wait: Duration,
@@ -173,8 +176,10 @@ pub struct Config {
 }
 
 impl Config {
-    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]).
+    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]), the automatic
+    /// sweeper included.
     pub fn new(engine: Engine) -> Self {
+        engine.inner.auto_sweep.configure(Some(DEFAULT_SWEEP_EVERY));
         Config {
             engine,
             ttl: DEFAULT_TTL,
@@ -182,6 +187,7 @@ impl Config {
             max_response: DEFAULT_MAX_RESPONSE,
             max_request: DEFAULT_MAX_REQUEST,
             request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
+            sweep_every: Some(DEFAULT_SWEEP_EVERY),
             fail_open: false,
             commit: None,
             tx_wait: DEFAULT_TX_WAIT,
@@ -219,6 +225,11 @@ impl Config {
     /// Time allowed to read a request body for fingerprinting.
     pub fn request_body_timeout(&self) -> Duration {
         self.request_body_timeout
+    }
+
+    /// The interval of the sweeper this configuration starts, or `None` (turned off).
+    pub fn sweep_every(&self) -> Option<Duration> {
+        self.sweep_every
     }
 
     /// Whether handlers run unprotected when the store fails.
@@ -320,6 +331,24 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
+    /// How often the sweeper deletes expired records (default every 60 s, 100 ms to 365
+    /// days). The configuration starts it with its first request, on that request's tokio
+    /// runtime, once however many workers share the configuration (Actix builds its `App`
+    /// once per worker: still one sweeper), and the adapter's drain stops it. Records past
+    /// their ttl count as absent whether or not they were swept; the sweeper only frees the
+    /// space. Deletes in batches of 1,000, at most 100 batches per round.
+    pub fn sweep_every(mut self, interval: Duration) -> Self {
+        self.config.sweep_every = Some(interval);
+        self
+    }
+
+    /// No automatic sweeper (run [`Sweeper`](crate::Sweeper) yourself, or delete expired
+    /// records another way).
+    pub fn no_sweeper(mut self) -> Self {
+        self.config.sweep_every = None;
+        self
+    }
+
     /// Run handlers unprotected when the store fails (default: refuse with 503). Never
     /// applies to transactional routes, whose transaction is on the store's database.
     pub fn fail_open(mut self, on: bool) -> Self {
@@ -396,6 +425,14 @@ impl<T: From<Config>> ConfigBuilder<T> {
             });
         }
         check_duration("request_body_timeout", c.request_body_timeout)?;
+        if let Some(every) = c.sweep_every {
+            check_duration("sweep_every", every)?;
+        }
+        c.engine.inner.auto_sweep.configure(c.sweep_every);
+        if let Some(secret) = &c.derive_secret {
+            // Every instance sharing the secret logs the same hash for one record.
+            c.engine.inner.log_key.set_from(secret);
+        }
         if c.tx_wait > MAX_DURATION {
             return Err(ConfigError::TooLong {
                 what: "transaction_wait",

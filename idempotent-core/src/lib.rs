@@ -60,6 +60,7 @@ pub mod http;
 mod jcs;
 mod key;
 mod memory;
+pub mod observe;
 mod problem;
 mod record;
 mod scope;
@@ -94,7 +95,7 @@ pub use sql::postgres::{PostgresStore, PostgresStoreBuilder};
 pub use sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use sqlx;
-pub use store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+pub use store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
 pub use sweeper::Sweeper;
 pub use tx::{CommitPath, TxOptions};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]

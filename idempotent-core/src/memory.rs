@@ -1,6 +1,6 @@
 //! The in-memory store: the embedded default for one process.
 
-use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
 use crate::{
     Clock, Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, Scope, StoredOutcome,
     StoredResponse, SystemClock,
@@ -546,6 +546,23 @@ impl Store for MemoryStore {
 
     async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
         Ok(self.purge(batch))
+    }
+
+    async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        let mut map = self.shard(key);
+        let Some(entry) = map.get(key) else {
+            return Ok(Deleted::Absent);
+        };
+        let record = entry.to_record(key).ok_or_else(corrupt)?;
+        let in_progress = matches!(entry.state, EntryState::InProgress { .. });
+        // An expired record is deleted whatever its state: it is absent to claims already.
+        if in_progress && !force && entry.expires_at > self.now() {
+            return Ok(Deleted::InProgress(record));
+        }
+        map.remove(key);
+        self.inner.len.fetch_sub(1, Ordering::Relaxed);
+        self.unreserve_in_scope(&key.scope);
+        Ok(Deleted::Deleted(record))
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {

@@ -72,6 +72,18 @@ impl StoreError {
     }
 }
 
+/// What [`Store::delete`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Deleted {
+    /// The record was deleted; this is what it held.
+    Deleted(Record),
+    /// The record is in progress and `force` was not given: nothing was deleted.
+    InProgress(Record),
+    /// There is no record for the key.
+    Absent,
+}
+
 /// Storage for idempotency records.
 ///
 /// # Promises (every implementation keeps them)
@@ -139,6 +151,16 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError::Unavailable`], [`StoreError::Corrupt`].
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
 
+    /// Deletes `key`'s record (for support staff: a record to forget, or one to let a client
+    /// run again), expired ones included, and returns it as it was. An **in-progress** record
+    /// is deleted only with `force`: deleting it lets a retry run the handler while the first
+    /// execution may still be running (that execution's complete is then refused by the
+    /// fence, but its side effects are not undone).
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`], [`StoreError::Corrupt`].
+    async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError>;
+
     /// The store itself, when it can run transactional executions (the SQL stores, see
     /// [`TxDatabase`](crate::TxDatabase)); `None` (the default) for every other store.
     /// Wrappers that forward to such a store should forward this too.
@@ -177,6 +199,9 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         (**self).get(key).await
+    }
+    async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        (**self).delete(key, force).await
     }
     fn transactional(&self) -> Option<&dyn std::any::Any> {
         (**self).transactional()

@@ -39,7 +39,7 @@ impl Sweeper {
                 tick.tick().await;
                 // Bounded: at most 100 batches per tick, then yield to the next tick.
                 for _ in 0..100 {
-                    match store.purge_expired(batch).await {
+                    match crate::observe::timed("purge", store.purge_expired(batch)).await {
                         Ok(n) if n as usize >= batch => tokio::task::yield_now().await,
                         _ => break,
                     }

@@ -82,6 +82,7 @@ pub use with_sqlx::*;
 mod with_sqlx {
     use super::{CommitPath, TxOptions};
     use crate::engine::{Begin, Engine, ExecuteRequest, Execution, InFlight, PanicPayload, Policy};
+    use crate::observe::{self, Settled};
     use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
     use crate::{KeyError, KeyRequirement, LeaseToken, RecordKey, StoredOutcome};
     use futures_util::FutureExt;
@@ -89,6 +90,7 @@ mod with_sqlx {
     use std::panic::AssertUnwindSafe;
     use std::sync::{Arc, Mutex, PoisonError};
     use std::time::Duration;
+    use tracing::Instrument;
 
     type Home<DB> = Arc<Mutex<Option<sqlx::Transaction<'static, DB>>>>;
 
@@ -278,6 +280,8 @@ mod with_sqlx {
         home: Home<DB>,
         claim: Claim,
         policy: Policy,
+        /// The request's span ([`crate::observe`]).
+        span: tracing::Span,
     }
 
     impl<DB: TxDatabase> std::fmt::Debug for TxExecution<DB> {
@@ -306,6 +310,7 @@ mod with_sqlx {
                 home: Arc::new(Mutex::new(Some(tx))),
                 claim,
                 policy,
+                span: tracing::Span::none(),
             }
         }
 
@@ -331,6 +336,7 @@ mod with_sqlx {
         /// # Errors
         /// The panic's payload, if `fut` panicked.
         pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
+            let fut = fut.instrument(self.span.clone());
             match &mut self.claim {
                 Claim::Two(execution) => execution.run(fut).await,
                 Claim::None { .. } | Claim::Single { .. } => {
@@ -342,12 +348,31 @@ mod with_sqlx {
         /// Finishes with the handler's outcome: when the policy stores its status, completes
         /// the record inside the transaction and commits; otherwise rolls back and releases.
         pub async fn finish(self, outcome: StoredOutcome) -> TxFinished {
+            let span = self.span.clone();
+            let route = self.policy.route;
+            let protected = self.is_protected();
+            let finished = self.finish_untraced(outcome).instrument(span.clone()).await;
+            if protected {
+                let settled = match &finished {
+                    TxFinished::Committed => Settled::Stored,
+                    TxFinished::RolledBack => Settled::Released,
+                    TxFinished::Failed(StoreError::StaleLease) => Settled::FenceRefused,
+                    TxFinished::Failed(_) | TxFinished::Escaped => Settled::Failed,
+                };
+                observe::settled(&span, route, settled);
+            }
+            finished
+        }
+
+        async fn finish_untraced(self, outcome: StoredOutcome) -> TxFinished {
             let TxExecution {
                 store,
                 home,
                 claim,
                 policy,
+                span: _,
             } = self;
+            let commit_started = std::time::Instant::now();
             let taken = lock(&home).take();
             let Some(mut tx) = taken else {
                 // Let go of the slot: when the handler's copy is dropped, its transaction is
@@ -415,7 +440,9 @@ mod with_sqlx {
                 }
                 return TxFinished::Failed(error);
             }
-            match tx.commit().await {
+            let committed = tx.commit().await;
+            observe::store_time("commit", commit_started.elapsed());
+            match committed {
                 Ok(()) => {
                     if let Claim::Two(execution) = claim {
                         execution.settle();
@@ -441,6 +468,9 @@ mod with_sqlx {
         /// Finishes without an outcome (a panic, a response body that failed): rolls back and
         /// releases the key.
         pub async fn abort(self) {
+            if self.is_protected() {
+                observe::settled(&self.span, self.policy.route, Settled::Released);
+            }
             let tx = lock(&self.home).take();
             if let Some(tx) = tx {
                 rollback(tx, &self.policy).await;
@@ -551,6 +581,45 @@ mod with_sqlx {
             policy: &Policy,
             options: &TxOptions,
         ) -> TxBegin<DB> {
+            self.inner.auto_sweep.ensure(&self.inner.store);
+            let span = self.span(&req, policy);
+            let start = std::time::Instant::now();
+            let mut begin = self
+                .begin_transactional_untraced::<DB>(req, policy, options)
+                .instrument(span.clone())
+                .await;
+            let (outcome, store) = match &begin {
+                TxBegin::Run(execution) if execution.is_protected() => ("executed", true),
+                TxBegin::Run(_) => ("unprotected", true),
+                TxBegin::Respond(b) => (
+                    observe::begin_outcome(b),
+                    matches!(
+                        b,
+                        Begin::Replay(_)
+                            | Begin::InProgress { .. }
+                            | Begin::Mismatch { .. }
+                            | Begin::StoreUnavailable(_)
+                    ),
+                ),
+                TxBegin::WrongStore { .. } => ("misconfigured", false),
+            };
+            let took = store.then(|| start.elapsed());
+            if let Some(took) = took {
+                observe::store_time("begin", took);
+            }
+            observe::outcome(&span, policy.route, outcome, took);
+            if let TxBegin::Run(execution) = &mut begin {
+                execution.span = span;
+            }
+            begin
+        }
+
+        async fn begin_transactional_untraced<DB: TxDatabase>(
+            &self,
+            req: ExecuteRequest,
+            policy: &Policy,
+            options: &TxOptions,
+        ) -> TxBegin<DB> {
             let Some(store) = self.transactional_store::<DB>() else {
                 return wrong_store::<DB>(policy);
             };
@@ -562,7 +631,7 @@ mod with_sqlx {
                 ..*policy
             };
             match options.commit {
-                CommitPath::Two => match self.begin(req, &policy).await {
+                CommitPath::Two => match self.begin_untraced(req, &policy).await {
                     // The heartbeat holds a two-commit claim: no idle limit on the handler.
                     Begin::Claimed(execution) => match DB::begin_tx(&store, None, None).await {
                         Ok(tx) => {
@@ -666,6 +735,7 @@ mod with_sqlx {
                 match DB::claim_in(&store, &mut tx, claim).await {
                     Ok(Some(ClaimOutcome::Claimed(lease))) => {
                         if lease.took_over {
+                            observe::event(policy.route, "takeover");
                             tracing::info!(
                                 route = policy.route,
                                 "idempotency: took over a record whose lease or ttl had run out"

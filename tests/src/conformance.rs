@@ -5,8 +5,8 @@
 
 use crate::Fixture;
 use idempotent_core::{
-    ClaimOutcome, ClaimRequest, Fingerprint, FingerprintInput, IdempotencyKey, Lease, RecordKey,
-    RecordState, Scope, Store, StoreError, StoredOutcome, StoredResponse,
+    ClaimOutcome, ClaimRequest, Deleted, Fingerprint, FingerprintInput, IdempotencyKey, Lease,
+    RecordKey, RecordState, Scope, Store, StoreError, StoredOutcome, StoredResponse,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -292,6 +292,58 @@ pub async fn scope_and_key_never_collide(f: &impl Fixture) {
             "pair {i}: {k:?}"
         );
     }
+}
+
+/// `delete`: a finished record is deleted and returned; an in-progress one only with `force`
+/// (and its old token is then refused by the fence); an absent one is `Absent`; a deleted
+/// key is new again.
+pub async fn delete_needs_force_for_in_progress(f: &impl Fixture) {
+    let store = f.fresh().await;
+    let done = unique_key("done");
+    let lease = claimed(claim(&*store, &done, &fp("a"), f.lease(), TTL).await);
+    store
+        .complete(&done, lease.token, &response("stored"), TTL)
+        .await
+        .expect("complete");
+    match store.delete(&done, false).await.expect("delete") {
+        Deleted::Deleted(record) => {
+            assert!(matches!(record.state, RecordState::Done { .. }));
+            assert_eq!(record.key, done);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(store.get(&done).await.expect("get").is_none());
+    assert_eq!(
+        store.delete(&done, false).await.expect("delete"),
+        Deleted::Absent
+    );
+    assert!(matches!(
+        claim(&*store, &done, &fp("a"), f.lease(), TTL).await,
+        ClaimOutcome::Claimed(_)
+    ));
+
+    let running = unique_key("running");
+    let lease = claimed(claim(&*store, &running, &fp("a"), f.lease(), TTL).await);
+    match store.delete(&running, false).await.expect("delete") {
+        Deleted::InProgress(record) => {
+            assert!(matches!(record.state, RecordState::InProgress { .. }));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        store.get(&running).await.expect("get").is_some(),
+        "kept without force"
+    );
+    assert!(matches!(
+        store.delete(&running, true).await.expect("delete"),
+        Deleted::Deleted(_)
+    ));
+    assert!(matches!(
+        store
+            .complete(&running, lease.token, &response("late"), TTL)
+            .await,
+        Err(StoreError::StaleLease)
+    ));
 }
 
 /// Purge deletes only expired records, at most `batch` per call.

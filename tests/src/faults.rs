@@ -1,7 +1,8 @@
 //! A store wrapper that counts every call and fails the ones a test asks it to.
 
 use idempotent_core::{
-    ClaimOutcome, ClaimRequest, LeaseToken, Record, RecordKey, Store, StoreError, StoredOutcome,
+    ClaimOutcome, ClaimRequest, Deleted, LeaseToken, Record, RecordKey, Store, StoreError,
+    StoredOutcome,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,6 +21,7 @@ pub struct FaultyStore {
     claims: AtomicUsize,
     completes: AtomicUsize,
     releases: AtomicUsize,
+    purges: AtomicUsize,
 }
 
 /// The injected failure.
@@ -39,6 +41,7 @@ impl FaultyStore {
             claims: AtomicUsize::new(0),
             completes: AtomicUsize::new(0),
             releases: AtomicUsize::new(0),
+            purges: AtomicUsize::new(0),
         })
     }
 
@@ -77,6 +80,11 @@ impl FaultyStore {
     /// Completes attempted (failed ones included).
     pub fn completes(&self) -> usize {
         self.completes.load(Ordering::SeqCst)
+    }
+
+    /// Sweeps (`purge_expired` calls) so far.
+    pub fn purges(&self) -> usize {
+        self.purges.load(Ordering::SeqCst)
     }
 
     /// Releases attempted.
@@ -138,7 +146,11 @@ impl Store for FaultyStore {
         self.inner.extend(key, token, lease).await
     }
 
+    async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        self.inner.delete(key, force).await
+    }
     async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        self.purges.fetch_add(1, Ordering::SeqCst);
         self.inner.purge_expired(batch).await
     }
 

@@ -56,7 +56,7 @@ macro_rules! conformance_suite {
             $crate::conformance_suite!(@list $fixture, [$(#[$attr])*],
                 new_claim, replay_returns_stored_outcome, in_progress_reports_retry_after,
                 mismatch_done, mismatch_in_progress, lease_takeover, lease_takeover_needs_same_fingerprint,
-                fencing_after_takeover, ttl_expiry_reclaims, scope_isolation, scope_and_key_never_collide, purge_in_batches,
+                fencing_after_takeover, ttl_expiry_reclaims, scope_isolation, scope_and_key_never_collide, delete_needs_force_for_in_progress, purge_in_batches,
                 release_frees_key, extend_keeps_lease, stale_token_on_absent_record,
                 oversized_marker_round_trips, concurrent_claims_one_winner,
                 headers_and_binary_body_round_trip, older_fingerprint_versions_compare_under_their_version);

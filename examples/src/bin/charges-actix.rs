@@ -241,7 +241,7 @@ async fn main() -> ExitCode {
     let api::Started {
         api,
         idempotency,
-        sweeper,
+        metrics,
     } = started;
     let kind = args.handlers(api.kind());
     let api = web::Data::new(api);
@@ -271,6 +271,16 @@ async fn main() -> ExitCode {
                     .route(web::get().to(healthz))
                     .route(web::head().to(healthz)),
             )
+            .configure(|cfg| {
+                // Prometheus' text format; the idempotency metrics are listed in
+                // `idempotent_core::observe`.
+                if let Some(metrics) = metrics.clone() {
+                    cfg.route(
+                        "/metrics",
+                        web::get().to(move || std::future::ready(metrics.render())),
+                    );
+                }
+            })
     })
     .workers(2)
     .shutdown_timeout(30)
@@ -303,7 +313,6 @@ async fn main() -> ExitCode {
         );
     });
     let served = server.await;
-    sweeper.shutdown().await;
     match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

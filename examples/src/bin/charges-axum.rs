@@ -210,15 +210,22 @@ async fn main() -> ExitCode {
     let api::Started {
         api,
         idempotency,
-        sweeper,
+        metrics,
     } = started;
     let (charge, refund) = posts(args.handlers(api.kind()));
-    let app = Router::new()
+    let mut app = Router::new()
         .route("/v1/charges", charge.get(list_charges))
         .route("/v1/charges/{charge}/refunds", refund.get(list_refunds))
-        .route("/healthz", get(healthz))
-        .layer(idempotency.layer())
-        .with_state(api);
+        .route("/healthz", get(healthz));
+    if let Some(metrics) = metrics {
+        // Prometheus' text format; the idempotency metrics are listed in
+        // `idempotent_core::observe`.
+        app = app.route(
+            "/metrics",
+            get(move || std::future::ready(metrics.render())),
+        );
+    }
+    let app = app.layer(idempotency.layer()).with_state(api);
     let listener = match tokio::net::TcpListener::bind(&args.listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -241,7 +248,6 @@ async fn main() -> ExitCode {
         .await;
     // Handlers whose clients went away are still running: let them store their responses.
     api::report_drain("charges-axum", idempotency.drain(DRAIN_TIMEOUT).await);
-    sweeper.shutdown().await;
     match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -15,7 +15,7 @@ macro_rules! sql_store_common {
                 build_record, db_error, existing_row, from_millis, millis, outcome_columns, q,
                 record_columns,
             };
-            use $crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+            use $crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
             use $crate::{LeaseToken, Record, RecordKey, StoredOutcome};
 
             impl $store {
@@ -207,6 +207,30 @@ macro_rules! sql_store_common {
                         .map_err(db_error)?;
                     row.map(|row| build_record(key, record_columns(&row).map_err(db_error)?))
                         .transpose()
+                }
+
+                async fn delete(
+                    &self,
+                    key: &RecordKey,
+                    force: bool,
+                ) -> Result<Deleted, StoreError> {
+                    self.sent.bump();
+                    let row = sqlx::query(q(&self.sql.delete))
+                        .bind(key.scope.as_str())
+                        .bind(key.key.as_str())
+                        .bind(force)
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err(db_error)?;
+                    if let Some(row) = row {
+                        let record = build_record(key, record_columns(&row).map_err(db_error)?)?;
+                        return Ok(Deleted::Deleted(record));
+                    }
+                    // Nothing deleted: an in-progress record (without `force`), or none.
+                    Ok(match self.get(key).await? {
+                        Some(record) => Deleted::InProgress(record),
+                        None => Deleted::Absent,
+                    })
                 }
 
                 fn transactional(&self) -> Option<&dyn std::any::Any> {

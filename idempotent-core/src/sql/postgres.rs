@@ -95,6 +95,7 @@ struct Statements {
     extend: Arc<str>,
     purge: Arc<str>,
     get: Arc<str>,
+    delete: Arc<str>,
 }
 
 impl Statements {
@@ -221,6 +222,15 @@ impl Statements {
                     (extract(epoch FROM completed_at) * 1000)::int8 AS completed_at,
                     (extract(epoch FROM expires_at) * 1000)::int8 AS expires_at
                 FROM {t} WHERE scope = $1 AND key = $2 AND expires_at > {now}"),
+            // Done, expired, or forced: an in-progress record under its ttl needs `force`.
+            delete: s("DELETE FROM {t} WHERE scope = $1 AND key = $2
+                    AND (done OR expires_at <= {now} OR $3)
+                RETURNING fingerprint, done, token,
+                    (extract(epoch FROM locked_until) * 1000)::int8 AS locked_until,
+                    status, headers, body, oversized,
+                    (extract(epoch FROM created_at) * 1000)::int8 AS created_at,
+                    (extract(epoch FROM completed_at) * 1000)::int8 AS completed_at,
+                    (extract(epoch FROM expires_at) * 1000)::int8 AS expires_at"),
             table: t,
         }
     }

@@ -86,6 +86,7 @@ struct Statements {
     extend: Arc<str>,
     purge: Arc<str>,
     get: Arc<str>,
+    delete: Arc<str>,
 }
 
 impl Statements {
@@ -134,6 +135,11 @@ impl Statements {
             get: s("SELECT fingerprint, done, token, locked_until, status, headers, body, oversized,
                     created_at, completed_at, expires_at
                 FROM {t} WHERE scope = ?1 AND key = ?2 AND expires_at > {now}"),
+            // Done, expired, or forced: an in-progress record under its ttl needs `force`.
+            delete: s("DELETE FROM {t} WHERE scope = ?1 AND key = ?2
+                    AND (done = 1 OR expires_at <= {now} OR ?3)
+                RETURNING fingerprint, done, token, locked_until, status, headers, body, oversized,
+                    created_at, completed_at, expires_at"),
         }
     }
 }

@@ -1,0 +1,234 @@
+//! What the engine tells operators: `tracing` spans and events, and metrics through the
+//! [`metrics`] facade (no exporter is forced on you: install any recorder, such as
+//! `metrics-exporter-prometheus`, and these appear; install none and they cost a few atomic
+//! loads).
+//!
+//! # Spans
+//! One span per idempotent request, named `idempotent`, at `DEBUG` level (so the default `INFO`
+//! filter skips it: turn it on with `RUST_LOG=idempotent_core=debug`), with fields:
+//! - `route`: the route (the handler's `module::function` for HTTP routes, the function's
+//!   name in function mode);
+//! - `key`: a short keyed hash of (scope, key), 16 hex characters: HMAC-SHA-256 under a key
+//!   derived from the configuration's derive secret (so every instance sharing it logs the
+//!   same hash for one record), else under a key made per process. Keyed, because a plain
+//!   hash of a low-entropy key such as `order-123` is easy to reverse. Neither the raw key nor
+//!   the scope nor the body is ever logged;
+//! - `outcome`: one of [`OUTCOMES`];
+//! - `store_ms`: how long the claim took (the store's part of the decision), milliseconds;
+//! - `recorded`: for executions, what became of the record (`stored`, `released`, `failed`).
+//!
+//! Events inside it: a take-over of a record whose lease or ttl ran out (`INFO`), a release
+//! (`DEBUG`), a failed complete (`ERROR`), a fence refusal (`WARN`).
+//!
+//! # Metrics
+//! - [`REQUESTS_TOTAL`] (counter), labels `route` and `outcome`;
+//! - [`STORE_SECONDS`] (histogram), label `operation`: `claim`, `complete`, `release`,
+//!   `extend`, `purge`, and on the transactional paths `begin` (read, BEGIN and the claim in
+//!   the transaction) and `commit` (the complete in the transaction and COMMIT);
+//! - [`IN_FLIGHT`] (gauge): requests being claimed or executed now;
+//! - [`EVENTS_TOTAL`] (counter), labels `route` and `event`: `takeover`, `released`,
+//!   `complete_failed`, `fence_refused`.
+//!
+//! ```
+//! // Names to query or alert on:
+//! assert_eq!(idempotent_core::observe::REQUESTS_TOTAL, "idempotent_requests_total");
+//! assert!(idempotent_core::observe::OUTCOMES.contains(&"replayed"));
+//! ```
+
+use crate::derive::DeriveSecret;
+use crate::engine::{Begin, Recorded, Unprotected};
+use crate::{RecordKey, StoreError};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Counter of idempotent requests, labels `route` and `outcome`.
+pub const REQUESTS_TOTAL: &str = "idempotent_requests_total";
+/// Histogram of store call latency in seconds, label `operation`.
+pub const STORE_SECONDS: &str = "idempotent_store_duration_seconds";
+/// Gauge of requests being claimed or executed.
+pub const IN_FLIGHT: &str = "idempotent_in_flight";
+/// Counter of notable events, labels `route` and `event`.
+pub const EVENTS_TOTAL: &str = "idempotent_events_total";
+
+/// The values of the `outcome` label and span field:
+/// - `executed`: the handler ran under a claimed record;
+/// - `replayed`: a stored response was replayed;
+/// - `in_progress`: another attempt holds the key (409);
+/// - `mismatch`: the key was used for another request (422);
+/// - `rejected`: the key is missing or malformed (400; counted with the request's route
+///   template, or `unmatched`, since it is answered before the handler's route is known);
+/// - `store_unavailable`: the store failed; the handler did not run (503);
+/// - `unprotected`: no key where it is optional, or fail-open after a store failure: the
+///   handler ran without a record;
+/// - `draining`: the engine is shutting down (503);
+/// - `misconfigured`: the route's settings are out of bounds (500).
+pub const OUTCOMES: [&str; 9] = [
+    "executed",
+    "replayed",
+    "in_progress",
+    "mismatch",
+    "rejected",
+    "store_unavailable",
+    "unprotected",
+    "draining",
+    "misconfigured",
+];
+
+/// The key of the log hashes: from the derive secret if one is configured first, else made
+/// per process.
+pub(crate) struct LogKey(OnceLock<Hmac<Sha256>>);
+
+impl LogKey {
+    pub(crate) const fn new() -> Self {
+        LogKey(OnceLock::new())
+    }
+
+    /// Derives the key from `secret`, unless a key is in use already.
+    pub(crate) fn set_from(&self, secret: &DeriveSecret) {
+        let _ = self.0.set(hmac_with(&secret.log_key()));
+    }
+
+    fn get(&self) -> &Hmac<Sha256> {
+        self.0.get_or_init(|| {
+            let mut key = [0_u8; 32];
+            key[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+            key[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+            hmac_with(&key)
+        })
+    }
+
+    /// 16 hex characters of HMAC(scope, key), length-prefixed.
+    pub(crate) fn hash(&self, key: &RecordKey) -> String {
+        let mut mac = self.get().clone();
+        for field in [key.scope.as_str().as_bytes(), key.key.as_str().as_bytes()] {
+            mac.update(&(field.len() as u64).to_be_bytes());
+            mac.update(field);
+        }
+        let digest = mac.finalize().into_bytes();
+        digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// An HMAC-SHA-256 under `key` (HMAC takes keys of any length).
+fn hmac_with(key: &[u8; 32]) -> Hmac<Sha256> {
+    match Hmac::new_from_slice(key) {
+        Ok(mac) => mac,
+        Err(_) => unreachable!("HMAC takes keys of any length"),
+    }
+}
+
+/// The span of one request (its `key` recorded by the caller, when the span is enabled).
+pub(crate) fn span(route: &'static str) -> tracing::Span {
+    tracing::debug_span!(
+        "idempotent",
+        route,
+        key = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        store_ms = tracing::field::Empty,
+        recorded = tracing::field::Empty,
+    )
+}
+
+/// The `outcome` label of what a claim found.
+pub(crate) fn begin_outcome(begin: &Begin) -> &'static str {
+    match begin {
+        Begin::Claimed(_) => "executed",
+        Begin::Replay(_) => "replayed",
+        Begin::InProgress { .. } => "in_progress",
+        Begin::Mismatch { .. } => "mismatch",
+        Begin::KeyRejected(_) => "rejected",
+        Begin::StoreUnavailable(_) => "store_unavailable",
+        Begin::Unprotected(Unprotected::NoKey | Unprotected::FailedOpen(_)) => "unprotected",
+        Begin::Draining => "draining",
+        Begin::Misconfigured(_) => "misconfigured",
+    }
+}
+
+/// Counts a request's outcome and records it, with the store's time, on its span.
+pub(crate) fn outcome(
+    span: &tracing::Span,
+    route: &'static str,
+    outcome: &'static str,
+    store: Option<Duration>,
+) {
+    metrics::counter!(REQUESTS_TOTAL, "route" => route, "outcome" => outcome).increment(1);
+    span.record("outcome", outcome);
+    if let Some(store) = store {
+        span.record("store_ms", store.as_secs_f64() * 1e3);
+    }
+}
+
+/// Counts a key refused before its route was known (see [`OUTCOMES`]).
+pub fn rejected(route_template: Option<&str>) {
+    let route = route_template.unwrap_or("unmatched").to_owned();
+    metrics::counter!(REQUESTS_TOTAL, "route" => route, "outcome" => "rejected").increment(1);
+}
+
+/// Records a store call's latency.
+pub(crate) fn store_time(operation: &'static str, took: Duration) {
+    metrics::histogram!(STORE_SECONDS, "operation" => operation).record(took.as_secs_f64());
+}
+
+/// Runs `fut`, recording its latency as `operation`.
+pub(crate) async fn timed<T>(operation: &'static str, fut: impl Future<Output = T>) -> T {
+    let start = std::time::Instant::now();
+    let out = fut.await;
+    store_time(operation, start.elapsed());
+    out
+}
+
+/// Counts a notable event.
+pub(crate) fn event(route: &'static str, event: &'static str) {
+    metrics::counter!(EVENTS_TOTAL, "route" => route, "event" => event).increment(1);
+}
+
+/// What became of an execution's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// Stored (committed, on the transactional paths).
+    Stored,
+    /// Released (rolled back): a retry runs again.
+    Released,
+    /// The fence refused the write: another attempt holds the record.
+    FenceRefused,
+    /// Storing failed; the record stays as it was.
+    Failed,
+}
+
+impl From<&Recorded> for Settled {
+    fn from(recorded: &Recorded) -> Self {
+        match recorded {
+            Recorded::Stored => Settled::Stored,
+            Recorded::Released => Settled::Released,
+            Recorded::Failed(StoreError::StaleLease) => Settled::FenceRefused,
+            Recorded::Failed(_) => Settled::Failed,
+        }
+    }
+}
+
+/// Counts what became of an execution's record and records it on its span.
+pub(crate) fn settled(span: &tracing::Span, route: &'static str, settled: Settled) {
+    let what = match settled {
+        Settled::Stored => "stored",
+        Settled::Released => {
+            event(route, "released");
+            "released"
+        }
+        Settled::FenceRefused => {
+            event(route, "fence_refused");
+            "failed"
+        }
+        Settled::Failed => {
+            event(route, "complete_failed");
+            "failed"
+        }
+    };
+    span.record("recorded", what);
+}
+
+/// One more request in flight.
+pub(crate) fn in_flight(delta: f64) {
+    metrics::gauge!(IN_FLIGHT).increment(delta);
+}
