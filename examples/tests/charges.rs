@@ -549,6 +549,68 @@ async fn charges_on_memory(bin: Bin) {
     contract(bin, "memory").await;
 }
 
+/// `--metrics`: `GET /metrics` serves the idempotency metrics in Prometheus' text format, and
+/// the scrape counts each outcome the test caused; without the flag there is no such route.
+async fn metrics_are_scraped(bin: Bin) {
+    let (_dir, url) = temp_sqlite();
+    let s = start(bin, &url, &["--metrics"]);
+    let api = Api::new(&s);
+    let acct = account();
+    let k = key();
+    assert_eq!(
+        api.json(&acct, &k, CHARGE).send().await.unwrap().status(),
+        201
+    );
+    assert_eq!(
+        api.json(&acct, &k, CHARGE).send().await.unwrap().status(),
+        201
+    );
+    let other = r#"{"amount": 1, "currency": "usd", "customer": "cus_1"}"#;
+    assert_eq!(
+        api.json(&acct, &k, other).send().await.unwrap().status(),
+        422
+    );
+    let no_key = api
+        .client
+        .post(format!("{}/v1/charges", api.base))
+        .bearer_auth(&acct)
+        .header("content-type", "application/json")
+        .body(CHARGE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(no_key.status(), 400);
+    let scrape = api
+        .client
+        .get(format!("{}/metrics", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(scrape.status(), 200);
+    let text = scrape.text().await.unwrap();
+    for line in [
+        r#"idempotent_requests_total{route="create_charge_sqlite",outcome="executed"} 1"#,
+        r#"idempotent_requests_total{route="create_charge_sqlite",outcome="replayed"} 1"#,
+        r#"idempotent_requests_total{route="create_charge_sqlite",outcome="mismatch"} 1"#,
+        r#"idempotent_requests_total{route="/v1/charges",outcome="rejected"} 1"#,
+        "idempotent_in_flight 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+    }
+    // The transactional path times its begin and its commit.
+    for operation in ["begin", "commit"] {
+        let count =
+            format!(r#"idempotent_store_duration_seconds_count{{operation="{operation}"}}"#);
+        assert!(text.contains(&count), "no `{count}` in:\n{text}");
+    }
+    drop(s);
+    let plain = start(bin, &url, &[]);
+    let res = reqwest::get(format!("{}/metrics", plain.base))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 404);
+}
+
 /// Runs the binary with `args`, expecting it to refuse to start: its stderr. A binary that
 /// starts instead is killed and fails the test (rather than hanging it).
 fn refused(bin: Bin, args: &[&str]) -> String {
@@ -739,6 +801,7 @@ both_binaries!(
     )]
     crash_on_postgres,
     bad_flags_fail_clearly,
+    metrics_are_scraped,
     key_reused_after_its_record_is_gone,
     handler_errors_carry_no_database_text,
     lossy_client_on_sqlite,

@@ -6,8 +6,9 @@
 //! # Spans
 //! One span per idempotent request, named `idempotent`, at `DEBUG` level (so the default `INFO`
 //! filter skips it: turn it on with `RUST_LOG=idempotent_core=debug`), with fields:
-//! - `route`: the route (the handler's `module::function` for HTTP routes, the function's
-//!   name in function mode);
+//! - `route`: the route's name: the handler function's name for HTTP routes (the attribute
+//!   sets it; static, so labels cost no allocation), the function's `module::name` in function
+//!   mode;
 //! - `key`: a short keyed hash of (scope, key), 16 hex characters: HMAC-SHA-256 under a key
 //!   derived from the configuration's derive secret (so every instance sharing it logs the
 //!   same hash for one record), else under a key made per process. Keyed, because a plain

@@ -1,0 +1,203 @@
+//! Inspect or delete one idempotency record, for support staff: "why did this customer get a
+//! 422?", "let this client run its request again".
+//!
+//! ```text
+//! idempotent-admin --database sqlite://charges.db get --scope acct_1 --key 8e03978e-…
+//! idempotent-admin --database postgres://… delete --scope acct_1 --key 8e03978e-… [--force]
+//! ```
+//!
+//! `get` prints the record as one JSON object: its state (`done` or `in_progress`), the
+//! fingerprint (version and SHA-256 digest), when it was created and when it expires (Unix
+//! seconds), and for a finished record the stored response's status, header names and body
+//! size (`--show-body` adds the body: it may hold personal data). `delete` deletes it and
+//! prints what it held. An in-progress record is deleted only with `--force`: a retry could
+//! then run the handler while the first execution still runs.
+//!
+//! Exit codes: 0 done, 1 an error (printed), 2 no such record, 3 the record is in progress
+//! and `--force` was not given. The scope is the text the record is stored under: the
+//! caller's id for HTTP routes, `call:<length of name>:<name>:<scope>` for idempotent
+//! functions. The table is the stores' default (`idempotency_records`).
+
+use clap::{Parser, Subcommand};
+use idempotent_core::{
+    Deleted, IdempotencyKey, PostgresStore, Record, RecordKey, RecordState, Scope, SqliteStore,
+    Store, StoredOutcome,
+};
+use serde_json::{Value, json};
+use std::process::ExitCode;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Inspect or delete one idempotency record.
+#[derive(Debug, Parser)]
+#[command(name = "idempotent-admin")]
+struct Args {
+    /// `sqlite://FILE` or `postgres://…` (defaults to `$DATABASE_URL`).
+    #[arg(long)]
+    database: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the record of (scope, key).
+    Get {
+        #[command(flatten)]
+        record: Which,
+        /// Print the stored response's body too (lossy UTF-8).
+        #[arg(long)]
+        show_body: bool,
+    },
+    /// Delete the record of (scope, key) and print what it held.
+    Delete {
+        #[command(flatten)]
+        record: Which,
+        /// Delete it even if it is in progress (a retry may then run while the first
+        /// execution still runs).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct Which {
+    /// The scope the record is stored under (the caller's id).
+    #[arg(long)]
+    scope: String,
+    /// The idempotency key, as the client sent it.
+    #[arg(long)]
+    key: String,
+}
+
+impl Which {
+    fn record_key(&self) -> Result<RecordKey, String> {
+        let scope = Scope::new(self.scope.clone()).map_err(|e| format!("--scope: {e}"))?;
+        let key = IdempotencyKey::parse(self.key.as_bytes()).map_err(|e| format!("--key: {e}"))?;
+        Ok(RecordKey::new(scope, key))
+    }
+}
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| (d.as_millis() as f64) / 1000.0)
+}
+
+/// The record as JSON (the body only with `show_body`).
+fn describe(record: &Record, show_body: bool) -> Value {
+    let mut out = json!({
+        "scope": record.key.scope.as_str(),
+        "key": record.key.key.as_str(),
+        "fingerprint": record.fingerprint.to_hex(),
+        "fingerprint_version": record.fingerprint.version(),
+        "created": unix(record.created_at),
+        "expires": unix(record.expires_at),
+    });
+    match &record.state {
+        RecordState::InProgress { locked_until, .. } => {
+            out["state"] = json!("in_progress");
+            out["locked_until"] = json!(unix(*locked_until));
+        }
+        RecordState::Done {
+            outcome,
+            completed_at,
+        } => {
+            out["state"] = json!("done");
+            out["completed"] = json!(unix(*completed_at));
+            match outcome {
+                StoredOutcome::Response(r) => {
+                    out["status"] = json!(r.status);
+                    let names: Vec<&str> = r.headers.iter().map(|(n, _)| n.as_str()).collect();
+                    out["headers"] = json!(names);
+                    out["body_bytes"] = json!(r.body.len());
+                    if show_body {
+                        out["body"] = json!(String::from_utf8_lossy(&r.body));
+                    }
+                }
+                StoredOutcome::Oversized { status, size } => {
+                    out["status"] = json!(status);
+                    out["oversized"] = json!(true);
+                    out["body_bytes"] = json!(size);
+                }
+            }
+        }
+    }
+    out
+}
+
+async fn open(url: &str) -> Result<Box<dyn Store>, String> {
+    if url.starts_with("sqlite:") {
+        let store = SqliteStore::connect(url).await.map_err(|e| e.to_string())?;
+        return Ok(Box::new(store));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(url)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(Box::new(
+            PostgresStore::new(pool).map_err(|e| e.to_string())?,
+        ));
+    }
+    Err(format!(
+        "unsupported database URL `{url}`: use sqlite://FILE or postgres://…"
+    ))
+}
+
+async fn run(args: Args) -> Result<ExitCode, String> {
+    let url = args
+        .database
+        .or_else(|| std::env::var("DATABASE_URL").ok())
+        .ok_or("give --database URL (or set DATABASE_URL)")?;
+    let store = open(&url).await?;
+    let print = |v: Value| println!("{v}");
+    match args.command {
+        Command::Get { record, show_body } => {
+            let key = record.record_key()?;
+            match store.get(&key).await.map_err(|e| e.to_string())? {
+                Some(found) => {
+                    print(describe(&found, show_body));
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => {
+                    eprintln!("idempotent-admin: no record for that scope and key");
+                    Ok(ExitCode::from(2))
+                }
+            }
+        }
+        Command::Delete { record, force } => {
+            let key = record.record_key()?;
+            match store.delete(&key, force).await.map_err(|e| e.to_string())? {
+                Deleted::Deleted(gone) => {
+                    let mut out = describe(&gone, false);
+                    out["deleted"] = json!(true);
+                    print(out);
+                    Ok(ExitCode::SUCCESS)
+                }
+                Deleted::InProgress(running) => {
+                    print(describe(&running, false));
+                    eprintln!(
+                        "idempotent-admin: the record is in progress: its first execution may still run, and deleting it lets a retry run the handler again; add --force to delete it anyway"
+                    );
+                    Ok(ExitCode::from(3))
+                }
+                Deleted::Absent => {
+                    eprintln!("idempotent-admin: no record for that scope and key");
+                    Ok(ExitCode::from(2))
+                }
+                _ => Err("the store answered something this version does not know".into()),
+            }
+        }
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    match run(Args::parse()).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("idempotent-admin: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
