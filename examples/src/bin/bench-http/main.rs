@@ -49,8 +49,16 @@ enum Command {
     Serve(ServeArgs),
 }
 
+/// Whether the servers observe (`--observe`), set once in `main`.
+static OBSERVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 #[derive(Debug, clap::Args)]
 struct RunArgs {
+    /// Every server, bare and annotated alike, installs a `tracing-subscriber` fmt subscriber
+    /// at the default level (`info`: the idempotency spans, at `debug`, are filtered) and the
+    /// Prometheus metrics recorder, so the difference is the cost of observing.
+    #[arg(long)]
+    observe: bool,
     /// Stores to measure.
     #[arg(long, value_delimiter = ',', default_values = ["memory", "sqlite", "postgres"])]
     stores: Vec<StoreKind>,
@@ -152,6 +160,19 @@ struct ServeArgs {
     /// Makes the server's order ids unique.
     #[arg(long)]
     tag: String,
+    /// Install the subscriber and the recorder (see the run's `--observe`).
+    #[arg(long)]
+    observe: bool,
+}
+
+/// What `--observe` installs in a server: the examples' subscriber (stderr, `RUST_LOG` or
+/// `info`) and the Prometheus recorder (its handle unused: nothing scrapes during the run).
+fn observe_setup(args: &ServeArgs) -> Result<(), String> {
+    if args.observe {
+        idempotent_examples::api::init_logging();
+        idempotent_examples::api::install_metrics()?;
+    }
+    Ok(())
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -160,7 +181,12 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let _ = OBSERVE.set(cli.run.observe);
     if let Some(Command::Serve(args)) = cli.command {
+        if let Err(e) = observe_setup(&args) {
+            eprintln!("bench-http serve: {e}");
+            return ExitCode::FAILURE;
+        }
         let served = match args.framework {
             Framework::Axum => axum_arm::serve(&args),
             Framework::Actix => actix_arm::serve(&args),
@@ -238,7 +264,11 @@ impl Server {
         let framework_name = format!("{framework:?}").to_lowercase();
         let arm_name = format!("{arm:?}").to_lowercase();
         cmd.args(["serve", "--framework", &framework_name, "--arm", &arm_name])
-            .args(["--database", database, "--tag", tag])
+            .args(["--database", database, "--tag", tag]);
+        if OBSERVE.get().copied().unwrap_or(false) {
+            cmd.arg("--observe");
+        }
+        cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true);
