@@ -127,14 +127,27 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// Installs the Prometheus recorder of the `metrics` facade.
+/// Installs the Prometheus recorder of the `metrics` facade, with a thread that runs its
+/// upkeep every 5 seconds (the recorder keeps histogram samples until then; without upkeep
+/// they pile up between scrapes).
 ///
 /// # Errors
 /// A recorder is installed already.
 pub fn install_metrics() -> Result<PrometheusHandle, String> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
-        .map_err(|e| format!("cannot install the metrics recorder: {e}"))
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let upkeep = handle.clone();
+    std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                upkeep.run_upkeep();
+            }
+        })
+        .map_err(|e| format!("cannot start the metrics upkeep: {e}"))?;
+    Ok(handle)
 }
 
 /// Opens the database and builds the idempotency configuration with `--lease`, after

@@ -85,12 +85,18 @@ async fn inspect_and_delete(database: &str) {
     let slow = start(
         Bin::Axum,
         database,
-        &["--plain", "--work-delay", "4s", "--lease", "2s"],
+        &["--plain", "--work-delay", "6s", "--lease", "2s"],
     );
     let running_key = uuid::Uuid::new_v4().to_string();
     let pending = tokio::spawn(charge(&slow.base, &account, &running_key).send());
-    tokio::time::sleep(Duration::from_millis(1000)).await;
     let running = ["--scope", account.as_str(), "--key", running_key.as_str()];
+    // Until the claim is there (the handler then runs 6 s).
+    for _ in 0..50 {
+        if admin(database, &[&["get"][..], &running].concat()).0 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (code, record, said) = admin(database, &[&["delete"][..], &running].concat());
     assert_eq!(code, 3, "{said}");
     assert!(said.contains("--force"), "{said}");
@@ -111,10 +117,23 @@ async fn inspect_and_delete(database: &str) {
     let (code, _, said) = admin(database, &["get", "--scope", "", "--key", "k"]);
     assert_eq!(code, 1);
     assert!(said.contains("--scope"), "{said}");
+    let (code, _, said) = admin(database, &["get", "--unscoped", "--key", "a b"]);
+    assert_eq!(code, 1);
+    assert!(said.contains("--key"), "{said}");
+    let (code, _, said) = admin(database, &["get", "--unscoped", "--key", "no-such-key"]);
+    assert_eq!(code, 2, "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_on_sqlite() {
+    // A path with no database is an error, and creates none.
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.db");
+    let url = format!("sqlite://{}", missing.display());
+    let (code, _, said) = admin(&url, &["get", "--scope", "a", "--key", "k"]);
+    assert_eq!(code, 1);
+    assert!(said.contains("no SQLite database"), "{said}");
+    assert!(!missing.exists());
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("charges.db").display());
     inspect_and_delete(&url).await;

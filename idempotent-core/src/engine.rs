@@ -624,7 +624,8 @@ impl AutoSweep {
     }
 
     /// Starts the sweeper if one is configured and none was started (cheap after the first
-    /// call: one atomic load).
+    /// call: one atomic load). The flag is set and the task stored under one lock, so a drain
+    /// racing the first request either stops the sweeper or keeps it from starting.
     pub(crate) fn ensure(&self, store: &Arc<dyn Store>) {
         if self.started.load(Ordering::Acquire) {
             return;
@@ -633,26 +634,33 @@ impl AutoSweep {
         if ms == 0 || tokio::runtime::Handle::try_current().is_err() {
             return;
         }
+        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
         if self.started.swap(true, Ordering::AcqRel) {
             return;
         }
-        let sweeper =
-            crate::Sweeper::spawn(Arc::clone(store), Duration::from_millis(ms), Self::BATCH);
-        *self.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(sweeper);
+        *task = Some(crate::Sweeper::spawn(
+            Arc::clone(store),
+            Duration::from_millis(ms),
+            Self::BATCH,
+        ));
     }
 
-    /// Whether the sweeper runs.
+    /// Whether the sweeper's task is alive (not when its runtime went away).
     pub(crate) fn is_running(&self) -> bool {
         self.task
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+            .as_ref()
+            .is_some_and(crate::Sweeper::is_running)
     }
 
     /// Stops the sweeper (for good: a drained engine starts no other).
     pub(crate) async fn stop(&self) {
-        self.started.store(true, Ordering::SeqCst);
-        let sweeper = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let sweeper = {
+            let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
+            self.started.store(true, Ordering::SeqCst);
+            task.take()
+        };
         if let Some(sweeper) = sweeper {
             sweeper.shutdown().await;
         }
@@ -809,7 +817,12 @@ impl Execution {
         let span = self.span.clone();
         let recorded = self.write(None).instrument(span.clone()).await;
         if self.observed {
-            observe::settled(&span, self.policy.route, (&recorded).into());
+            let settled = match &recorded {
+                Recorded::Failed(StoreError::StaleLease) => observe::Settled::FenceRefused,
+                Recorded::Failed(_) => observe::Settled::ReleaseFailed,
+                other => other.into(),
+            };
+            observe::settled(&span, self.policy.route, settled);
         }
         self.done();
         recorded

@@ -180,6 +180,11 @@ impl Config {
     /// sweeper included.
     pub fn new(engine: Engine) -> Self {
         engine.inner.auto_sweep.configure(Some(DEFAULT_SWEEP_EVERY));
+        Self::defaults(engine)
+    }
+
+    /// The defaults, without touching the engine (the builder configures it when it builds).
+    fn defaults(engine: Engine) -> Self {
         Config {
             engine,
             ttl: DEFAULT_TTL,
@@ -289,7 +294,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
     /// to 1 MiB stored, request bodies up to 2 MiB, fail closed.
     pub fn new(engine: Engine) -> Self {
         ConfigBuilder {
-            config: Config::new(engine),
+            config: Config::defaults(engine),
             into: std::marker::PhantomData,
         }
     }
@@ -428,16 +433,17 @@ impl<T: From<Config>> ConfigBuilder<T> {
         if let Some(every) = c.sweep_every {
             check_duration("sweep_every", every)?;
         }
-        c.engine.inner.auto_sweep.configure(c.sweep_every);
-        if let Some(secret) = &c.derive_secret {
-            // Every instance sharing the secret logs the same hash for one record.
-            c.engine.inner.log_key.set_from(secret);
-        }
         if c.tx_wait > MAX_DURATION {
             return Err(ConfigError::TooLong {
                 what: "transaction_wait",
                 value: c.tx_wait,
             });
+        }
+        // Only a configuration that is built touches its engine.
+        c.engine.inner.auto_sweep.configure(c.sweep_every);
+        if let Some(secret) = &c.derive_secret {
+            // Every instance sharing the secret logs the same hash for one record.
+            c.engine.inner.log_key.set_from(secret);
         }
         Ok(T::from(c))
     }

@@ -28,7 +28,13 @@
 //!   the transaction) and `commit` (the complete in the transaction and COMMIT);
 //! - [`IN_FLIGHT`] (gauge): requests being claimed or executed now;
 //! - [`EVENTS_TOTAL`] (counter), labels `route` and `event`: `takeover`, `released`,
-//!   `complete_failed`, `fence_refused`.
+//!   `complete_failed`, `release_failed`, `fence_refused`.
+//!
+//! What is counted: every request that reaches the engine's claim, and key refusals the
+//! adapters answer before it. Requests refused earlier for other reasons (a body over the
+//! limit or too slow, a scope that cannot be built, a missing layer) and requests without a
+//! key on a route where it is optional (they run without the engine) are not counted. In
+//! function mode with `Concurrent::Wait`, each poll of a waiting call is a request.
 //!
 //! ```
 //! // Names to query or alert on:
@@ -61,8 +67,9 @@ pub const EVENTS_TOTAL: &str = "idempotent_events_total";
 /// - `rejected`: the key is missing or malformed (400; counted with the request's route
 ///   template, or `unmatched`, since it is answered before the handler's route is known);
 /// - `store_unavailable`: the store failed; the handler did not run (503);
-/// - `unprotected`: no key where it is optional, or fail-open after a store failure: the
-///   handler ran without a record;
+/// - `unprotected`: fail-open after a store failure, or no key where it is optional (for
+///   direct [`Engine`](crate::Engine) callers; the HTTP adapters run such requests without
+///   the engine): the handler ran without a record;
 /// - `draining`: the engine is shutting down (503);
 /// - `misconfigured`: the route's settings are out of bounds (500).
 pub const OUTCOMES: [&str; 9] = [
@@ -161,7 +168,8 @@ pub(crate) fn outcome(
     }
 }
 
-/// Counts a key refused before its route was known (see [`OUTCOMES`]).
+/// Counts a key refused before its route was known (see [`OUTCOMES`]); for the adapters.
+#[doc(hidden)]
 pub fn rejected(route_template: Option<&str>) {
     let route = route_template.unwrap_or("unmatched").to_owned();
     metrics::counter!(REQUESTS_TOTAL, "route" => route, "outcome" => "rejected").increment(1);
@@ -196,6 +204,8 @@ pub(crate) enum Settled {
     FenceRefused,
     /// Storing failed; the record stays as it was.
     Failed,
+    /// Releasing failed; the record stays in progress until its lease ends.
+    ReleaseFailed,
 }
 
 impl From<&Recorded> for Settled {
@@ -215,7 +225,12 @@ pub(crate) fn settled(span: &tracing::Span, route: &'static str, settled: Settle
         Settled::Stored => "stored",
         Settled::Released => {
             event(route, "released");
+            tracing::debug!("idempotency: the key was released; a retry runs the handler again");
             "released"
+        }
+        Settled::ReleaseFailed => {
+            event(route, "release_failed");
+            "failed"
         }
         Settled::FenceRefused => {
             event(route, "fence_refused");

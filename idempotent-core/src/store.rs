@@ -152,7 +152,10 @@ pub trait Store: Send + Sync + 'static {
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError>;
 
     /// Deletes `key`'s record (for support staff: a record to forget, or one to let a client
-    /// run again), expired ones included, and returns it as it was. An **in-progress** record
+    /// run again), expired ones included, and returns it as it was. The check of its state and
+    /// the delete are one atomic operation: an in-progress record is never deleted without
+    /// `force`, whatever runs concurrently. (A single-commit claim still inside its open
+    /// transaction is invisible, so it is [`Deleted::Absent`].) An **in-progress** record
     /// is deleted only with `force`: deleting it lets a retry run the handler while the first
     /// execution may still be running (that execution's complete is then refused by the
     /// fence, but its side effects are not undone).

@@ -49,6 +49,11 @@ impl Sweeper {
         Sweeper { task: Some(task) }
     }
 
+    /// Whether the task is alive (it stops when shut down, or when its runtime goes away).
+    pub fn is_running(&self) -> bool {
+        self.task.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     /// Stops the task and waits until it has stopped.
     pub async fn shutdown(mut self) {
         if let Some(task) = self.task.take() {

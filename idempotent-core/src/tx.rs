@@ -357,7 +357,9 @@ mod with_sqlx {
                     TxFinished::Committed => Settled::Stored,
                     TxFinished::RolledBack => Settled::Released,
                     TxFinished::Failed(StoreError::StaleLease) => Settled::FenceRefused,
-                    TxFinished::Failed(_) | TxFinished::Escaped => Settled::Failed,
+                    TxFinished::Failed(_) => Settled::Failed,
+                    // Nothing committed; the record was released (two commits) or rolled back.
+                    TxFinished::Escaped => Settled::Released,
                 };
                 observe::settled(&span, route, settled);
             }

@@ -15,8 +15,11 @@
 //!
 //! Exit codes: 0 done, 1 an error (printed), 2 no such record, 3 the record is in progress
 //! and `--force` was not given. The scope is the text the record is stored under: the
-//! caller's id for HTTP routes, `call:<length of name>:<name>:<scope>` for idempotent
-//! functions. The table is the stores' default (`idempotency_records`).
+//! caller's id for HTTP routes (`--unscoped` for unscoped routes),
+//! `call:<length of name>:<name>:<scope>` for idempotent functions. The table is the stores'
+//! default (`idempotency_records`). `get` shows live records only; `delete` also removes an
+//! expired row the sweeper has not deleted yet. A single-commit claim inside its still open
+//! transaction is invisible to both until it commits.
 
 use clap::{Parser, Subcommand};
 use idempotent_core::{
@@ -62,8 +65,11 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct Which {
     /// The scope the record is stored under (the caller's id).
-    #[arg(long)]
-    scope: String,
+    #[arg(long, required_unless_present = "unscoped")]
+    scope: Option<String>,
+    /// The record of an `unscoped` route (instead of `--scope`).
+    #[arg(long, conflicts_with = "scope")]
+    unscoped: bool,
     /// The idempotency key, as the client sent it.
     #[arg(long)]
     key: String,
@@ -71,7 +77,10 @@ struct Which {
 
 impl Which {
     fn record_key(&self) -> Result<RecordKey, String> {
-        let scope = Scope::new(self.scope.clone()).map_err(|e| format!("--scope: {e}"))?;
+        let scope = match &self.scope {
+            Some(scope) => Scope::new(scope.clone()).map_err(|e| format!("--scope: {e}"))?,
+            None => Scope::unscoped(),
+        };
         let key = IdempotencyKey::parse(self.key.as_bytes()).map_err(|e| format!("--key: {e}"))?;
         Ok(RecordKey::new(scope, key))
     }
@@ -125,7 +134,13 @@ fn describe(record: &Record, show_body: bool) -> Value {
 }
 
 async fn open(url: &str) -> Result<Box<dyn Store>, String> {
-    if url.starts_with("sqlite:") {
+    if let Some(path) = url.strip_prefix("sqlite:") {
+        // Never create a database: a mistyped path is an error, not a new empty file.
+        let path = path.trim_start_matches("//");
+        let path = path.split('?').next().unwrap_or(path);
+        if !std::path::Path::new(path).exists() {
+            return Err(format!("no SQLite database at `{path}`"));
+        }
         let store = SqliteStore::connect(url).await.map_err(|e| e.to_string())?;
         return Ok(Box::new(store));
     }

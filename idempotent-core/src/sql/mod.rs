@@ -16,7 +16,7 @@ macro_rules! sql_store_common {
                 record_columns,
             };
             use $crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
-            use $crate::{LeaseToken, Record, RecordKey, StoredOutcome};
+            use $crate::{LeaseToken, Record, RecordKey, RecordState, StoredOutcome};
 
             impl $store {
                 /// The pool.
@@ -214,23 +214,35 @@ macro_rules! sql_store_common {
                     key: &RecordKey,
                     force: bool,
                 ) -> Result<Deleted, StoreError> {
-                    self.sent.bump();
-                    let row = sqlx::query(q(&self.sql.delete))
-                        .bind(key.scope.as_str())
-                        .bind(key.key.as_str())
-                        .bind(force)
-                        .fetch_optional(&self.pool)
-                        .await
-                        .map_err(db_error)?;
-                    if let Some(row) = row {
-                        let record = build_record(key, record_columns(&row).map_err(db_error)?)?;
-                        return Ok(Deleted::Deleted(record));
+                    // A record that finishes between the DELETE and the read that explains why
+                    // nothing was deleted is deleted on the next round.
+                    for _ in 0..3 {
+                        self.sent.bump();
+                        let row = sqlx::query(q(&self.sql.delete))
+                            .bind(key.scope.as_str())
+                            .bind(key.key.as_str())
+                            .bind(force)
+                            .fetch_optional(&self.pool)
+                            .await
+                            .map_err(db_error)?;
+                        if let Some(row) = row {
+                            let columns = record_columns(&row).map_err(db_error)?;
+                            return Ok(Deleted::Deleted(build_record(key, columns)?));
+                        }
+                        // Nothing deleted: an in-progress record (without `force`), or none.
+                        match self.get(key).await? {
+                            None => return Ok(Deleted::Absent),
+                            Some(record)
+                                if matches!(record.state, RecordState::InProgress { .. }) =>
+                            {
+                                return Ok(Deleted::InProgress(record));
+                            }
+                            Some(_) => {}
+                        }
                     }
-                    // Nothing deleted: an in-progress record (without `force`), or none.
-                    Ok(match self.get(key).await? {
-                        Some(record) => Deleted::InProgress(record),
-                        None => Deleted::Absent,
-                    })
+                    Err(StoreError::Unavailable(
+                        "the record kept changing while it was being deleted; try again".into(),
+                    ))
                 }
 
                 fn transactional(&self) -> Option<&dyn std::any::Any> {

@@ -268,8 +268,7 @@ impl Server {
         if OBSERVE.get().copied().unwrap_or(false) {
             cmd.arg("--observe");
         }
-        cmd
-            .stdout(Stdio::piped())
+        cmd.stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true);
         let mut child = cmd.spawn().map_err(|e| format!("starting a server: {e}"))?;
