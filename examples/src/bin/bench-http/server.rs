@@ -127,8 +127,10 @@ pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>)
         (
             Db::Memory,
             Arc::new(
+                // Unbounded: one caller sends every key of the run (hundreds of thousands).
                 idempotent_core::MemoryStore::builder()
                     .max_entries(usize::MAX)
+                    .max_per_scope(usize::MAX)
                     .build(),
             ),
         )
