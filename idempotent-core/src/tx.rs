@@ -351,9 +351,16 @@ mod with_sqlx {
             let span = self.span.clone();
             let route = self.policy.route;
             let protected = self.is_protected();
-            let finished = self.finish_untraced(outcome).instrument(span.clone()).await;
+            let release_failed = std::sync::atomic::AtomicBool::new(false);
+            let finished = self
+                .finish_untraced(outcome, &release_failed)
+                .instrument(span.clone())
+                .await;
             if protected {
                 let settled = match &finished {
+                    _ if release_failed.load(std::sync::atomic::Ordering::Relaxed) => {
+                        Settled::ReleaseFailed
+                    }
                     TxFinished::Committed => Settled::Stored,
                     TxFinished::RolledBack => Settled::Released,
                     TxFinished::Failed(StoreError::StaleLease) => Settled::FenceRefused,
@@ -366,7 +373,18 @@ mod with_sqlx {
             finished
         }
 
-        async fn finish_untraced(self, outcome: StoredOutcome) -> TxFinished {
+        /// [`TxExecution::finish`]; `release_failed` is set when releasing a two-commit claim
+        /// failed.
+        async fn finish_untraced(
+            self,
+            outcome: StoredOutcome,
+            release_failed: &std::sync::atomic::AtomicBool,
+        ) -> TxFinished {
+            let released = |recorded: crate::Recorded| {
+                if matches!(recorded, crate::Recorded::Failed(_)) {
+                    release_failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            };
             let TxExecution {
                 store,
                 home,
@@ -387,14 +405,14 @@ mod with_sqlx {
                 );
                 if let Claim::Two(execution) = claim {
                     // That transaction has no commit of its own: it rolls back when dropped.
-                    execution.release().await;
+                    released(execution.release().await);
                 }
                 return TxFinished::Escaped;
             };
             if !policy.stores(outcome.status()) {
                 rollback(tx, &policy).await;
                 if let Claim::Two(execution) = claim {
-                    execution.release().await;
+                    released(execution.release().await);
                 }
                 return TxFinished::RolledBack;
             }
@@ -428,13 +446,13 @@ mod with_sqlx {
                     (claim, _) if is_aborted(&error) => {
                         tracing::error!(route = policy.route, error = %error, "idempotency: a statement of the handler failed and aborted its transaction, so nothing could be stored; run statements whose failure the handler answers inside a savepoint (`tx.begin()`)");
                         if let Claim::Two(execution) = claim {
-                            execution.release().await;
+                            released(execution.release().await);
                         }
                     }
                     (Claim::Two(execution), _) => {
                         tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; the handler's writes rolled back");
                         // Nothing committed: a retry may run again.
-                        execution.release().await;
+                        released(execution.release().await);
                     }
                     _ => {
                         tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; everything rolled back");
@@ -470,15 +488,19 @@ mod with_sqlx {
         /// Finishes without an outcome (a panic, a response body that failed): rolls back and
         /// releases the key.
         pub async fn abort(self) {
-            if self.is_protected() {
-                observe::settled(&self.span, self.policy.route, Settled::Released);
-            }
+            let protected = self.is_protected();
             let tx = lock(&self.home).take();
             if let Some(tx) = tx {
                 rollback(tx, &self.policy).await;
             }
-            if let Claim::Two(execution) = self.claim {
-                execution.release().await;
+            let mut settled = Settled::Released;
+            if let Claim::Two(execution) = self.claim
+                && let crate::Recorded::Failed(_) = execution.release().await
+            {
+                settled = Settled::ReleaseFailed;
+            }
+            if protected {
+                observe::settled(&self.span, self.policy.route, settled);
             }
         }
     }

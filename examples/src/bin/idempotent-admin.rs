@@ -28,6 +28,7 @@ use idempotent_core::{
 };
 use serde_json::{Value, json};
 use std::process::ExitCode;
+use std::str::FromStr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Inspect or delete one idempotency record.
@@ -134,14 +135,22 @@ fn describe(record: &Record, show_body: bool) -> Value {
 }
 
 async fn open(url: &str) -> Result<Box<dyn Store>, String> {
-    if let Some(path) = url.strip_prefix("sqlite:") {
+    if url.starts_with("sqlite:") {
         // Never create a database: a mistyped path is an error, not a new empty file.
-        let path = path.trim_start_matches("//");
-        let path = path.split('?').next().unwrap_or(path);
-        if !std::path::Path::new(path).exists() {
-            return Err(format!("no SQLite database at `{path}`"));
+        let options = sqlx::sqlite::SqliteConnectOptions::from_str(url)
+            .map_err(|e| e.to_string())?
+            .create_if_missing(false);
+        if options.get_filename() == std::path::Path::new(":memory:") {
+            return Err("an in-memory SQLite database holds no records to inspect".into());
         }
-        let store = SqliteStore::connect(url).await.map_err(|e| e.to_string())?;
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .map_err(|e| format!("cannot open {url}: {e}"))?;
+        let store = SqliteStore::builder(pool)
+            .build()
+            .map_err(|e| e.to_string())?;
         return Ok(Box::new(store));
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {

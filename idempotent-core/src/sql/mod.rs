@@ -216,6 +216,7 @@ macro_rules! sql_store_common {
                 ) -> Result<Deleted, StoreError> {
                     // A record that finishes between the DELETE and the read that explains why
                     // nothing was deleted is deleted on the next round.
+                    let mut absent_once = false;
                     for _ in 0..3 {
                         self.sent.bump();
                         let row = sqlx::query(q(&self.sql.delete))
@@ -231,7 +232,10 @@ macro_rules! sql_store_common {
                         }
                         // Nothing deleted: an in-progress record (without `force`), or none.
                         match self.get(key).await? {
-                            None => return Ok(Deleted::Absent),
+                            // Absent, or an in-progress row that expired since the DELETE:
+                            // one more DELETE removes that one.
+                            None if absent_once => return Ok(Deleted::Absent),
+                            None => absent_once = true,
                             Some(record)
                                 if matches!(record.state, RecordState::InProgress { .. }) =>
                             {
