@@ -138,6 +138,7 @@
 //! `Retry-After`), 410 the original response was not stored, 413 body over the limit, 422 key
 //! reused for another request, 503 store unavailable (with `Retry-After`). GET, HEAD and
 //! OPTIONS ignore the key and run the handler.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
 mod middleware;
@@ -145,10 +146,13 @@ mod private;
 mod response;
 
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idempotent_core::PostgresStore;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use idempotent_core::SetupError;
 #[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use idempotent_core::SqliteStore;
 /// Idempotent functions (`#[idempotent(key_from = …)]`, queue consumers): the runner and its types.
 pub use idempotent_core::call;
@@ -160,6 +164,7 @@ pub use idempotent_core::{
     ScopeValue, SecretError, Store, StoreError, Sweeper, parse_duration,
 };
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use idempotent_core::{Transaction, TxDatabase, sqlx};
 
 pub use config::{Idempotency, IdempotencyBuilder};

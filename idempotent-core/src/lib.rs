@@ -47,9 +47,11 @@
 //! - `sqlite`, `postgres`: the SQL stores (sqlx).
 //! - `client`: [`client::IdempotentRetry`], a retry middleware for reqwest that makes one
 //!   `Idempotency-Key` per logical request.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod call;
 #[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 mod clock;
 mod derive;
@@ -88,17 +90,22 @@ pub use record::{
 };
 pub use scope::{Scope, ScopeError, ScopeValue};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use sql::SetupError;
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use sql::postgres::{PostgresStore, PostgresStoreBuilder};
 #[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use sqlx;
 pub use store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
 pub use sweeper::Sweeper;
 pub use tx::{CommitPath, TxOptions};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use tx::{Transaction, TxBegin, TxDatabase, TxExecution, TxFinished};
 pub use uuid;
 

@@ -5,6 +5,7 @@
 //! Stages, one per file: `args` (typed arguments with spans) → `signature` (the handler's
 //! shape and the names its parameters bind) → `expand` (code generation). Everything below
 //! the entry points works on `proc_macro2`, so it unit-tests without a compiler run.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 use proc_macro::TokenStream;
 
