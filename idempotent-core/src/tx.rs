@@ -213,7 +213,9 @@ mod with_sqlx {
             req: ClaimRequest<'_>,
         ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
 
-        /// Completes the record inside the transaction, fenced by `token`.
+        /// Completes the record inside the transaction, fenced by `token`. From then on the
+        /// transaction holds the record's row until COMMIT; PostgreSQL ends the session if it
+        /// then idles `idle` (a process stalled before its COMMIT gives the key back).
         #[doc(hidden)]
         fn complete_in(
             store: &Self::Store,
@@ -222,7 +224,14 @@ mod with_sqlx {
             token: LeaseToken,
             outcome: &StoredOutcome,
             ttl: Duration,
+            idle: Duration,
         ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+        /// How long the library waits for the complete and for COMMIT to answer before it
+        /// gives up on them (answers 503 and lets the connection go), given the route's
+        /// lease; `None`: no bound (SQLite: a local file, whose busy timeout bounds waits).
+        #[doc(hidden)]
+        fn finish_bound(lease: Duration) -> Option<Duration>;
     }
 
     /// What [`Engine::begin_transactional`] found.
@@ -419,18 +428,28 @@ mod with_sqlx {
             let completed = match &claim {
                 Claim::None { .. } => Ok(()),
                 Claim::Single { key, token, .. } => {
-                    DB::complete_in(&store, &mut tx, key, *token, &outcome, policy.ttl).await
+                    let complete = DB::complete_in(
+                        &store,
+                        &mut tx,
+                        key,
+                        *token,
+                        &outcome,
+                        policy.ttl,
+                        policy.lease,
+                    );
+                    bounded::<DB, _>(policy.lease, "the complete", complete).await
                 }
                 Claim::Two(execution) => {
-                    DB::complete_in(
+                    let complete = DB::complete_in(
                         &store,
                         &mut tx,
                         execution.key(),
                         execution.token(),
                         &outcome,
                         policy.ttl,
-                    )
-                    .await
+                        policy.lease,
+                    );
+                    bounded::<DB, _>(policy.lease, "the complete", complete).await
                 }
             };
             if let Err(error) = completed {
@@ -460,7 +479,10 @@ mod with_sqlx {
                 }
                 return TxFinished::Failed(error);
             }
-            let committed = tx.commit().await;
+            let committed = bounded::<DB, _>(policy.lease, "COMMIT", async {
+                tx.commit().await.map_err(crate::sql::db_error)
+            })
+            .await;
             observe::store_time("commit", commit_started.elapsed());
             match committed {
                 Ok(()) => {
@@ -480,7 +502,7 @@ mod with_sqlx {
                     if let Claim::Two(execution) = claim {
                         execution.settle();
                     }
-                    TxFinished::Failed(crate::sql::db_error(e))
+                    TxFinished::Failed(e)
                 }
             }
         }
@@ -505,20 +527,42 @@ mod with_sqlx {
         }
     }
 
-    /// Whether a store error is PostgreSQL's "current transaction is aborted" (SQLSTATE 25P02).
-    fn is_aborted(error: &StoreError) -> bool {
-        let StoreError::Unavailable(source) = error else {
-            return false;
-        };
-        source
-            .downcast_ref::<sqlx::Error>()
-            .and_then(|e| e.as_database_error())
-            .and_then(|e| e.code())
-            .is_some_and(|code| code == "25P02")
+    /// `fut` (a complete or COMMIT), given up after [`TxDatabase::finish_bound`]: a
+    /// connection that stopped answering (a lost network) must not hold the execution, and
+    /// with it [`Engine::drain`], forever. Whether a COMMIT given up on applied is unknown, as
+    /// for any failed COMMIT: a retry replays if it did, else runs again.
+    async fn bounded<DB: TxDatabase, T>(
+        lease: Duration,
+        what: &'static str,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match DB::finish_bound(lease) {
+            None => fut.await,
+            Some(bound) => match tokio::time::timeout(bound, fut).await {
+                Ok(done) => done,
+                Err(_) => Err(StoreError::unavailable(NoAnswer { what, bound })),
+            },
+        }
     }
 
-    async fn rollback<DB: sqlx::Database>(tx: sqlx::Transaction<'static, DB>, policy: &Policy) {
-        if let Err(e) = tx.rollback().await {
+    /// A statement the database did not answer in time.
+    #[derive(Debug, thiserror::Error)]
+    #[error("{what} had no answer within {bound:?}")]
+    struct NoAnswer {
+        what: &'static str,
+        bound: Duration,
+    }
+
+    /// Whether a store error is PostgreSQL's "current transaction is aborted" (SQLSTATE 25P02).
+    fn is_aborted(error: &StoreError) -> bool {
+        crate::sql::has_sqlstate(error, "25P02")
+    }
+
+    async fn rollback<DB: TxDatabase>(tx: sqlx::Transaction<'static, DB>, policy: &Policy) {
+        let rolled_back = bounded::<DB, _>(policy.lease, "ROLLBACK", async {
+            tx.rollback().await.map_err(crate::sql::db_error)
+        });
+        if let Err(e) = rolled_back.await {
             // The server rolls back a transaction whose connection failed.
             tracing::warn!(route = policy.route, error = %e, "idempotency: ROLLBACK failed");
         }

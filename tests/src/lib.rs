@@ -10,6 +10,7 @@ use std::time::Duration;
 pub mod conformance;
 pub mod faults;
 pub mod fixtures;
+pub mod stall;
 
 /// A store under test, as the conformance suite drives it.
 #[async_trait::async_trait]

@@ -618,3 +618,115 @@ async fn postgres_complete_is_a_hot_update() {
     );
     pg_drop(&pool, &table).await;
 }
+
+/// A pool whose sessions default to `level` (a server configured that way).
+async fn pg_pool_at(level: &'static str, max: u32) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                let set = format!("SET default_transaction_isolation = '{level}'");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(set))
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&database_url())
+        .await
+        .unwrap()
+}
+
+/// Plain mode on a server whose default isolation is SERIALIZABLE (or REPEATABLE READ):
+/// concurrent duplicates still get one winner and 409s or replays, never a 503 for a
+/// serialization failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_stricter_default_isolation_still_one_winner_per_key() {
+    for level in ["serializable", "repeatable read"] {
+        let table = unique_table("iso");
+        let a = pg_store(pg_pool_at(level, 8).await, &table).await;
+        let b = idempotent_core::PostgresStore::builder(pg_pool_at(level, 8).await)
+            .schema("idempotent_test")
+            .table(&table)
+            .build()
+            .unwrap();
+        let seen = race(vec![Arc::new(a.clone()), Arc::new(b)], 300, 8).await;
+        assert_one_winner_each(&seen, 300, 8);
+        pg_drop(a.pool(), &table).await;
+    }
+}
+
+/// A take-over never waits on the record's row lock (held here by another transaction, as an
+/// owner between its complete and its COMMIT holds it): plain mode and single commit answer
+/// in progress at once; once the lock goes, the take-over runs.
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_take_over_never_waits_on_a_row_lock() {
+    let table = unique_table("nowait");
+    let pool = pg_pool(4).await;
+    let store = pg_store(pool.clone(), &table).await;
+    let key = unique_key("locked");
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("rt"),
+        lease: Duration::from_millis(200),
+        ttl: Duration::from_secs(3600),
+    };
+    assert!(matches!(
+        store.claim(req).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(400)).await; // the lease ends
+    let mut holder = pool.begin().await.unwrap();
+    let sql =
+        format!("SELECT 1 FROM idempotent_test.{table} WHERE scope = $1 AND key = $2 FOR UPDATE");
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(key.scope.as_str())
+        .bind(key.key.as_str())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let second = Duration::from_secs(1);
+    let plain = tokio::time::timeout(second, store.claim(req))
+        .await
+        .expect("plain mode's take-over waited on the row lock");
+    assert!(
+        matches!(plain, Ok(ClaimOutcome::InProgress { retry_after }) if retry_after > Duration::ZERO),
+        "{plain:?}"
+    );
+    let engine = Engine::new(store.clone());
+    let policy = Policy {
+        lease: Duration::from_millis(200),
+        ..Policy::default()
+    };
+    let single = TxOptions {
+        commit: CommitPath::Single,
+        wait: Duration::from_millis(50),
+        max_waiters: 4,
+        read_first: true,
+    };
+    let begin = tokio::time::timeout(
+        second,
+        engine.begin_transactional::<sqlx::Postgres>(request(&key), &policy, &single),
+    )
+    .await
+    .expect("single commit's take-over waited on the row lock");
+    assert!(
+        matches!(begin, TxBegin::Respond(Begin::InProgress { .. })),
+        "{begin:?}"
+    );
+    holder.rollback().await.unwrap();
+    assert!(matches!(
+        store.claim(req).await.unwrap(),
+        ClaimOutcome::Claimed(lease) if lease.took_over
+    ));
+    pg_drop(&pool, &table).await;
+}

@@ -822,3 +822,128 @@ async fn unprotected_transactions_count_towards_the_drain() {
     assert_eq!(drain.await.unwrap().still_running, 0);
     assert_eq!(db.rows().await, 1);
 }
+
+/// An owner stalled between its fenced complete (which locks the record's row) and its
+/// COMMIT, on the two-commit path: the COMMIT never reaches PostgreSQL and the connection stays
+/// open. Retries on another instance are each answered within a second, never queued behind
+/// the row lock: 409 while the owner's lease runs and while its session holds the row, then,
+/// once the server has ended that idle session (the bound the complete set), the take-over
+/// runs the handler once. More retries than the retrying instance has connections, so a pool
+/// drained by waiting take-overs would show. The owner itself gives up on its COMMIT (503) and
+/// its engine drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_owner_stalled_before_commit_never_blocks_its_key() {
+    use idempotent_tests::stall::CommitStaller;
+    let lease = Duration::from_secs(1);
+    let p = policy(lease);
+    let two = options(CommitPath::Two);
+    // The retrying instance: its own pool of two connections.
+    let (db, store) = pg_db(pg_pool(2).await).await;
+    let before = db.rows().await;
+    // The owner: the same table, through the proxy.
+    let proxy = CommitStaller::start("127.0.0.1:5432".parse().unwrap()).await;
+    let url = database_url().replace("127.0.0.1:5432", &proxy.addr().to_string());
+    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
+    let owner_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .unwrap();
+    let (schema, table) = store.table().split_once('.').unwrap();
+    let owner_store = PostgresStore::builder(owner_pool)
+        .schema(schema)
+        .table(table)
+        .build()
+        .unwrap();
+    let owner = Engine::new(owner_store);
+
+    let key = unique_key("stalled");
+    let mut first = claimed::<sqlx::Postgres>(&owner, request(&key, "a"), &p, &two).await;
+    let mut tx = first.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    proxy.arm();
+    let stalled_finish =
+        tokio::spawn(async move { first.finish(StoredResponse::new(201, "first").into()).await });
+    while proxy.stalled() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // Retries, four at a time (the pool has two connections), each bounded by a second.
+    let runs = AtomicUsize::new(0);
+    let (mut busy, mut ran) = (0, false);
+    let started = tokio::time::Instant::now();
+    while !ran {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "no retry took over within 15 s ({busy} answered 409)"
+        );
+        let attempts = (0..4).map(|_| async {
+            tokio::time::timeout(
+                Duration::from_secs(1),
+                db.engine
+                    .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &two),
+            )
+            .await
+            .expect("a retry was not answered within a second")
+        });
+        for begin in futures_util::future::join_all(attempts).await {
+            match begin {
+                TxBegin::Respond(Begin::InProgress { retry_after }) => {
+                    assert!(retry_after > Duration::ZERO);
+                    busy += 1;
+                }
+                TxBegin::Run(mut execution) => {
+                    assert!(!ran, "two retries took over at once");
+                    ran = true;
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let mut tx = execution.transaction().unwrap();
+                    insert(&mut tx, &db.business).await;
+                    drop(tx);
+                    let out = execution
+                        .finish(StoredResponse::new(201, "retry").into())
+                        .await;
+                    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+                }
+                other => panic!("unexpected answer to a retry: {other:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(busy > 0, "no retry met the stalled owner");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The stalled owner's write rolled back with its session; the retry's committed.
+    assert_eq!(db.rows().await, before + 1);
+    // And the retry's response is the one replayed.
+    match db
+        .engine
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &two)
+        .await
+    {
+        TxBegin::Respond(Begin::Replay(StoredOutcome::Response(r))) => {
+            assert_eq!(r.body, b"retry"[..]);
+        }
+        other => panic!("expected the retry's replay: {other:?}"),
+    }
+    // The pool is intact: a fresh key runs at once.
+    let fresh = unique_key("after-stall");
+    assert!(matches!(
+        one(&db, &fresh, CommitPath::Two, 201, &runs).await,
+        Ok(TxFinished::Committed)
+    ));
+
+    // The owner gives up on its COMMIT (bounded), and its engine drains.
+    let out = tokio::time::timeout(Duration::from_secs(15), stalled_finish)
+        .await
+        .expect("the stalled owner's finish never gave up")
+        .unwrap();
+    assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
+    let drained = owner.drain(Duration::from_secs(5)).await;
+    assert_eq!(drained.still_running, 0);
+    drop(proxy);
+}

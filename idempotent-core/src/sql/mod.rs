@@ -81,9 +81,35 @@ macro_rules! sql_store_common {
                     outcome: &StoredOutcome,
                     ttl: Duration,
                 ) -> Result<(), StoreError> {
+                    let mut conflicts = 0;
+                    loop {
+                        let done = self
+                            .complete_query(&self.sql.complete, key, token, outcome, ttl)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(db_error);
+                        match done {
+                            Err(e)
+                                if $crate::sql::again_after_conflict(&e, &mut conflicts).await => {}
+                            done => return $crate::sql::fenced(done?.rows_affected()),
+                        }
+                    }
+                }
+
+                /// A complete-shaped statement (`complete`, PostgreSQL's `tx_complete`) with
+                /// its common parameters bound: scope, key, token, the outcome's columns and
+                /// the ttl.
+                fn complete_query<'q>(
+                    &self,
+                    sql: &Arc<str>,
+                    key: &'q RecordKey,
+                    token: LeaseToken,
+                    outcome: &StoredOutcome,
+                    ttl: Duration,
+                ) -> sqlx::query::Query<'q, $db, <$db as sqlx::Database>::Arguments> {
                     let c = outcome_columns(outcome);
                     self.sent.bump();
-                    let done = sqlx::query(q(&self.sql.complete))
+                    sqlx::query(q(sql))
                         .bind(key.scope.as_str())
                         .bind(key.key.as_str())
                         .bind(token.as_uuid())
@@ -92,14 +118,6 @@ macro_rules! sql_store_common {
                         .bind(c.body)
                         .bind(c.oversized)
                         .bind(millis(ttl))
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(db_error)?;
-                    if done.rows_affected() == 1 {
-                        Ok(())
-                    } else {
-                        Err(StoreError::StaleLease)
-                    }
                 }
 
                 /// Reads the record outside any transaction (one read-only statement): the
@@ -154,18 +172,21 @@ macro_rules! sql_store_common {
                     key: &RecordKey,
                     token: LeaseToken,
                 ) -> Result<(), StoreError> {
-                    self.sent.bump();
-                    let done = sqlx::query(q(&self.sql.release))
-                        .bind(key.scope.as_str())
-                        .bind(key.key.as_str())
-                        .bind(token.as_uuid())
-                        .execute(&self.pool)
-                        .await
-                        .map_err(db_error)?;
-                    if done.rows_affected() == 1 {
-                        Ok(())
-                    } else {
-                        Err(StoreError::StaleLease)
+                    let mut conflicts = 0;
+                    loop {
+                        self.sent.bump();
+                        let done = sqlx::query(q(&self.sql.release))
+                            .bind(key.scope.as_str())
+                            .bind(key.key.as_str())
+                            .bind(token.as_uuid())
+                            .execute(&self.pool)
+                            .await
+                            .map_err(db_error);
+                        match done {
+                            Err(e)
+                                if $crate::sql::again_after_conflict(&e, &mut conflicts).await => {}
+                            done => return $crate::sql::fenced(done?.rows_affected()),
+                        }
                     }
                 }
 
@@ -175,16 +196,23 @@ macro_rules! sql_store_common {
                     token: LeaseToken,
                     lease: Duration,
                 ) -> Result<SystemTime, StoreError> {
-                    self.sent.bump();
-                    let until: Option<i64> = sqlx::query_scalar(q(&self.sql.extend))
-                        .bind(key.scope.as_str())
-                        .bind(key.key.as_str())
-                        .bind(token.as_uuid())
-                        .bind(millis(lease))
-                        .fetch_optional(&self.pool)
-                        .await
-                        .map_err(db_error)?;
-                    until.map(from_millis).ok_or(StoreError::StaleLease)
+                    let mut conflicts = 0;
+                    loop {
+                        self.sent.bump();
+                        let until: Result<Option<i64>, _> = sqlx::query_scalar(q(&self.sql.extend))
+                            .bind(key.scope.as_str())
+                            .bind(key.key.as_str())
+                            .bind(token.as_uuid())
+                            .bind(millis(lease))
+                            .fetch_optional(&self.pool)
+                            .await
+                            .map_err(db_error);
+                        match until {
+                            Err(e)
+                                if $crate::sql::again_after_conflict(&e, &mut conflicts).await => {}
+                            until => return until?.map(from_millis).ok_or(StoreError::StaleLease),
+                        }
+                    }
                 }
 
                 async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
@@ -340,6 +368,49 @@ pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
         // Connection loss, pool timeouts, busy/locked databases, I/O: all "unavailable".
         other => StoreError::unavailable(other),
     }
+}
+
+/// A fenced write's answer: one row changed, or the token no longer holds the record.
+pub(crate) fn fenced(rows_affected: u64) -> Result<(), StoreError> {
+    if rows_affected == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::StaleLease)
+    }
+}
+
+/// Whether a store error is a database error with this SQLSTATE (`40001`, `55P03`, …).
+pub(crate) fn has_sqlstate(error: &StoreError, code: &str) -> bool {
+    let StoreError::Unavailable(source) = error else {
+        return false;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(|e| e.as_database_error())
+        .and_then(|e| e.code())
+        .is_some_and(|c| c == code)
+}
+
+/// Whether a statement failed for a serialization failure (40001) or a deadlock (40P01):
+/// either leaves nothing written, and the statement may run again. Outside a transaction on
+/// a PostgreSQL server whose default isolation is stricter than READ COMMITTED, a fenced
+/// write can fail so against a concurrent statement on a neighbouring row.
+pub(crate) fn is_serialization_failure(error: &StoreError) -> bool {
+    has_sqlstate(error, "40001") || has_sqlstate(error, "40P01")
+}
+
+/// How often a fenced write that failed for a serialization failure runs again.
+const CONFLICT_RETRIES: u32 = 8;
+
+/// Whether to run a fenced write again after `error`: a serialization failure, fewer than
+/// [`CONFLICT_RETRIES`] times; waits a moment (growing) first.
+pub(crate) async fn again_after_conflict(error: &StoreError, conflicts: &mut u32) -> bool {
+    if *conflicts >= CONFLICT_RETRIES || !is_serialization_failure(error) {
+        return false;
+    }
+    *conflicts += 1;
+    tokio::time::sleep(Duration::from_millis(u64::from(*conflicts))).await;
+    true
 }
 
 /// Whole milliseconds, rounded up: a lease of 0.5 ms must not become 0 (an expired lease).

@@ -1,8 +1,8 @@
 //! The PostgreSQL store.
 
 use super::{
-    Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, identifier,
-    millis, q,
+    Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, fenced,
+    has_sqlstate, identifier, is_serialization_failure, millis, q,
 };
 use crate::LeaseToken;
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
@@ -41,6 +41,9 @@ pub struct PostgresStore {
     pool: PgPool,
     sql: Arc<Statements>,
     sent: Arc<Counter>,
+    /// Set once a claim met a serialization failure: the server's default isolation is
+    /// stricter than READ COMMITTED, so claims pin it (see [`PostgresStore::claim_on`]).
+    pin_isolation: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Builds a [`PostgresStore`].
@@ -77,6 +80,7 @@ impl PostgresStoreBuilder {
             pool: self.pool,
             sql: Arc::new(Statements::new(&schema, &name)),
             sent: Arc::default(),
+            pin_isolation: Arc::default(),
         })
     }
 }
@@ -90,6 +94,7 @@ struct Statements {
     read: Arc<str>,
     tx_claim: Arc<str>,
     take_over: Arc<str>,
+    tx_complete: Arc<str>,
     complete: Arc<str>,
     release: Arc<str>,
     extend: Arc<str>,
@@ -185,14 +190,40 @@ impl Statements {
             // the old token, and a row whose token is unchanged still has the fingerprint that
             // was checked (every claim or take-over writes a new token); the time conditions are
             // re-checked because the holder may have extended or completed meanwhile.
-            take_over: s("UPDATE {t} SET fingerprint = $3, done = false, token = $4,
+            //
+            // It never waits on the row's lock: an owner stalled between its fenced complete
+            // (which locks the row) and its COMMIT holds that lock until its session ends, and
+            // a take-over queued behind it would hold a pooled connection for as long, inside
+            // an execution nobody can cancel. `FOR UPDATE NOWAIT` fails at once instead
+            // (SQLSTATE 55P03), which the caller answers as in progress.
+            take_over: s("WITH target AS MATERIALIZED (
+                    SELECT 1 FROM {t}
+                    WHERE scope = $1 AND key = $2 AND token = $7
+                      AND (expires_at <= {now} OR (NOT done AND locked_until <= {now}))
+                    FOR UPDATE NOWAIT)
+                UPDATE {t} SET fingerprint = $3, done = false, token = $4,
                     locked_until = {now} + $5::float8 * interval '1 millisecond',
                     created_at = {now}, completed_at = NULL,
                     status = NULL, headers = NULL, body = NULL, oversized = NULL,
                     expires_at = {now} + $6::float8 * interval '1 millisecond'
                 WHERE scope = $1 AND key = $2 AND token = $7
                   AND (expires_at <= {now} OR (NOT done AND locked_until <= {now}))
+                  AND EXISTS (SELECT 1 FROM target)
                 RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
+            // The fenced complete inside a transaction (both commit paths): the complete below,
+            // and first a bound on the transaction it leaves open. The UPDATE locks the row
+            // until COMMIT; a session that stalls before its COMMIT (a frozen process, a lost
+            // network) would hold that lock, and with it the key, until the server noticed.
+            // `idle_in_transaction_session_timeout` for this transaction ($9 ms) has the server
+            // end such a session, so the lock goes and the key can be taken over. Set in the
+            // same statement (`set_config(…, true)` is `SET LOCAL`), so it costs no round trip.
+            tx_complete: s("WITH bound AS MATERIALIZED (
+                    SELECT set_config('idle_in_transaction_session_timeout', $9::text, true) AS v)
+                UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
+                    oversized = $7, completed_at = {now}, locked_until = NULL,
+                    expires_at = GREATEST(expires_at, {now} + $8::float8 * interval '1 millisecond')
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
+                  AND EXISTS (SELECT 1 FROM bound)"),
             // Fenced: a stale owner (its lease taken over) matches no row and cannot overwrite.
             // The claim already set expires_at to now + lease + ttl, so for a handler that
             // finishes within its lease the GREATEST leaves the indexed column unchanged and
@@ -291,6 +322,14 @@ impl PostgresStore {
 
     /// [`Store::claim`](crate::Store::claim) on a connection or transaction you provide.
     ///
+    /// Outside a transaction each statement runs at the session's default isolation. Where
+    /// that is stricter than READ COMMITTED (REPEATABLE READ, SERIALIZABLE), a claim that
+    /// meets a concurrent claimer fails with a serialization error instead of reading its
+    /// row; the first time that happens, this store pins READ COMMITTED for its claims from
+    /// then on, as the transactional path always does: each claim runs in
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED` … `COMMIT`, two more round trips (set the pool's
+    /// `default_transaction_isolation` to `read committed` to avoid them).
+    ///
     /// # Errors
     /// As [`Store::claim`](crate::Store::claim).
     pub async fn claim_on(
@@ -298,11 +337,48 @@ impl PostgresStore {
         conn: &mut PgConnection,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
+        use std::sync::atomic::Ordering;
+        if !self.pin_isolation.load(Ordering::Relaxed) {
+            match self.claim_loop(conn, &req).await {
+                Err(e) if is_serialization_failure(&e) => {
+                    if !self.pin_isolation.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %e,
+                            "idempotency: PostgreSQL's default isolation is stricter than READ COMMITTED; claims now pin READ COMMITTED in a transaction of their own (two more round trips each; set default_transaction_isolation = 'read committed' for this pool to avoid them)"
+                        );
+                    }
+                }
+                other => return other,
+            }
+        }
+        self.sent.bump();
+        let mut tx =
+            sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+                .map_err(db_error)?;
+        let outcome = self.claim_loop(&mut tx, &req).await;
+        self.sent.bump();
+        if outcome.is_ok() {
+            tx.commit().await.map_err(db_error)?;
+        } else {
+            tx.rollback().await.map_err(db_error)?;
+        }
+        outcome
+    }
+
+    /// The claim itself: the claim statement, a take-over where the row allows, again while
+    /// a concurrent claimer's row was invisible to the statement's snapshot (bounded). A
+    /// serialization failure is returned as it is (see [`PostgresStore::claim_on`]).
+    async fn claim_loop(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
         let fp = req.fingerprint.to_stored();
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
             self.sent.bump();
-            let row = claim_query(&self.sql.claim, &req, &fp, token)
+            let row = claim_query(&self.sql.claim, req, &fp, token)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(db_error)?;
@@ -311,14 +387,11 @@ impl PostgresStore {
                 let until: i64 = row.try_get("locked_until_ms").map_err(db_error)?;
                 return Ok(claimed(token, until, false));
             }
-            match Self::decide_row(&row, &req)? {
+            match Self::decide_row(&row, req)? {
                 Decision::Report(outcome) => return Ok(outcome),
                 Decision::TakeOver(old) => {
-                    let until = self
-                        .claim_write(conn, &self.sql.take_over, &req, token, Some(old))
-                        .await?;
-                    if let Some(until) = until {
-                        return Ok(claimed(token, until, true));
+                    if let Some(outcome) = self.take_over(conn, req, token, old).await? {
+                        return Ok(outcome);
                     }
                 }
             }
@@ -326,6 +399,37 @@ impl PostgresStore {
         Err(StoreError::unavailable(Contention))
     }
 }
+
+impl PostgresStore {
+    /// Takes over a record whose lease or ttl ran out (the `take_over` statement): the new
+    /// claim; in progress when another transaction holds the row's lock (an owner between its
+    /// complete and its COMMIT: the take-over never waits for it); `None` when another claimer
+    /// took it over first (read it again).
+    async fn take_over(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest<'_>,
+        token: LeaseToken,
+        old: LeaseToken,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        match self
+            .claim_write(conn, &self.sql.take_over, req, token, Some(old))
+            .await
+        {
+            Ok(Some(until)) => Ok(Some(claimed(token, until, true))),
+            Ok(None) => Ok(None),
+            // lock_not_available, from FOR UPDATE NOWAIT.
+            Err(e) if has_sqlstate(&e, "55P03") => Ok(Some(ClaimOutcome::InProgress {
+                retry_after: ROW_LOCKED_RETRY_AFTER,
+            })),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// What a request whose record's row is locked by an open transaction is told to wait: that
+/// transaction commits, or its session ends within a lease of going idle.
+const ROW_LOCKED_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A claim statement (`claim`, `tx_claim`) with its common parameters bound: scope, key,
 /// fingerprint, the new token, the lease and the initial expiry (lease + ttl).
@@ -448,11 +552,8 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
                 // Taking over writes the row: only the lock's holder may.
                 Decision::TakeOver(_) if !locked => return Ok(None),
                 Decision::TakeOver(old) => {
-                    let until = store
-                        .claim_write(conn, &store.sql.take_over, &req, token, Some(old))
-                        .await?;
-                    if let Some(until) = until {
-                        return Ok(Some(claimed(token, until, true)));
+                    if let Some(outcome) = store.take_over(conn, &req, token, old).await? {
+                        return Ok(Some(outcome));
                     }
                 }
             }
@@ -467,8 +568,24 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
         token: LeaseToken,
         outcome: &crate::StoredOutcome,
         ttl: std::time::Duration,
+        idle: std::time::Duration,
     ) -> Result<(), StoreError> {
-        store.complete_on(conn, key, token, outcome, ttl).await
+        // The server's limit for this setting is i32::MAX ms (about 24.8 days).
+        let idle_ms = millis(idle).clamp(1, i64::from(i32::MAX));
+        let done = store
+            .complete_query(&store.sql.tx_complete, key, token, outcome, ttl)
+            .bind(idle_ms.to_string())
+            .execute(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        fenced(done.rows_affected())
+    }
+
+    /// The lease, and at least 10 s: past it the server has ended a session that stalled
+    /// idle (the bound the complete set), so no answer is coming; the floor keeps a COMMIT
+    /// that is merely slow (a loaded disk) from being given up on.
+    fn finish_bound(lease: std::time::Duration) -> Option<std::time::Duration> {
+        Some(lease.max(std::time::Duration::from_secs(10)))
     }
 }
 

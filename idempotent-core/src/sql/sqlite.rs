@@ -301,8 +301,13 @@ impl crate::tx::TxDatabase for sqlx::Sqlite {
         token: LeaseToken,
         outcome: &crate::StoredOutcome,
         ttl: Duration,
+        _idle: Duration,
     ) -> Result<(), StoreError> {
         store.complete_on(conn, key, token, outcome, ttl).await
+    }
+
+    fn finish_bound(_lease: Duration) -> Option<Duration> {
+        None
     }
 }
 

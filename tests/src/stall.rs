@@ -1,0 +1,130 @@
+//! A TCP proxy on 127.0.0.1 in front of PostgreSQL that, once armed, stalls the first
+//! connection that sends `COMMIT`: the `COMMIT` never reaches the server and nothing more moves
+//! either way on that connection, which stays open (a process frozen, or a network lost, right
+//! before its COMMIT). Every other connection, and that one before it is caught, passes.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A running proxy; it stops (and closes every connection) when dropped.
+#[derive(Debug)]
+pub struct CommitStaller {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    armed: AtomicBool,
+    stalled: AtomicU64,
+    /// Set when the proxy is dropped: stalled connections close.
+    closed: tokio::sync::Notify,
+}
+
+impl Drop for CommitStaller {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.shared.closed.notify_waiters();
+    }
+}
+
+/// A PostgreSQL simple-query message whose text is `COMMIT`, as sqlx sends it.
+const COMMIT: &[u8] = b"COMMIT\0";
+
+impl CommitStaller {
+    /// Listens on a free port of 127.0.0.1 and forwards to `upstream`.
+    ///
+    /// # Panics
+    /// When it cannot listen.
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("local addr");
+        let shared = Arc::new(Shared::default());
+        let accepting = Arc::clone(&shared);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                tokio::spawn(forward(client, server, Arc::clone(&accepting)));
+            }
+        });
+        CommitStaller { addr, shared, task }
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stalls the next connection that sends `COMMIT`.
+    pub fn arm(&self) {
+        self.shared.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// How many connections it has stalled.
+    pub fn stalled(&self) -> u64 {
+        self.shared.stalled.load(Ordering::SeqCst)
+    }
+}
+
+async fn forward(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let stall = tokio::sync::Notify::new();
+    let up = async {
+        let mut buf = vec![0_u8; 16 * 1024];
+        // The last bytes of the previous chunk, so a COMMIT split across reads is seen.
+        let mut tail: Vec<u8> = Vec::new();
+        loop {
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let mut window = std::mem::take(&mut tail);
+            window.extend_from_slice(&buf[..n]);
+            let has_commit = window.windows(COMMIT.len()).any(|w| w == COMMIT);
+            if has_commit
+                && shared
+                    .armed
+                    .compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                shared.stalled.fetch_add(1, Ordering::SeqCst);
+                stall.notify_one();
+                // Held open, forwarding nothing, until the proxy goes.
+                return std::future::pending::<()>().await;
+            }
+            if sw.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+            tail = window[window.len().saturating_sub(COMMIT.len())..].to_vec();
+        }
+    };
+    let down = async {
+        let mut buf = vec![0_u8; 16 * 1024];
+        loop {
+            let n = tokio::select! {
+                read = sr.read(&mut buf) => match read {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                },
+                // Stalled: read nothing more from the server (its answers, or its closing
+                // the session, never reach the client).
+                () = stall.notified() => return std::future::pending::<()>().await,
+            };
+            if cw.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        () = up => {}
+        () = down => {}
+        () = shared.closed.notified() => {}
+    }
+}
