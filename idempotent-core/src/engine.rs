@@ -108,6 +108,8 @@ pub struct Policy {
     /// Whether a key is required.
     pub key: KeyRequirement,
     /// Run the handler unprotected when the store fails, instead of refusing the request.
+    /// Never for [`StoreError::Corrupt`]: a record the store cannot read exists, so that
+    /// request is refused ([`Begin::StoreUnavailable`]) whatever this says.
     pub fail_open: bool,
     /// The route's name for logs (the handler's name under `#[idempotent]`; low cardinality,
     /// never a concrete path).
@@ -509,6 +511,9 @@ impl Engine {
             return Begin::Draining;
         }
         let key = RecordKey::new(req.scope, key);
+        // The store starts the lease somewhere during the claim's round trip: the half-lease
+        // margin counts from before it was sent, never from its answer.
+        let sent = tokio::time::Instant::now();
         let claim = self
             .inner
             .store
@@ -532,7 +537,7 @@ impl Engine {
                     span: tracing::Span::none(),
                     observed: false,
                     slot,
-                    claimed_at: tokio::time::Instant::now(),
+                    claimed_at: sent,
                     key,
                     token: lease.token,
                     policy: *policy,
@@ -545,7 +550,9 @@ impl Engine {
             Ok(ClaimOutcome::Mismatch { in_progress }) => Begin::Mismatch { in_progress },
             Err(error) => {
                 tracing::error!(route = policy.route, error = %error, "idempotency: claim failed");
-                if policy.fail_open {
+                // A corrupt record is an answer, not an outage: a record exists (it may hold a
+                // finished outcome), so the handler never runs around it.
+                if policy.fail_open && !matches!(error, StoreError::Corrupt(_)) {
                     Begin::Unprotected(Unprotected::FailedOpen(error))
                 } else {
                     Begin::StoreUnavailable(error)
@@ -695,7 +702,8 @@ pub struct Execution {
     /// which counts it, holds it).
     observed: bool,
     slot: InFlight,
-    /// When the claim returned (local clock): the lease's first half ends half a lease later.
+    /// When the claim was sent (local clock), no later than the store started the lease: the
+    /// lease's first half ends at most half a lease after it.
     claimed_at: tokio::time::Instant,
     key: RecordKey,
     token: LeaseToken,
@@ -776,7 +784,7 @@ impl Execution {
         self.start_heartbeat(first_after);
     }
 
-    /// When the first extension is due: half a lease after the claim.
+    /// When the first extension is due: half a lease after the claim was sent.
     fn first_extension(&self) -> tokio::time::Instant {
         self.claimed_at + self.policy.lease / 2
     }
@@ -1075,7 +1083,9 @@ async fn heartbeat(
 
 /// A future that keeps running when it is dropped: if it is dropped before it finished (a
 /// client that went away), the rest of it is spawned onto the current tokio runtime and runs
-/// to completion there. Polled in place until then, so the common path costs no spawn.
+/// to completion there. Polled in place until then, so the common path costs no spawn. A
+/// future that panics is dropped as the panic leaves it, never spawned again: the panic is
+/// reported once.
 ///
 /// This is how an HTTP adapter makes "client gone" different from "cancelled": the claimed
 /// execution, its handler and the storing of its outcome live in the detached future.
@@ -1122,10 +1132,20 @@ where
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let Some(fut) = self.fut.as_mut() else {
-            // Polled after completion: never ready again (as a fused future would be).
+            // Polled after completion (or after it panicked): never ready again (as a fused
+            // future would be).
             return Poll::Pending;
         };
-        let out = std::task::ready!(fut.as_mut().poll(cx));
+        // A future that panicked is spent: it is dropped here, so the drop that the unwind
+        // brings does not spawn it again (polled again it would only panic a second time).
+        let out = match std::panic::catch_unwind(AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => return Poll::Pending,
+            Ok(Poll::Ready(out)) => out,
+            Err(panic) => {
+                self.fut = None;
+                std::panic::resume_unwind(panic)
+            }
+        };
         self.fut = None;
         Poll::Ready(out)
     }

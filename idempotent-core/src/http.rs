@@ -355,7 +355,9 @@ impl<T: From<Config>> ConfigBuilder<T> {
     }
 
     /// Run handlers unprotected when the store fails (default: refuse with 503). Never
-    /// applies to transactional routes, whose transaction is on the store's database.
+    /// applies to transactional routes, whose transaction is on the store's database, nor to a
+    /// record the store cannot read ([`StoreError::Corrupt`](crate::StoreError::Corrupt)):
+    /// that request gets the 503.
     pub fn fail_open(mut self, on: bool) -> Self {
         self.config.fail_open = on;
         self

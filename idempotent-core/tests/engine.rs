@@ -446,3 +446,201 @@ async fn sweeper_purges_and_stops() {
     assert!(store.is_empty());
     sweeper.shutdown().await;
 }
+
+/// A memory store whose claims answer late (a slow network between the applied claim and its
+/// answer) or fail as corrupt, and which records when each lease extension arrives.
+struct Wrapped {
+    inner: MemoryStore,
+    claim_delay: Duration,
+    corrupt_claims: bool,
+    extends: std::sync::Mutex<Vec<tokio::time::Instant>>,
+}
+
+impl Wrapped {
+    fn new() -> Self {
+        Wrapped {
+            inner: MemoryStore::new(),
+            claim_delay: Duration::ZERO,
+            corrupt_claims: false,
+            extends: std::sync::Mutex::default(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Wrapped {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        if self.corrupt_claims {
+            return Err(StoreError::Corrupt("unreadable stored response".into()));
+        }
+        let outcome = self.inner.claim(req).await;
+        tokio::time::sleep(self.claim_delay).await;
+        outcome
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.complete(key, token, outcome, ttl).await
+    }
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        self.inner.release(key, token).await
+    }
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<std::time::SystemTime, StoreError> {
+        self.extends
+            .lock()
+            .unwrap()
+            .push(tokio::time::Instant::now());
+        self.inner.extend(key, token, lease).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        self.inner.delete(key, force).await
+    }
+}
+
+/// The store's lease starts somewhere during the claim's round trip, so the heartbeat's
+/// half-lease margin must count from the moment the claim was sent: counted from the answer,
+/// a claim whose answer took most of half a lease leaves the first extension until nearly the
+/// end of the lease the store started.
+#[tokio::test(start_paused = true)]
+async fn the_heartbeat_margin_counts_from_before_the_claim() {
+    let lease = Duration::from_secs(10);
+    let store = Arc::new(Wrapped {
+        claim_delay: Duration::from_secs(4),
+        ..Wrapped::new()
+    });
+    let engine = Engine::from_arc(store.clone());
+    let policy = Policy {
+        lease,
+        ..Policy::default()
+    };
+    let sent = tokio::time::Instant::now();
+    let Begin::Claimed(mut execution) =
+        engine.begin(request("a", "hb-margin", "{}"), &policy).await
+    else {
+        panic!("not claimed")
+    };
+    assert_eq!(
+        sent.elapsed(),
+        Duration::from_secs(4),
+        "the claim's round trip"
+    );
+    let _ = tokio::time::timeout(lease, execution.run(std::future::pending::<()>())).await;
+    let first = store.extends.lock().unwrap().first().copied();
+    let first = first.expect("the heartbeat extended the lease");
+    assert!(
+        first - sent <= lease / 2,
+        "first extension {:?} after the claim was sent, later than half the lease ({:?})",
+        first - sent,
+        lease / 2
+    );
+    assert!(matches!(execution.release().await, Recorded::Released));
+}
+
+/// Fail-open runs a handler unprotected when the store cannot answer; a record the store
+/// cannot decode is an answer (a record exists and may hold a finished outcome), so the
+/// request is refused like any failing store's, and the handler never runs.
+#[tokio::test]
+async fn fail_open_never_runs_a_handler_whose_record_is_corrupt() {
+    let engine = Engine::new(Wrapped {
+        corrupt_claims: true,
+        ..Wrapped::new()
+    });
+    let calls = AtomicUsize::new(0);
+    let open = Policy {
+        fail_open: true,
+        ..Policy::default()
+    };
+    let out = engine
+        .execute(request("a", "corrupt", "{}"), &open, || async {
+            calls.fetch_add(1, Ordering::SeqCst);
+            handled(201)
+        })
+        .await;
+    assert!(
+        matches!(out, Outcome::StoreUnavailable(StoreError::Corrupt(_))),
+        "{out:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler ran");
+}
+
+/// A handler panic under a [`Detached`] execution (how the adapters run one) is reported once:
+/// the detached future that unwound must not be spawned again when it is dropped, where it
+/// would panic a second time ("`async fn` resumed after panicking").
+#[test]
+fn a_handler_panic_is_reported_once() {
+    const THREAD: &str = "a-handler-panic-is-reported-once";
+    let panics = Arc::new(AtomicUsize::new(0));
+    let previous = std::panic::take_hook();
+    {
+        let panics = Arc::clone(&panics);
+        std::panic::set_hook(Box::new(move |info| {
+            if std::thread::current().name() == Some(THREAD) {
+                panics.fetch_add(1, Ordering::SeqCst);
+            }
+            previous(info);
+        }));
+    }
+    let store = MemoryStore::new();
+    let engine = Engine::new(store.clone());
+    std::thread::Builder::new()
+        .name(THREAD.into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let task = tokio::spawn(Detached::new(async move {
+                    let begin = engine
+                        .begin(request("a", "detached-boom", "{}"), &Policy::default())
+                        .await;
+                    let Begin::Claimed(mut execution) = begin else {
+                        unreachable!("not claimed: {begin:?}")
+                    };
+                    let ran = execution
+                        .run(async {
+                            if true {
+                                panic!("handler exploded");
+                            }
+                            handled(200)
+                        })
+                        .await;
+                    match ran {
+                        Ok(handled) => execution.finish(handled.record).await,
+                        Err(panic) => {
+                            execution.release().await;
+                            std::panic::resume_unwind(panic)
+                        }
+                    }
+                }));
+                assert!(task.await.unwrap_err().is_panic());
+                // Whatever the unwind left to run gets its turn.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            });
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    assert_eq!(panics.load(Ordering::SeqCst), 1, "panics reported");
+    let left = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(store.get(&record_key("a", "detached-boom")))
+        .unwrap();
+    assert_eq!(left, None, "key released");
+}

@@ -108,9 +108,13 @@ pub async fn in_progress_reports_retry_after(f: &impl Fixture) {
     let key = unique_key("busy");
     claimed(claim(&*store, &key, &fp("a"), f.lease(), TTL).await);
     match claim(&*store, &key, &fp("a"), f.lease(), TTL).await {
-        ClaimOutcome::InProgress { retry_after } => {
-            assert!(retry_after <= f.lease(), "{retry_after:?}");
-        }
+        // The lease was just taken: some of it is left (0 would tell a client to retry at
+        // once, into another 409), and never more than the lease.
+        ClaimOutcome::InProgress { retry_after } => assert!(
+            retry_after > Duration::ZERO && retry_after <= f.lease(),
+            "retry_after {retry_after:?} outside (0, {:?}] for a live lease",
+            f.lease()
+        ),
         other => panic!("expected InProgress, got {other:?}"),
     }
 }

@@ -9,13 +9,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 /// Wraps a real store; counts claims, completes and releases, can delay the answer of claims,
-/// and makes the next `fail_completes` completes fail with [`StoreError::Unavailable`] before
-/// they reach the store (`usize::MAX`: all of them). [`FaultyStore::injected`] says how many
-/// it failed.
+/// and makes the next `fail_claims` claims and the next `fail_completes` completes fail with
+/// [`StoreError::Unavailable`] before they reach the store (`usize::MAX`: all of them).
+/// [`FaultyStore::injected`] says how many it failed.
 pub struct FaultyStore {
     inner: Arc<dyn Store>,
     claim_delay_ms: AtomicUsize,
     extend_delay_ms: AtomicUsize,
+    fail_claims: AtomicUsize,
     fail_completes: AtomicUsize,
     injected: AtomicUsize,
     claims: AtomicUsize,
@@ -36,6 +37,7 @@ impl FaultyStore {
             inner: Arc::new(inner),
             claim_delay_ms: AtomicUsize::new(0),
             extend_delay_ms: AtomicUsize::new(0),
+            fail_claims: AtomicUsize::new(0),
             fail_completes: AtomicUsize::new(0),
             injected: AtomicUsize::new(0),
             claims: AtomicUsize::new(0),
@@ -43,6 +45,11 @@ impl FaultyStore {
             releases: AtomicUsize::new(0),
             purges: AtomicUsize::new(0),
         })
+    }
+
+    /// Fails the next `n` claims (`usize::MAX`: every one from now on; 0: none).
+    pub fn fail_next_claims(&self, n: usize) {
+        self.fail_claims.store(n, Ordering::SeqCst);
     }
 
     /// Fails the next `n` completes (`usize::MAX`: every one from now on).
@@ -93,10 +100,25 @@ impl FaultyStore {
     }
 }
 
+/// Takes one failure from `budget` (`usize::MAX` never runs out); whether there was one.
+fn take_one(budget: &AtomicUsize) -> bool {
+    budget
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
+            0 => None,
+            usize::MAX => Some(usize::MAX),
+            n => Some(n - 1),
+        })
+        .is_ok()
+}
+
 #[async_trait::async_trait]
 impl Store for FaultyStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         self.claims.fetch_add(1, Ordering::SeqCst);
+        if take_one(&self.fail_claims) {
+            self.injected.fetch_add(1, Ordering::SeqCst);
+            return Err(StoreError::unavailable(Injected));
+        }
         let outcome = self.inner.claim(req).await;
         let delay = self.claim_delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
@@ -113,15 +135,7 @@ impl Store for FaultyStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         self.completes.fetch_add(1, Ordering::SeqCst);
-        let fail = self
-            .fail_completes
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
-                0 => None,
-                usize::MAX => Some(usize::MAX),
-                n => Some(n - 1),
-            })
-            .is_ok();
-        if fail {
+        if take_one(&self.fail_completes) {
             self.injected.fetch_add(1, Ordering::SeqCst);
             return Err(StoreError::unavailable(Injected));
         }

@@ -231,20 +231,29 @@ impl Store for Down {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_outcome_and_event_is_traced_and_counted() {
+    // Every claim answers 40 ms late, so the claim's time in a span has a known floor.
+    const CLAIM_DELAY: Duration = Duration::from_millis(40);
     let o = Observed::install();
-    let engine = Engine::new(MemoryStore::new());
+    let slow = FaultyStore::new(MemoryStore::new());
+    slow.delay_claims(CLAIM_DELAY);
+    let engine = Engine::from_arc(slow);
 
     // executed, then replayed: one span each, with the key hashed and the claim timed.
     let p = policy("obs_basic");
+    let mut requests_took = Vec::new();
+    let started = std::time::Instant::now();
     let first = engine.execute(request("acct", "k1", "a"), &p, || async { handled(201) });
     assert!(matches!(first.await, Outcome::Executed { .. }));
+    requests_took.push(started.elapsed());
+    let started = std::time::Instant::now();
     let replay = engine.execute(request("acct", "k1", "a"), &p, || async { handled(201) });
     assert!(matches!(replay.await, Outcome::Replayed(_)));
+    requests_took.push(started.elapsed());
     assert_eq!(o.outcomes("obs_basic", "executed"), 1.0);
     assert_eq!(o.outcomes("obs_basic", "replayed"), 1.0);
     let spans = o.spans("obs_basic");
     assert_eq!(spans.len(), 2, "{spans:?}");
-    for span in &spans {
+    for (span, took) in spans.iter().zip(&requests_took) {
         let key = &span.0["key"];
         assert_eq!(key.len(), 16, "{span:?}");
         assert!(key.bytes().all(|b| b.is_ascii_hexdigit()));
@@ -255,7 +264,14 @@ async fn every_outcome_and_event_is_traced_and_counted() {
                 .any(|v| v.contains("k1") || v.contains("acct")),
             "{span:?}"
         );
-        assert!(span.0["store_ms"].parse::<f64>().unwrap() >= 0.0);
+        // The claim's time, in milliseconds: at least the store's delay, at most the whole
+        // request.
+        let store_ms = span.0["store_ms"].parse::<f64>().unwrap();
+        let (floor, ceiling) = (CLAIM_DELAY.as_secs_f64() * 1e3, took.as_secs_f64() * 1e3);
+        assert!(
+            (floor..=ceiling).contains(&store_ms),
+            "store_ms {store_ms} outside [{floor}, {ceiling}]: {span:?}"
+        );
     }
     assert_eq!(spans[0].0["key"], spans[1].0["key"], "one record, one hash");
     assert_eq!(spans[0].0["outcome"], "executed");

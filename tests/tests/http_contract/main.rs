@@ -839,7 +839,28 @@ async fn transactional_routes_on_postgres(fw: Fw) {
 }
 
 async fn failing_store_answers_503_and_never_runs_the_handler(fw: Fw) {
-    // A store that cannot hold a single record fails every claim.
+    // Every claim fails as a store that cannot be reached does.
+    let store = FaultyStore::new(MemoryStore::new());
+    store.fail_next_claims(usize::MAX);
+    let s = serve(fw, config(store.clone())).await;
+    let charge = || s.post("/v1/charges", "acct_a", Some("k"), r#"{"amount": 1}"#);
+    let res = charge().send().await.unwrap();
+    assert_eq!(res.status(), 503, "with the store down");
+    assert_eq!(res.headers()["retry-after"], "1");
+    problem(res, 503, "idempotency-store-unavailable").await;
+    assert_eq!(store.injected(), 1, "the claim reached the failing store");
+    assert_eq!(s.runs(), 0, "the handler ran with the store down");
+    // Once the store answers again, the key was never recorded: the retry runs, once.
+    store.fail_next_claims(0);
+    let res = charge().send().await.unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(res.headers()["idempotent-replayed"], "false");
+    assert_eq!(s.runs(), 1);
+}
+
+/// A store at its total bound refuses new keys with 503 (no record, so a retry may run once
+/// space frees); the handler does not run.
+async fn a_full_store_answers_503_and_never_runs_the_handler(fw: Fw) {
     let s = serve(fw, config(MemoryStore::builder().max_entries(0).build())).await;
     let res = s
         .post("/v1/charges", "acct_a", Some("k"), r#"{"amount": 1}"#)
@@ -849,7 +870,6 @@ async fn failing_store_answers_503_and_never_runs_the_handler(fw: Fw) {
     assert_eq!(res.headers()["retry-after"], "1");
     problem(res, 503, "idempotency-store-unavailable").await;
     assert_eq!(s.runs(), 0);
-    let _ = MemoryStore::new().purge_expired(1).await; // Store is in scope for users
 }
 
 /// Database errors, table names and SQL go to the log, never into a problem body.
@@ -1316,6 +1336,7 @@ on_both!(
     )]
     transactional_routes_on_postgres,
     failing_store_answers_503_and_never_runs_the_handler,
+    a_full_store_answers_503_and_never_runs_the_handler,
     problems_carry_no_internals,
     oversized_responses_optional_keys_and_request_limits,
     missing_middleware_is_a_clear_500,
