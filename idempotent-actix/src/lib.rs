@@ -35,7 +35,10 @@
 //! configuration ([`Idempotency`]: store, default ttl and lease, size limits); each
 //! `#[idempotent]` handler then checks the key, reads the body for the fingerprint (handing
 //! the same bytes on to `web::Json`, `web::Form` or `Bytes`, whose own limits keep working),
-//! claims the record and runs, replays or refuses. The execution runs as a task of its own on
+//! claims the record and runs, replays or refuses. A body with a `Content-Encoding` is
+//! fingerprinted decoded, as actix-web's extractors decode it, with the size limit on the
+//! decoded bytes (features `compress-gzip`, `compress-brotli`, `compress-zstd`, on by default
+//! as in actix-web: keep them in step with actix-web's). The execution runs as a task of its own on
 //! the worker's runtime, so a client that goes away does not stop it. At shutdown, build the
 //! server with `.disable_signals()` and call [`Idempotency::stop_server`] from your signal
 //! handler: it stops accepting, drains, then stops the workers. (Actix's own stop drops the
@@ -124,7 +127,8 @@
 //!
 //! # The attribute
 //! With `key_from = "msg.id"` it makes an idempotent *function* instead of a handler (a queue
-//! consumer's, say): see `idempotent_core::call`. See [`idempotent`] for its arguments, what it checks at compile time and the code it
+//! consumer's, say), which must carry a stable `name = "…"`: the identity of its records and
+//! derived keys, kept when the function moves or is renamed (see `idempotent_core::call`). See [`idempotent`] for its arguments, what it checks at compile time and the code it
 //! generates; it is the same attribute as the Axum adapter's, with the same arguments and
 //! semantics. With actix's route macros, either order works: `#[post("/x")]` above
 //! `#[idempotent(..)]` or below it. Plain functions work with
@@ -139,6 +143,9 @@
 //! reused for another request, 503 store unavailable (with `Retry-After`). GET, HEAD and
 //! OPTIONS ignore the key and run the handler.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// The workspace denies unsafe code (one test allows it, to count allocations); the published
+// crates forbid it outright.
+#![forbid(unsafe_code)]
 
 mod config;
 mod middleware;

@@ -121,35 +121,90 @@ where
         ) {
             return refuse(ProblemError::new(*p));
         }
-        let mut original = payload.take();
+        let original = payload.take();
         let timeout = config.config.request_body_timeout();
         Box::pin(async move {
             let read = async {
-                let mut body = actix_web::web::BytesMut::new();
-                while let Some(chunk) = original.next().await {
-                    let Ok(chunk) = chunk else {
-                        return Err(Problem::request_body_invalid());
-                    };
-                    if body.len() + chunk.len() > limit {
-                        return Err(Problem::request_too_large(limit));
-                    }
-                    body.extend_from_slice(&chunk);
-                }
-                Ok(body.freeze())
+                let raw = read_limited(original, limit).await?;
+                let decoded = decoded(&raw, ready.req.headers(), limit).await?;
+                Ok((raw, decoded))
             };
-            ready.body = match tokio::time::timeout(timeout, read).await {
-                Ok(Ok(body)) => body,
+            let raw;
+            (raw, ready.body) = match tokio::time::timeout(timeout, read).await {
+                Ok(Ok(read)) => read,
                 Ok(Err(p)) => return Err(ProblemError::new(p).into()),
                 Err(_) => return Err(ProblemError::new(Problem::request_timeout(timeout)).into()),
             };
-            // The handler's extractors read the same bytes (with their own limits).
-            let mut replay = Payload::from(ready.body.clone());
+            // The handler's extractors read the same bytes as sent (they decode them as
+            // they would without us), with their own limits.
+            let mut replay = Payload::from(raw);
             let args = A::from_request(&ready.req, &mut replay)
                 .await
                 .map_err(Into::into)?;
             Ok(Context { ready, args })
         })
     }
+}
+
+/// The whole of `body`, at most `limit` bytes: 413 past it, 400 for a broken stream.
+async fn read_limited<E>(
+    body: impl futures_core::Stream<Item = Result<Bytes, E>>,
+    limit: usize,
+) -> Result<Bytes, Problem> {
+    let mut body = std::pin::pin!(body);
+    let mut read = actix_web::web::BytesMut::new();
+    while let Some(chunk) = body.next().await {
+        let Ok(chunk) = chunk else {
+            return Err(Problem::request_body_invalid());
+        };
+        if read.len() + chunk.len() > limit {
+            return Err(Problem::request_too_large(limit));
+        }
+        read.extend_from_slice(&chunk);
+    }
+    Ok(read.freeze())
+}
+
+/// The body the request means: `raw` decoded by its `Content-Encoding` (gzip, br, zstd,
+/// deflate) as actix-web's own extractors decode it, so a compressor's incidental bytes (a
+/// gzip timestamp) never change the fingerprint. The limit applies to the decoded bytes too;
+/// a body that does not decode is 400. Unknown encodings are left as they are, as actix-web
+/// leaves them.
+#[cfg(any(
+    feature = "compress-gzip",
+    feature = "compress-brotli",
+    feature = "compress-zstd"
+))]
+async fn decoded(
+    raw: &Bytes,
+    headers: &actix_web::http::header::HeaderMap,
+    limit: usize,
+) -> Result<Bytes, Problem> {
+    if !headers.contains_key(header::CONTENT_ENCODING) {
+        return Ok(raw.clone());
+    }
+    let sent =
+        futures_util::stream::once(ready(Ok::<_, actix_web::error::PayloadError>(raw.clone())));
+    read_limited(
+        actix_web::dev::Decompress::from_headers(sent, headers),
+        limit,
+    )
+    .await
+}
+
+/// Without actix-web's compression features its extractors do not decode bodies, so neither
+/// does the fingerprint.
+#[cfg(not(any(
+    feature = "compress-gzip",
+    feature = "compress-brotli",
+    feature = "compress-zstd"
+)))]
+async fn decoded(
+    raw: &Bytes,
+    _headers: &actix_web::http::header::HeaderMap,
+    _limit: usize,
+) -> Result<Bytes, Problem> {
+    Ok(raw.clone())
 }
 
 /// The handler's own extractors on the request's payload, untouched.
@@ -170,14 +225,15 @@ fn refuse<T: 'static>(
     Box::pin(ready(Err(error.into())))
 }
 
-/// The engine's view of the request: scope, key and fingerprint.
-fn execute_request(
+/// The engine's view of the request: scope, key and fingerprint (a large body's off the
+/// async worker).
+async fn execute_request(
     req: &HttpRequest,
     key: Result<IdempotencyKey, KeyError>,
-    body: &[u8],
+    body: Bytes,
     scope: Result<Scope, ScopeError>,
 ) -> Result<ExecuteRequest, ScopeError> {
-    let pattern = req.match_pattern();
+    let scope = scope?;
     let head = RequestHead {
         method: req.method().as_str(),
         path: req.path(),
@@ -186,11 +242,10 @@ fn execute_request(
             .headers()
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok()),
-        route: Some(pattern.as_deref().unwrap_or(req.path())),
     };
     Ok(ExecuteRequest {
-        scope: scope?,
-        fingerprint: head.fingerprint(body),
+        scope,
+        fingerprint: head.fingerprint_async(body).await,
         key,
     })
 }
@@ -255,7 +310,7 @@ where
         // `resolve` logged what does not fit, naming the route.
         return problem(&Problem::misconfigured());
     };
-    let request = match execute_request(&req, ctx.key, &ctx.body, scope) {
+    let request = match execute_request(&req, ctx.key, ctx.body, scope).await {
         Ok(request) => request,
         Err(e) => return problem(&Problem::scope(&e)),
     };
@@ -322,7 +377,7 @@ where
     let request = if is_safe_method(req.method().as_str()) || ctx.key.is_err() {
         None
     } else {
-        match execute_request(&req, ctx.key, &ctx.body, scope) {
+        match execute_request(&req, ctx.key, ctx.body, scope).await {
             Ok(request) => Some(request),
             Err(e) => return problem(&Problem::scope(&e)),
         }

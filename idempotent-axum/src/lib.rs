@@ -35,7 +35,10 @@
 //! Wiring is one line: `.layer(idempotency.layer())`. The layer installs the configuration
 //! ([`Idempotency`]: store, default ttl and lease, size limits); each `#[idempotent]` handler
 //! then checks the key, reads the body for the fingerprint (leaving it for your extractors),
-//! claims the record and runs, replays or refuses. At shutdown, call
+//! claims the record and runs, replays or refuses. The fingerprint covers the body as this
+//! layer receives it: for compressed request bodies, add tower-http's
+//! `RequestDecompressionLayer` outside it (after it, in `.layer` order), so a retry whose
+//! compressor wrote other bytes for the same content still matches. At shutdown, call
 //! [`Idempotency::drain`] after the server stops: handlers whose clients went away keep
 //! running and store their responses.
 //!
@@ -121,7 +124,8 @@
 //!
 //! # The attribute
 //! With `key_from = "msg.id"` it makes an idempotent *function* instead of a handler (a queue
-//! consumer's, say): see `idempotent_core::call`. See [`idempotent`] for its arguments, what it checks at compile time and the code it
+//! consumer's, say), which must carry a stable `name = "…"`: the identity of its records and
+//! derived keys, kept when the function moves or is renamed (see `idempotent_core::call`). See [`idempotent`] for its arguments, what it checks at compile time and the code it
 //! generates.
 //!
 //! # Responses
@@ -133,6 +137,9 @@
 //! limit, 422 key reused for another request, 503 store unavailable (with `Retry-After`). GET,
 //! HEAD and OPTIONS ignore the key and run the handler.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// The workspace denies unsafe code (one test allows it, to count allocations); the published
+// crates forbid it outright.
+#![forbid(unsafe_code)]
 
 mod config;
 mod layer;

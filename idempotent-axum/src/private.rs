@@ -147,24 +147,19 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
 }
 
 impl<const REQUIRED: bool> Context<REQUIRED> {
-    /// The engine's view of the request: scope, key and fingerprint.
-    fn request(self, scope: Result<Scope, ScopeError>) -> Result<ExecuteRequest, ScopeError> {
+    /// The engine's view of the request: scope, key and fingerprint (a large body's off the
+    /// async worker).
+    async fn request(self, scope: Result<Scope, ScopeError>) -> Result<ExecuteRequest, ScopeError> {
         let scope = scope?;
         let head = RequestHead {
             method: self.method.as_str(),
             path: self.uri.path(),
             query: self.uri.query(),
             content_type: self.content_type.as_ref().and_then(|v| v.to_str().ok()),
-            // Version 1 hashed the matched template, or the path where there was none.
-            route: Some(
-                self.route
-                    .as_ref()
-                    .map_or(self.uri.path(), MatchedPath::as_str),
-            ),
         };
         Ok(ExecuteRequest {
             scope,
-            fingerprint: head.fingerprint(&self.body),
+            fingerprint: head.fingerprint_async(self.body.clone()).await,
             key: self.key,
         })
     }
@@ -227,7 +222,7 @@ where
     };
     let engine = config.engine().clone();
     let max_response = resolved.max_response;
-    let request = match ctx.request(scope) {
+    let request = match ctx.request(scope).await {
         Ok(request) => request,
         Err(e) => return problem(&Problem::scope(&e)),
     };
@@ -280,7 +275,7 @@ where
     let request = if is_safe_method(ctx.method.as_str()) || ctx.key.is_err() {
         None
     } else {
-        match ctx.request(scope) {
+        match ctx.request(scope).await {
             Ok(request) => Some(request),
             Err(e) => return problem(&Problem::scope(&e)),
         }

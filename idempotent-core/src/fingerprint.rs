@@ -1,7 +1,7 @@
 //! Request fingerprints: what makes two requests "the same request".
 
+use crate::jcs::Offset;
 use sha2::{Digest, Sha256};
-use std::borrow::Cow;
 use std::fmt;
 
 /// SHA-256 over a request's method, concrete path, query, body media type and (canonicalised)
@@ -18,36 +18,24 @@ use std::fmt;
 /// name, which keeps the order of a repeated field's values (`a=1&a=2` differs from
 /// `a=2&a=1`); other bodies, and JSON that does not parse, hash raw.
 ///
+/// # Cost
+/// Time is linear in the body (plus the sort of out-of-order form fields or JSON members), and
+/// the working memory a small multiple of it, whatever its shape: a form is hashed as it is
+/// written in canonical order, from a list of 4-byte offsets into the body (8-byte above
+/// 4 GiB), never from a copy; JSON is written once in canonical form (see [`canonical_json`]).
+/// Both stay within 4 times the body (`tests/alloc_bounds.rs` checks hostile shapes up to
+/// 2 MiB). Large bodies are best fingerprinted off the async workers:
+/// [`RequestHead::fingerprint_async`](crate::http::RequestHead::fingerprint_async).
+///
 /// # Versions
 /// Every fingerprint carries the [version](Fingerprint::version) of the recipe that made it
-/// ([`Fingerprint::VERSION`] for new ones), and stores keep it with the record. A stored
-/// fingerprint is compared under its own version: a request fingerprinted with
-/// [`Fingerprint::compute_with_route`] also carries its version-1 digest (which hashed the
-/// route template instead of the path), so records written before the upgrade still replay
-/// for the same request and still refuse a different one. A stored version the server cannot
-/// recompute (a newer release's) is never assumed to match: it is a mismatch (422).
-#[derive(Clone, Copy)]
+/// ([`Fingerprint::VERSION`]), and stores keep it with the record. A stored fingerprint of
+/// another version (one this release does not compute, older or newer) never matches a
+/// request: the record is a mismatch (422), never a replay.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint {
     version: u8,
     digest: [u8; 32],
-    /// The same request under version 1, when the route template was known.
-    v1: Option<[u8; 32]>,
-}
-
-/// Equal when version and digest are: the version-1 companion is not part of the identity.
-impl PartialEq for Fingerprint {
-    fn eq(&self, other: &Self) -> bool {
-        self.version == other.version && self.digest == other.digest
-    }
-}
-
-impl Eq for Fingerprint {}
-
-impl std::hash::Hash for Fingerprint {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.version.hash(state);
-        self.digest.hash(state);
-    }
 }
 
 /// The parts of a request that go into its [`Fingerprint`].
@@ -79,81 +67,59 @@ pub enum BodyKind {
 }
 
 impl Fingerprint {
-    /// The version of the recipe [`Fingerprint::compute`] uses (2: the concrete path; 1 hashed
-    /// the route template).
+    /// The version of the recipe [`Fingerprint::compute`] uses.
     pub const VERSION: u8 = 2;
 
     /// Computes the fingerprint of a request. Never fails: bodies that do not parse as their
     /// media type are hashed raw.
     pub fn compute(input: &FingerprintInput<'_>) -> Self {
-        Self::compute_versions(input, None)
-    }
-
-    /// [`Fingerprint::compute`], plus the request's version-1 digest over `route`, the matched
-    /// route template, so that records written by version 1 are compared as version 1 compared
-    /// them instead of being refused after an upgrade. Only for templates without parameters
-    /// (`/v1/charges`): version 1 could not tell `/orders/1/refund` from `/orders/2/refund`,
-    /// so its records on parameterised routes cannot be matched safely and stay mismatches.
-    ///
-    /// ```
-    /// use idempotent_core::{Fingerprint, FingerprintInput};
-    /// let input = |path| FingerprintInput {
-    ///     method: "POST", path, query: None, content_type: None, body: b"",
-    /// };
-    /// let request = Fingerprint::compute_with_route(&input("/v1/charges"), "/v1/charges");
-    /// assert_eq!(request, Fingerprint::compute(&input("/v1/charges")));
-    /// let stored_by_v1 = request.legacy().expect("version 1 digest");
-    /// assert_eq!(stored_by_v1.version(), 1);
-    /// assert!(request.matches_stored(&stored_by_v1));
-    /// let refund = Fingerprint::compute_with_route(&input("/orders/1/refund"), "/orders/{id}/refund");
-    /// assert_eq!(refund.legacy(), None);
-    /// ```
-    pub fn compute_with_route(input: &FingerprintInput<'_>, route: &str) -> Self {
-        Self::compute_versions(input, Some(route).filter(|r| !r.contains('{')))
-    }
-
-    /// The current fingerprint, and the version-1 digest over `v1_route` if given. The body is
-    /// canonicalised once: version 1 treated everything but forms the same way.
-    fn compute_versions(input: &FingerprintInput<'_>, v1_route: Option<&str>) -> Self {
         let media = media_type(input.content_type);
-        let (kind, body) = canonical_body(&media, input.body, canonical_form);
-        let digest_of =
-            |tag: &[u8], path: &str, body: &[u8]| digest(tag, input, path, &media, kind, body);
+        let mut h = Sha256::new();
+        h.update(b"idempotent-fingerprint-v2");
+        field(&mut h, input.method.to_ascii_uppercase().as_bytes());
+        field(&mut h, input.path.as_bytes());
+        match input.query {
+            Some(q) => field(&mut h, q.as_bytes()),
+            None => h.update([0xff]),
+        }
+        field(&mut h, media.as_bytes());
+        let body = input.body;
+        let json = if is_json(&media) {
+            canonical_json(body)
+        } else {
+            None
+        };
+        if let Some(canon) = json {
+            h.update([b'j']);
+            field(&mut h, &canon);
+        } else if media == "application/x-www-form-urlencoded" {
+            h.update([b'f']);
+            // The canonical form is never built: its length, then its bytes in order, go
+            // straight into the hash.
+            if u32::try_from(body.len()).is_ok() {
+                hash_form(&mut h, body, &form_order::<u32>(body));
+            } else {
+                hash_form(&mut h, body, &form_order::<usize>(body));
+            }
+        } else {
+            h.update([b'r']);
+            field(&mut h, body);
+        }
         Fingerprint {
             version: Self::VERSION,
-            digest: digest_of(b"idempotent-fingerprint-v2", input.path, &body),
-            v1: v1_route.map(|route| {
-                if kind == BodyKind::Form {
-                    digest_of(
-                        b"idempotent-fingerprint-v1",
-                        route,
-                        &canonical_form_v1(input.body),
-                    )
-                } else {
-                    digest_of(b"idempotent-fingerprint-v1", route, &body)
-                }
-            }),
+            digest: h.finalize().into(),
         }
-    }
-
-    /// The request's version-1 fingerprint, when it was computed
-    /// ([`Fingerprint::compute_with_route`]).
-    pub fn legacy(&self) -> Option<Fingerprint> {
-        self.v1.map(|digest| Fingerprint::from_parts(1, digest))
     }
 
     /// A fingerprint from its version and digest.
     pub fn from_parts(version: u8, digest: [u8; 32]) -> Self {
-        Fingerprint {
-            version,
-            digest,
-            v1: None,
-        }
+        Fingerprint { version, digest }
     }
 
     /// Rebuilds a fingerprint from its stored form ([`Fingerprint::to_stored`]): a version byte
-    /// followed by the 32-byte digest, or 32 bytes alone for a version-1 record. `None` for
-    /// anything else.
+    /// followed by the 32-byte digest. 32 bytes alone (the layout of version 1, which no
+    /// release shipped) read as a version-1 fingerprint, which matches no request. `None`
+    /// for anything else.
     ///
     /// ```
     /// use idempotent_core::{Fingerprint, FingerprintInput};
@@ -161,7 +127,8 @@ impl Fingerprint {
     ///     method: "POST", path: "/v1/charges", query: None, content_type: None, body: b"",
     /// });
     /// assert_eq!(Fingerprint::from_stored(&fp.to_stored()), Some(fp));
-    /// assert_eq!(Fingerprint::from_stored(&[0; 32]).map(|f| f.version()), Some(1));
+    /// let old = Fingerprint::from_stored(&[0; 32]).expect("32 bytes");
+    /// assert!(old.version() == 1 && !fp.matches_stored(&old));
     /// assert_eq!(Fingerprint::from_stored(b"short"), None);
     /// ```
     pub fn from_stored(bytes: &[u8]) -> Option<Self> {
@@ -193,27 +160,20 @@ impl Fingerprint {
         &self.digest
     }
 
-    /// Whether a record whose stored fingerprint is `stored` belongs to this request: compared
-    /// under the stored version (this version's digest, or the version-1 digest when this
-    /// request carries one); a version this request cannot be compared under is not a match.
+    /// Whether a record whose stored fingerprint is `stored` belongs to this request: the same
+    /// version and digest. A stored fingerprint of another version is never a match.
     ///
     /// ```
     /// use idempotent_core::Fingerprint;
     /// let request = Fingerprint::from_parts(2, [1; 32]);
     /// assert!(request.matches_stored(&Fingerprint::from_parts(2, [1; 32])));
     /// assert!(!request.matches_stored(&Fingerprint::from_parts(2, [2; 32])));
-    /// // No version-1 digest to compare with, or a version this release does not know.
+    /// // A version this release does not compute, older or newer.
     /// assert!(!request.matches_stored(&Fingerprint::from_parts(1, [1; 32])));
     /// assert!(!request.matches_stored(&Fingerprint::from_parts(9, [1; 32])));
     /// ```
     pub fn matches_stored(&self, stored: &Fingerprint) -> bool {
-        if stored.version == self.version {
-            stored.digest == self.digest
-        } else if stored.version == 1 {
-            self.v1 == Some(stored.digest)
-        } else {
-            false
-        }
+        stored == self
     }
 
     /// Lower-case hex of the digest.
@@ -239,34 +199,7 @@ impl fmt::Display for Fingerprint {
     }
 }
 
-/// SHA-256 over the tagged, length-prefixed fields (`path` is the path as received, or the
-/// route template for version 1).
-fn digest(
-    tag: &[u8],
-    input: &FingerprintInput<'_>,
-    path: &str,
-    media: &str,
-    kind: BodyKind,
-    body: &[u8],
-) -> [u8; 32] {
-    let mut h = Sha256::new();
-    h.update(tag);
-    field(&mut h, input.method.to_ascii_uppercase().as_bytes());
-    field(&mut h, path.as_bytes());
-    match input.query {
-        Some(q) => field(&mut h, q.as_bytes()),
-        None => h.update([0xff]),
-    }
-    field(&mut h, media.as_bytes());
-    h.update([match kind {
-        BodyKind::Json => b'j',
-        BodyKind::Form => b'f',
-        BodyKind::Raw => b'r',
-    }]);
-    field(&mut h, body);
-    h.finalize().into()
-}
-
+/// A length-prefixed field.
 fn field(h: &mut Sha256, bytes: &[u8]) {
     h.update((bytes.len() as u64).to_be_bytes());
     h.update(bytes);
@@ -284,21 +217,6 @@ fn is_json(media: &str) -> bool {
     media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
 }
 
-fn canonical_body<'b>(
-    media: &str,
-    body: &'b [u8],
-    form: fn(&[u8]) -> Vec<u8>,
-) -> (BodyKind, Cow<'b, [u8]>) {
-    if is_json(media) {
-        if let Some(canon) = canonical_json(body) {
-            return (BodyKind::Json, Cow::Owned(canon));
-        }
-    } else if media == "application/x-www-form-urlencoded" {
-        return (BodyKind::Form, Cow::Owned(form(body)));
-    }
-    (BodyKind::Raw, Cow::Borrowed(body))
-}
-
 /// RFC 8785 (JCS) canonical form of a JSON text, or `None` when it does not parse.
 ///
 /// Numbers are IEEE 754 doubles, as JCS requires (integers beyond ±2^53 become the nearest
@@ -306,6 +224,9 @@ fn canonical_body<'b>(
 /// nested deeper than 127 arrays and objects, numbers that overflow a double, lone
 /// surrogates and anything else `serde_json` refuses are not JSON. Written in one pass
 /// without building a tree, and tested byte for byte against `serde_jcs` as the oracle.
+///
+/// Working memory, beyond the canonical text it returns: 4 bytes per member of the objects
+/// still open (8 above 512 MiB), and one copy of an object whose members must be reordered.
 ///
 /// ```
 /// use idempotent_core::canonical_json;
@@ -325,109 +246,157 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 /// `a=2&a=1`: many servers read repeated fields as an ordered list). Names and values are
 /// compared as the bytes they decode to, so bodies that differ only in bytes that are not
 /// UTF-8 stay different; empty segments (`a=1&&b=2`) are dropped.
+///
+/// Working memory, beyond the canonical text it returns: 4 bytes per field (8 above 4 GiB).
+///
+/// ```
+/// use idempotent_core::canonical_form;
+/// assert_eq!(canonical_form(b"b=2&a=%41+b&&c"), b"a=A+b&b=2&c=");
+/// assert_eq!(canonical_form(b"a=2&z&a=1"), b"a=2&a=1&z=");
+/// ```
 pub fn canonical_form(body: &[u8]) -> Vec<u8> {
-    /// One field. Its name as decoded is `decoded[name.0..name.1]`, or `body[..]` when
-    /// `name_in_body`; `prefix` is that name's first 8 bytes, big-endian, zero-padded, which
-    /// decides most comparisons without touching the bytes. When the segment is already in
-    /// canonical encoding (`raw`), it is copied as it is; otherwise the decoded value
-    /// (`decoded[name.1..value_end]`) is encoded again.
-    struct Pair<'b> {
-        prefix: u64,
-        name: (usize, usize),
-        name_in_body: bool,
-        value_end: usize,
-        raw: Option<(&'b [u8], bool)>,
+    fn build<O: Offset>(body: &[u8]) -> Vec<u8> {
+        let order = form_order::<O>(body);
+        let mut out = Vec::with_capacity(usize::try_from(form_len(body)).unwrap_or(0));
+        write_form(&mut out, body, &order);
+        out
     }
-    let mut decoded = Vec::new();
-    let mut pairs = Vec::new();
-    for segment in body.split(|b| *b == b'&').filter(|s| !s.is_empty()) {
-        let scan = scan_form_segment(segment);
-        let (name, value) = match scan.eq {
-            Some(i) => (&segment[..i], &segment[i + 1..]),
-            None => (segment, &b""[..]),
-        };
-        let offset = name.as_ptr() as usize - body.as_ptr() as usize;
-        let (name_at, name_in_body) = if scan.name_plain {
-            ((offset, offset + name.len()), true)
-        } else {
-            let start = decoded.len();
-            form_decode_into(&mut decoded, name);
-            ((start, decoded.len()), false)
-        };
-        let value_end = if scan.canonical {
-            name_at.1
-        } else {
-            if name_in_body {
-                decoded.extend_from_slice(name);
+    if u32::try_from(body.len()).is_ok() {
+        build::<u32>(body)
+    } else {
+        build::<usize>(body)
+    }
+}
+
+/// Where canonical form bytes go: a buffer, a hash, or a count.
+trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+/// Counts the bytes it is given.
+struct Count(u64);
+
+impl Sink for Count {
+    fn put(&mut self, bytes: &[u8]) {
+        self.0 += bytes.len() as u64;
+    }
+}
+
+/// Feeds a hash through a buffer, so the many short writes (a `=`, an escape) do not each
+/// cost a call into the hash.
+struct Hashing<'h> {
+    hash: &'h mut Sha256,
+    buf: [u8; 4096],
+    len: usize,
+}
+
+impl Hashing<'_> {
+    fn flush(&mut self) {
+        self.hash.update(&self.buf[..self.len]);
+        self.len = 0;
+    }
+}
+
+impl Sink for Hashing<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        if self.len + bytes.len() > self.buf.len() {
+            self.flush();
+            if bytes.len() > self.buf.len() {
+                self.hash.update(bytes);
+                return;
             }
-            let mid = decoded.len();
-            form_decode_into(&mut decoded, value);
-            let end = decoded.len();
-            pairs.push(Pair {
-                prefix: 0,
-                name: (mid - (name_at.1 - name_at.0), mid),
-                name_in_body: false,
-                value_end: end,
-                raw: None,
-            });
-            continue;
-        };
-        pairs.push(Pair {
-            prefix: 0,
-            name: name_at,
-            name_in_body,
-            value_end,
-            raw: Some((segment, scan.eq.is_none())),
-        });
+        }
+        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
     }
-    let name_of = |p: &Pair<'_>| {
-        let source = if p.name_in_body { body } else { &decoded[..] };
-        &source[p.name.0..p.name.1]
+}
+
+/// Hashes the canonical form of `body` as a length-prefixed field, without building it:
+/// its length is counted first (it does not depend on the order), then its bytes are
+/// written in `order`.
+fn hash_form<O: Offset>(h: &mut Sha256, body: &[u8], order: &[O]) {
+    h.update(form_len(body).to_be_bytes());
+    let mut sink = Hashing {
+        hash: h,
+        buf: [0; 4096],
+        len: 0,
     };
-    for pair in &mut pairs {
-        let mut prefix = [0u8; 8];
-        let name = name_of(pair);
-        let head = &name[..name.len().min(8)];
-        prefix[..head.len()].copy_from_slice(head);
-        pair.prefix = u64::from_be_bytes(prefix);
+    write_form(&mut sink, body, order);
+    sink.flush();
+}
+
+/// The form's non-empty segments (`name=value` between `&`s).
+fn segments(body: &[u8]) -> impl Iterator<Item = &[u8]> {
+    body.split(|b| *b == b'&').filter(|s| !s.is_empty())
+}
+
+/// The length of the canonical form of `body`.
+fn form_len(body: &[u8]) -> u64 {
+    let mut count = Count(0);
+    for (i, segment) in segments(body).enumerate() {
+        count.0 += u64::from(i > 0);
+        write_segment(&mut count, segment);
     }
-    let by_name = |a: &Pair<'_>, b: &Pair<'_>| {
-        a.prefix
-            .cmp(&b.prefix)
-            .then_with(|| name_of(a).cmp(name_of(b)))
-    };
-    if !pairs.is_sorted_by(|a, b| by_name(a, b).is_le()) {
-        // Stable: a repeated field's values keep their order.
-        pairs.sort_by(by_name);
+    count.0
+}
+
+/// The offsets of the form's non-empty segments, in canonical order: stably sorted by the
+/// decoded field name. One offset per field and nothing else: a field's name, value and end
+/// are found again in the body when they are needed.
+fn form_order<O: Offset>(body: &[u8]) -> Vec<O> {
+    let mut order = Vec::with_capacity(segments(body).count());
+    order.extend(segments(body).map(|s| O::at(s.as_ptr() as usize - body.as_ptr() as usize)));
+    let by_name = |a: &O, b: &O| cmp_form_names(body, a.get(), b.get());
+    if !order.is_sorted_by(|a, b| by_name(a, b).is_le()) {
+        // Unstable (in place, no buffer), with ties broken by position: the same order as a
+        // stable sort, so a repeated field's values keep their order.
+        order.sort_unstable_by(|a, b| by_name(a, b).then_with(|| a.cmp(b)));
     }
-    let mut out = Vec::with_capacity(body.len() + body.len() / 4);
-    for (i, pair) in pairs.iter().enumerate() {
+    order
+}
+
+/// Writes the canonical form: the segments at `order`, joined by `&`.
+fn write_form<O: Offset>(sink: &mut impl Sink, body: &[u8], order: &[O]) {
+    for (i, start) in order.iter().enumerate() {
         if i > 0 {
-            out.push(b'&');
+            sink.put(b"&");
         }
-        match pair.raw {
-            Some((segment, add_eq)) => {
-                out.extend_from_slice(segment);
-                if add_eq {
-                    out.push(b'=');
-                }
-            }
-            None => {
-                form_encode(&mut out, &decoded[pair.name.0..pair.name.1]);
-                out.push(b'=');
-                form_encode(&mut out, &decoded[pair.name.1..pair.value_end]);
-            }
-        }
+        let rest = &body[start.get()..];
+        let end = rest.iter().position(|b| *b == b'&').unwrap_or(rest.len());
+        write_segment(sink, &rest[..end]);
     }
-    out
+}
+
+/// One segment in canonical form: `name=value`, each decoded and encoded again (an absent
+/// `=` is written, an absent value is empty); copied as it is when it already is canonical.
+fn write_segment(sink: &mut impl Sink, segment: &[u8]) {
+    let scan = scan_form_segment(segment);
+    if scan.canonical {
+        sink.put(segment);
+        if scan.eq.is_none() {
+            sink.put(b"=");
+        }
+        return;
+    }
+    let (name, value) = match scan.eq {
+        Some(i) => (&segment[..i], &segment[i + 1..]),
+        None => (segment, &b""[..]),
+    };
+    reencode(sink, name);
+    sink.put(b"=");
+    reencode(sink, value);
 }
 
 /// What one pass over a form segment finds.
 struct SegmentScan {
     /// Index of the first `=`.
     eq: Option<usize>,
-    /// The name decodes to itself (no `+`, no `%`).
-    name_plain: bool,
     /// The segment is exactly the encoding [`form_encode`] would give its decoding.
     canonical: bool,
 }
@@ -435,7 +404,6 @@ struct SegmentScan {
 fn scan_form_segment(segment: &[u8]) -> SegmentScan {
     let mut scan = SegmentScan {
         eq: None,
-        name_plain: true,
         canonical: true,
     };
     let mut i = 0;
@@ -444,9 +412,9 @@ fn scan_form_segment(segment: &[u8]) -> SegmentScan {
         if !FORM_PLAIN[usize::from(b)] {
             match b {
                 b'=' if scan.eq.is_none() => scan.eq = Some(i),
-                b'+' => scan.name_plain &= scan.eq.is_some(),
+                // A space, as it is encoded.
+                b'+' => {}
                 b'%' => {
-                    scan.name_plain &= scan.eq.is_some();
                     // Canonical only as upper-case hex of a byte that must be encoded
                     // (not a plain byte, not a space, which encodes as `+`).
                     let hex = |at: usize| {
@@ -463,8 +431,6 @@ fn scan_form_segment(segment: &[u8]) -> SegmentScan {
                         }
                         _ => {
                             scan.canonical = false;
-                            // A `%` that is not an escape decodes to itself; the name is then
-                            // not plain either way, which only costs a decode.
                         }
                     }
                 }
@@ -476,27 +442,97 @@ fn scan_form_segment(segment: &[u8]) -> SegmentScan {
     scan
 }
 
-/// Appends the `application/x-www-form-urlencoded` decoding of `input` to `out`: `+` is a
-/// space, `%XX` a byte (a `%` without two hex digits stays as it is).
-fn form_decode_into(out: &mut Vec<u8>, input: &[u8]) {
-    let mut rest = input;
-    while let Some(at) = rest.iter().position(|b| *b == b'+' || *b == b'%') {
-        out.extend_from_slice(&rest[..at]);
-        if rest[at] == b'+' {
-            out.push(b' ');
-            rest = &rest[at + 1..];
-            continue;
-        }
-        let hex = |i: usize| rest.get(at + i).and_then(|h| (*h as char).to_digit(16));
-        if let (Some(hi), Some(lo)) = (hex(1), hex(2)) {
-            out.push((hi * 16 + lo) as u8);
-            rest = &rest[at + 3..];
-        } else {
-            out.push(b'%');
-            rest = &rest[at + 1..];
+/// Compares the decoded names of the segments starting at `a` and `b` (byte order), decoding
+/// only from the first byte where their spellings differ or one of them needs decoding.
+fn cmp_form_names(body: &[u8], a: usize, b: usize) -> std::cmp::Ordering {
+    let (x, y) = (&body[a..], &body[b..]);
+    let same = x
+        .iter()
+        .zip(y)
+        .position(|(p, q)| p != q || !FORM_LITERAL[usize::from(*p)])
+        .unwrap_or(x.len().min(y.len()));
+    FormName(&x[same..]).cmp(FormName(&y[same..]))
+}
+
+/// The decoded bytes of a field name: from the start of a segment up to its `=` or `&` (or
+/// the body's end); `+` is a space, `%XX` a byte, a `%` without two hex digits itself.
+struct FormName<'b>(&'b [u8]);
+
+impl Iterator for FormName<'_> {
+    type Item = u8;
+
+    fn next(&mut self) -> Option<u8> {
+        let (&b, rest) = self.0.split_first()?;
+        match b {
+            b'=' | b'&' => None,
+            b'+' => {
+                self.0 = rest;
+                Some(b' ')
+            }
+            b'%' => match (hex(rest.first()), hex(rest.get(1))) {
+                // Hex digits are never `=` or `&`: an escape never crosses the name's end.
+                (Some(hi), Some(lo)) => {
+                    self.0 = &rest[2..];
+                    Some(hi << 4 | lo)
+                }
+                _ => {
+                    self.0 = rest;
+                    Some(b'%')
+                }
+            },
+            _ => {
+                self.0 = rest;
+                Some(b)
+            }
         }
     }
-    out.extend_from_slice(rest);
+}
+
+/// The value of a hex digit (either case).
+fn hex(digit: Option<&u8>) -> Option<u8> {
+    digit
+        .and_then(|d| (*d as char).to_digit(16))
+        .map(|d| d as u8)
+}
+
+/// Writes the `application/x-www-form-urlencoded` decoding of `input` encoded again as
+/// `form_urlencoded::byte_serialize` does it (alphanumerics and `*-._` as they are, space as
+/// `+`, every other byte as `%XX` in upper-case hex), in one pass: runs of bytes that decode
+/// and encode to themselves are copied as they are.
+fn reencode(sink: &mut impl Sink, input: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut rest = input;
+    while !rest.is_empty() {
+        let run = rest
+            .iter()
+            .position(|b| !FORM_PLAIN[usize::from(*b)])
+            .unwrap_or(rest.len());
+        if run > 0 {
+            sink.put(&rest[..run]);
+            rest = &rest[run..];
+            continue;
+        }
+        let (decoded, used) = match rest[0] {
+            b'+' => (b' ', 1),
+            b'%' => match (hex(rest.get(1)), hex(rest.get(2))) {
+                (Some(hi), Some(lo)) => (hi << 4 | lo, 3),
+                _ => (b'%', 1),
+            },
+            other => (other, 1),
+        };
+        rest = &rest[used..];
+        if FORM_PLAIN[usize::from(decoded)] {
+            sink.put(&[decoded]);
+        } else if decoded == b' ' {
+            sink.put(b"+");
+        } else {
+            sink.put(&[
+                b'%',
+                HEX[usize::from(decoded >> 4)],
+                HEX[usize::from(decoded & 0xf)],
+            ]);
+        }
+    }
 }
 
 /// Bytes form encoding leaves as they are.
@@ -511,43 +547,16 @@ static FORM_PLAIN: [bool; 256] = {
     table
 };
 
-/// `application/x-www-form-urlencoded` encoding as `form_urlencoded::byte_serialize` does it
-/// (alphanumerics and `*-._` as they are, space as `+`, every other byte as `%XX` in
-/// upper-case hex), a run of plain bytes at a time.
-fn form_encode(out: &mut Vec<u8>, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut rest = bytes;
-    while !rest.is_empty() {
-        let run = rest
-            .iter()
-            .position(|b| !FORM_PLAIN[usize::from(*b)])
-            .unwrap_or(rest.len());
-        out.extend_from_slice(&rest[..run]);
-        if let Some(&b) = rest.get(run) {
-            if b == b' ' {
-                out.push(b'+');
-            } else {
-                out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
-            }
-            rest = &rest[run + 1..];
-        } else {
-            rest = &[];
-        }
-    }
-}
-
-/// Version 1's form canonicalisation (decoded as text, every pair sorted), kept only to compare
-/// records written by version 1.
-fn canonical_form_v1(body: &[u8]) -> Vec<u8> {
-    let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect();
-    pairs.sort();
-    form_urlencoded::Serializer::new(String::new())
-        .extend_pairs(pairs)
-        .finish()
-        .into_bytes()
-}
+/// Bytes that decode to themselves inside a field name and do not end it: all but `+`, `%`,
+/// `=` and `&`.
+static FORM_LITERAL: [bool; 256] = {
+    let mut table = [true; 256];
+    table[b'+' as usize] = false;
+    table[b'%' as usize] = false;
+    table[b'=' as usize] = false;
+    table[b'&' as usize] = false;
+    table
+};
 
 #[cfg(test)]
 mod tests {
@@ -757,36 +766,136 @@ mod tests {
         assert_eq!(Fingerprint::compute(&base).version(), Fingerprint::VERSION);
     }
 
-    /// Version 1 hashed the route template; a request on a route without parameters carries
-    /// that digest so version-1 records are compared as version 1 compared them; on a route
-    /// with parameters it cannot be told which object a version-1 record was for.
+    /// Version 2's digests, computed before its form hashing was rewritten to stream: stored
+    /// records hold them, so they must never change.
     #[test]
-    fn version_one_records_are_compared_as_version_one() {
-        let input = |path, body: &'static [u8]| FingerprintInput {
-            method: "POST",
-            path,
-            query: None,
-            content_type: Some("application/x-www-form-urlencoded"),
-            body,
-        };
-        let one = Fingerprint::compute_with_route(&input("/refunds", b"b=2&a=1"), "/refunds");
-        let stored = one.legacy().expect("v1");
-        assert!(one.matches_stored(&stored));
-        // Another body is another request under version 1 too.
-        let other = Fingerprint::compute_with_route(&input("/refunds", b"a=2"), "/refunds");
-        assert!(!other.matches_stored(&stored));
-        // Without the route, a version-1 record cannot be compared: not a match.
-        assert!(!Fingerprint::compute(&input("/refunds", b"b=2&a=1")).matches_stored(&stored));
-        // Parameterised routes: no version-1 digest, so version-1 records are mismatches.
-        let param =
-            Fingerprint::compute_with_route(&input("/orders/1/refund", b""), "/orders/{id}/refund");
-        assert_eq!(param.legacy(), None);
-        // The version-1 digest is exactly what version 1 computed (its recipe, pinned).
-        let pinned = Fingerprint::compute_with_route(&input("/orders", b"b=2&a=1"), "/orders");
-        assert_eq!(
-            pinned.legacy().expect("v1").to_hex(),
-            "886f4c312e85f0e0d8fa4078433e201fefbe36c6bdac1e065672d2f0683ea16c",
-            "computed by version 1's recipe (commit 41e9ea1)"
+    fn version_two_digests_are_pinned() {
+        let form = Some("application/x-www-form-urlencoded");
+        for (content_type, body, hex) in [
+            (
+                form,
+                &b"b=2&a=1&a=%41+x&c&&=z&%7e=~"[..],
+                "72f4b24d735fbe09a1b3d182e1780125178bf037cfb0cc7bf07180bce475a236",
+            ),
+            (
+                form,
+                b"",
+                "f462496cb7f98f308e60f4f4455cca9d43e23eaa1c7ff099b186bfee668a9bc8",
+            ),
+            (
+                Some("application/x-www-form-urlencoded; charset=utf-8"),
+                b"z=%ff&y=1=2&x=%4",
+                "96c0e793ec43376f89a0563e4557d5b48dc6b94ca9cf804d2fe0e1512842a182",
+            ),
+            (
+                Some("application/json"),
+                br#"{"b":[1.0,2e3],"a":{"y":null,"x":true}}"#,
+                "f710f43bca76c3cc4905350c5cd0ceb7b0361909e7a84c0148505403b40e97a5",
+            ),
+            (
+                Some("application/json"),
+                b"{",
+                "31a5ca02595170e063046eb86449afd65396ec512fdba9469feb53f4ac0bc24f",
+            ),
+            (
+                Some("text/plain"),
+                b"hello",
+                "2242aa7e9ad461881d2089a231d9d7a3fb001a6c64b1f9ee6e6a5f052f278b3f",
+            ),
+            (
+                None,
+                b"",
+                "d43db4b14ea64e12b9ae01433a4f55eee140639c7fbe5b2866dc85d7339e3f00",
+            ),
+        ] {
+            let fp = Fingerprint::compute(&FingerprintInput {
+                method: "post",
+                path: "/r",
+                query: Some("q=1"),
+                content_type,
+                body,
+            });
+            assert_eq!(fp.to_hex(), hex, "{content_type:?} {body:?}");
+        }
+    }
+
+    /// Version 2's recipe over a body already canonical, as it was computed before forms were
+    /// hashed without being built.
+    fn digest_v2(input: &FingerprintInput<'_>, kind: u8, canonical: &[u8]) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(b"idempotent-fingerprint-v2");
+        field(&mut h, input.method.to_ascii_uppercase().as_bytes());
+        field(&mut h, input.path.as_bytes());
+        match input.query {
+            Some(q) => field(&mut h, q.as_bytes()),
+            None => h.update([0xff]),
+        }
+        field(&mut h, media_type(input.content_type).as_bytes());
+        h.update([kind]);
+        field(&mut h, canonical);
+        h.finalize().into()
+    }
+
+    proptest::proptest! {
+        /// The streamed form hash is the hash of the canonical form as it was built before.
+        #[test]
+        fn form_fingerprint_is_unchanged(
+            body in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::sample::select(b"&=+%aAzZ09*-._ ~/".to_vec()),
+                    proptest::sample::select(b"0123456789abcdefABCDEF".to_vec()),
+                    proptest::prelude::any::<u8>(),
+                ],
+                0..200,
+            )
+        ) {
+            let input = FingerprintInput {
+                method: "POST",
+                path: "/r",
+                query: None,
+                content_type: Some("application/x-www-form-urlencoded"),
+                body: &body,
+            };
+            let want = digest_v2(&input, b'f', &canonical_form_reference(&body));
+            proptest::prop_assert_eq!(*Fingerprint::compute(&input).digest(), want);
+        }
+    }
+
+    /// Records of another version, including the 32-byte layout of version 1 (never shipped),
+    /// are read and never match: a mismatch, not a replay, and not a panic.
+    #[test]
+    fn other_versions_never_match() {
+        let request = fp(Some("application/json"), b"{}");
+        let digest = *request.digest();
+        for stored in [
+            Fingerprint::from_stored(&digest).expect("32 bytes"),
+            Fingerprint::from_parts(1, digest),
+            Fingerprint::from_parts(3, digest),
+            Fingerprint::from_parts(0, digest),
+        ] {
+            assert!(!request.matches_stored(&stored), "{stored:?}");
+        }
+        assert!(
+            request
+                .matches_stored(&Fingerprint::from_stored(&request.to_stored()).expect("33 bytes"))
         );
+    }
+
+    /// Bodies past the `u32` offsets' range use `usize` ones: the same canonical form.
+    #[test]
+    fn wide_offsets_give_the_same_form() {
+        for body in [
+            &b"b=2&a=1&a=%41+x&c&&=z&%7e=~"[..],
+            b"&a&a&b&a",
+            b"",
+            b"z&y&x",
+        ] {
+            let order = form_order::<usize>(body);
+            let mut wide = Vec::new();
+            write_form(&mut wide, body, &order);
+            assert_eq!(wide, canonical_form(body));
+            assert_eq!(wide, canonical_form_reference(body));
+            assert_eq!(form_len(body), wide.len() as u64);
+        }
     }
 }

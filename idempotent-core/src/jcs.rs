@@ -16,19 +16,61 @@
 //! - **Bounds**: nesting deeper than [`MAX_DEPTH`] makes the text invalid (no recursion past
 //!   it, so hostile input cannot exhaust the stack). The output is at most a small constant
 //!   times the input (the worst case is a short number such as `1e20` written out in full,
-//!   21 bytes for 4), and the working memory is linear in the input. Sorting compares names
-//!   without allocating, at the cost of their common prefix; an object whose members need
-//!   reordering is copied once, so a text nested `d` objects deep, each out of order, is
-//!   copied at most `d` (≤ 127) times.
+//!   21 bytes for 4; any other text is at most as long as its input). The working memory
+//!   beyond the output is one offset (4 bytes, 8 above 512 MiB of input) per member of the
+//!   objects still open, each member taking at least 5 bytes of input, and one copy of an
+//!   object whose members need reordering: about 3 times the input at most, output included,
+//!   unless numbers grow. Sorting is in place and compares names without allocating, at the
+//!   cost of their common prefix; an object whose members need reordering is copied once, so
+//!   a text nested `d` objects deep, each out of order, is copied at most `d` (≤ 127) times.
 
 use std::cmp::Ordering;
 
 /// Deepest nesting of arrays and objects accepted (`serde_json`'s limit).
 pub(crate) const MAX_DEPTH: usize = 127;
 
+/// An offset into a buffer: `u32` where the buffer is known to stay below 4 GiB, `usize`
+/// beyond (half the memory per entry where it matters: one per form field or JSON member).
+pub(crate) trait Offset: Copy + Ord {
+    /// The offset `at` (below 4 GiB for `u32`: the caller chooses the type by the size).
+    fn at(at: usize) -> Self;
+    /// The offset as an index.
+    fn get(self) -> usize;
+}
+
+impl Offset for u32 {
+    fn at(at: usize) -> Self {
+        u32::try_from(at).unwrap_or(u32::MAX)
+    }
+
+    fn get(self) -> usize {
+        self as usize
+    }
+}
+
+impl Offset for usize {
+    fn at(at: usize) -> Self {
+        at
+    }
+
+    fn get(self) -> usize {
+        self
+    }
+}
+
 /// The canonical form of `input`, or `None` when it is not a JSON text (see the module docs).
 pub(crate) fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
-    let mut w = Writer {
+    // The output is at most 21/4 of the input plus a few bytes, so below 512 MiB of input
+    // offsets into it fit in 32 bits.
+    if input.len() <= (u32::MAX / 8) as usize {
+        canonicalize_with::<u32>(input)
+    } else {
+        canonicalize_with::<usize>(input)
+    }
+}
+
+fn canonicalize_with<O: Offset>(input: &[u8]) -> Option<Vec<u8>> {
+    let mut w = Writer::<'_, O> {
         input,
         pos: 0,
         out: Vec::with_capacity(input.len()),
@@ -41,28 +83,19 @@ pub(crate) fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
     (w.pos == input.len()).then_some(w.out)
 }
 
-/// A member of an object being written: its bytes in `out` are `start..end` (`"name":value`,
-/// without the separating comma), its name's canonical text `start + 1..name_end`.
-#[derive(Clone, Copy)]
-struct Member {
-    start: usize,
-    name_end: usize,
-    end: usize,
-    /// The written name contains an escape, so it must be decoded to be compared.
-    escaped: bool,
-}
-
-struct Writer<'a> {
+struct Writer<'a, O> {
     input: &'a [u8],
     pos: usize,
     out: Vec<u8>,
-    /// Members of every object still open, innermost last.
-    members: Vec<Member>,
+    /// Members of every object still open, innermost last: where each starts in `out` (the
+    /// opening quote of its name). Its name and its end are found again in the written text
+    /// when they are needed, so a member costs one offset.
+    members: Vec<O>,
     /// Copy of an object's members while they are rewritten in order.
     scratch: Vec<u8>,
 }
 
-impl Writer<'_> {
+impl<O: Offset> Writer<'_, O> {
     fn peek(&self) -> Option<u8> {
         self.input.get(self.pos).copied()
     }
@@ -90,7 +123,7 @@ impl Writer<'_> {
         match self.peek()? {
             b'{' => self.object(depth),
             b'[' => self.array(depth),
-            b'"' => self.string().map(drop),
+            b'"' => self.string(),
             b't' => self.literal(b"true"),
             b'f' => self.literal(b"false"),
             b'n' => self.literal(b"null"),
@@ -149,19 +182,13 @@ impl Writer<'_> {
                 self.out.push(b',');
             }
             let start = self.out.len();
-            let escaped = self.string()?;
-            let name_end = self.out.len() - 1;
+            self.string()?;
             self.ws();
             self.eat(b':')?;
             self.out.push(b':');
             self.ws();
             self.value(depth + 1)?;
-            self.members.push(Member {
-                start,
-                name_end,
-                end: self.out.len(),
-                escaped,
-            });
+            self.members.push(O::at(start));
             self.ws();
             match self.peek()? {
                 b',' => self.pos += 1,
@@ -182,17 +209,9 @@ impl Writer<'_> {
     /// members with equal names; nothing to do when they already are strictly ascending.
     fn order_members(&mut self, base: usize) {
         let out = &self.out;
-        let name = |m: &Member| &out[m.start + 1..m.name_end];
-        let cmp = |a: &Member, b: &Member| {
-            if a.escaped || b.escaped {
-                // Decoded lazily, byte by byte: a comparison costs the common prefix, never
-                // the names' whole length (a long escaped name must not make every
-                // comparison with it expensive).
-                cmp_utf16_bytes(Decoded::new(name(a)), Decoded::new(name(b)))
-            } else {
-                cmp_utf16(name(a), name(b))
-            }
-        };
+        // Compared lazily, byte by byte: a comparison costs the common prefix, never the
+        // names' whole length (a long name must not make every comparison with it expensive).
+        let cmp = |a: &O, b: &O| cmp_names(out, a.get(), b.get());
         let members = &mut self.members[base..];
         if members
             .windows(2)
@@ -200,16 +219,26 @@ impl Writer<'_> {
         {
             return;
         }
-        let region = members[0].start;
-        // A stable sort keeps equal names in input order: the last of each run wins.
-        members.sort_by(cmp);
+        let region = members[0].get();
+        // In place; ties broken by position, which is input order: the order of a stable
+        // sort, so the last of each run of equal names is the one that wins.
+        members.sort_unstable_by(|a, b| cmp(a, b).then_with(|| a.cmp(b)));
+        let len = self.out.len() - region;
+        if self.scratch.capacity() < len {
+            // Freed before the larger one is taken: never both at once.
+            self.scratch = Vec::new();
+            self.scratch.reserve_exact(len);
+        }
         self.scratch.clear();
         self.scratch.extend_from_slice(&self.out[region..]);
         self.out.truncate(region);
-        let members = &self.members[base..];
+        let (scratch, members) = (&self.scratch, &self.members[base..]);
+        let name = |m: &O| {
+            let at = m.get() - region;
+            &scratch[at..string_end(scratch, at)]
+        };
         let mut first = true;
         for (i, m) in members.iter().enumerate() {
-            let name = |m: &Member| &self.scratch[m.start + 1 - region..m.name_end - region];
             // Canonical text is unique per name, so equal texts are equal names.
             let superseded = members.get(i + 1).is_some_and(|next| name(m) == name(next));
             if superseded {
@@ -219,18 +248,18 @@ impl Writer<'_> {
                 self.out.push(b',');
             }
             first = false;
+            let at = m.get() - region;
             self.out
-                .extend_from_slice(&self.scratch[m.start - region..m.end - region]);
+                .extend_from_slice(&scratch[at..member_end(scratch, at)]);
         }
     }
 
-    /// A string, written canonically; `Some(true)` when the written form holds an escape.
-    /// Runs of plain ASCII are copied as they are; other UTF-8 is validated a character at a
-    /// time (outside strings the grammar admits no byte above 0x7F).
-    fn string(&mut self) -> Option<bool> {
+    /// A string, written canonically. Runs of plain ASCII are copied as they are; other
+    /// UTF-8 is validated a character at a time (outside strings the grammar admits no byte
+    /// above 0x7F).
+    fn string(&mut self) -> Option<()> {
         self.pos += 1;
         self.out.push(b'"');
-        let mut escaped = false;
         loop {
             let rest = &self.input[self.pos..];
             let run = rest.iter().position(|&b| STOP[usize::from(b)])?;
@@ -240,11 +269,11 @@ impl Writer<'_> {
                 b'"' => {
                     self.pos += 1;
                     self.out.push(b'"');
-                    return Some(escaped);
+                    return Some(());
                 }
                 b'\\' => {
                     let c = self.escape()?;
-                    escaped |= write_char(&mut self.out, c);
+                    write_char(&mut self.out, c);
                 }
                 lead @ 0x80.. => {
                     let len = utf8_len(lead)?;
@@ -389,8 +418,8 @@ fn utf8_len(lead: u8) -> Option<usize> {
 }
 
 /// Writes `c` as JCS does (the `serde_json` escapes: the short forms, `\u00XX` in lower-case
-/// hex for other controls, `\"` and `\\`; everything else as UTF-8); `true` when escaped.
-fn write_char(out: &mut Vec<u8>, c: char) -> bool {
+/// hex for other controls, `\"` and `\\`; everything else as UTF-8).
+fn write_char(out: &mut Vec<u8>, c: char) {
     let short = match c {
         '"' => b'"',
         '\\' => b'\\',
@@ -410,19 +439,70 @@ fn write_char(out: &mut Vec<u8>, c: char) -> bool {
                 HEX[usize::from(b >> 4)],
                 HEX[usize::from(b & 0xf)],
             ]);
-            return true;
+            return;
         }
         c => {
             let mut buf = [0; 4];
             out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
-            return false;
+            return;
         }
     };
     out.extend_from_slice(&[b'\\', short]);
-    true
 }
 
-/// The bytes of a name as [`write_char`] wrote it, decoded one at a time.
+/// In canonical text, the index just past the string whose opening quote is at `at` (the
+/// text's end if it is cut short).
+fn string_end(text: &[u8], at: usize) -> usize {
+    let mut i = at + 1;
+    while let Some(run) = text[i.min(text.len())..]
+        .iter()
+        .position(|b| *b == b'"' || *b == b'\\')
+    {
+        i += run;
+        if text[i] == b'"' {
+            return i + 1;
+        }
+        i += 2;
+    }
+    text.len()
+}
+
+/// In the canonical text of an object's members (`"a":1,"b":[2,3]`), the end of the member
+/// starting at `at`: the next comma outside its value, or the text's end.
+fn member_end(text: &[u8], at: usize) -> usize {
+    let mut depth = 0usize;
+    let mut i = at;
+    while let Some(&b) = text.get(i) {
+        match b {
+            b'"' => {
+                i = string_end(text, i);
+                continue;
+            }
+            b'[' | b'{' => depth += 1,
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' if depth == 0 => return i,
+            _ => {}
+        }
+        i += 1;
+    }
+    text.len()
+}
+
+/// Orders the names whose opening quotes are at `a` and `b` in canonical text by their
+/// UTF-16 code units (see [`first_difference`]), decoding only from the first byte where
+/// their spellings differ or one of them holds an escape.
+fn cmp_names(text: &[u8], a: usize, b: usize) -> Ordering {
+    let (x, y) = (&text[a + 1..], &text[b + 1..]);
+    let same = x
+        .iter()
+        .zip(y)
+        .position(|(p, q)| p != q || *p == b'"' || *p == b'\\')
+        .unwrap_or(x.len().min(y.len()));
+    cmp_utf16_bytes(Decoded::new(&x[same..]), Decoded::new(&y[same..]))
+}
+
+/// The bytes of a name as [`write_char`] wrote it, decoded one at a time, up to its closing
+/// quote.
 struct Decoded<'a> {
     text: &'a [u8],
 }
@@ -438,6 +518,9 @@ impl Iterator for Decoded<'_> {
 
     fn next(&mut self) -> Option<u8> {
         let (&first, rest) = self.text.split_first()?;
+        if first == b'"' {
+            return None;
+        }
         if first != b'\\' {
             self.text = rest;
             return Some(first);
@@ -464,7 +547,12 @@ impl Iterator for Decoded<'_> {
     }
 }
 
-/// [`cmp_utf16`] over two streams of UTF-8 bytes.
+/// Orders two streams of UTF-8 bytes by their UTF-16 code units (RFC 8785 §3.2.3). Byte
+/// order is code point order, which differs from UTF-16 order only where a character at or
+/// above U+10000 (4 UTF-8 bytes, lead 0xF0–0xF4; a surrogate pair in UTF-16, 0xD800–0xDBFF
+/// first) meets one in U+E000–U+FFFF (lead 0xEE or 0xEF): the pair sorts first. Where the
+/// first differing bytes are continuation bytes, the characters share a lead byte and so a
+/// length.
 fn cmp_utf16_bytes(mut a: impl Iterator<Item = u8>, mut b: impl Iterator<Item = u8>) -> Ordering {
     loop {
         match (a.next(), b.next()) {
@@ -477,20 +565,8 @@ fn cmp_utf16_bytes(mut a: impl Iterator<Item = u8>, mut b: impl Iterator<Item = 
     }
 }
 
-/// Orders two UTF-8 texts by their UTF-16 code units (RFC 8785 §3.2.3). Byte order is code
-/// point order, which differs from UTF-16 order only where a character at or above U+10000
-/// (4 UTF-8 bytes, lead 0xF0–0xF4; a surrogate pair in UTF-16, 0xD800–0xDBFF first) meets
-/// one in U+E000–U+FFFF (lead 0xEE or 0xEF): the pair sorts first. Where the first differing
-/// bytes are continuation bytes, the characters share a lead byte and so a length.
-fn cmp_utf16(a: &[u8], b: &[u8]) -> Ordering {
-    match a.iter().zip(b).position(|(x, y)| x != y) {
-        None => a.len().cmp(&b.len()),
-        Some(i) => first_difference(a[i], b[i]),
-    }
-}
-
 /// The order of two UTF-8 texts whose first differing bytes are `x` and `y` (see
-/// [`cmp_utf16`]).
+/// [`cmp_utf16_bytes`]).
 fn first_difference(x: u8, y: u8) -> Ordering {
     if x >= 0xEE && y >= 0xEE && (x >= 0xF0) != (y >= 0xF0) {
         y.cmp(&x)
@@ -791,6 +867,8 @@ mod tests {
             let text = format!("{pad}{text}{pad}");
             prop_assert!(oracle(text.as_bytes()).is_some(), "generator made invalid JSON: {}", text);
             agrees(text.as_bytes());
+            // Offsets of either width write the same text.
+            prop_assert_eq!(canonicalize_with::<usize>(text.as_bytes()), canonicalize(text.as_bytes()));
         }
 
         /// Damaged texts (a byte changed, removed or inserted): both refuse, or both accept

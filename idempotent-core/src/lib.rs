@@ -37,8 +37,9 @@
 //! the running ones at shutdown. See [`Store`] for what each store promises.
 //!
 //! [`call`] runs any async function the same way, for queue consumers: the output is stored
-//! and returned on redelivery; `#[idempotent(key_from = "msg.id", scope = "msg.tenant")]`
-//! ([`idempotent`]) writes that for a function.
+//! and returned on redelivery;
+//! `#[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant")]`
+//! ([`idempotent`]) writes that for a function, whose records belong to its stable `name`.
 //!
 //! The [`http`] module holds what the HTTP adapters share (header rules, capture, replays,
 //! problems, route settings) on plain types.
@@ -48,6 +49,9 @@
 //! - `client`: [`client::IdempotentRetry`], a retry middleware for reqwest that makes one
 //!   `Idempotency-Key` per logical request.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// The workspace denies unsafe code (one test allows it, to count allocations); the published
+// crates forbid it outright.
+#![forbid(unsafe_code)]
 
 pub mod call;
 #[cfg(feature = "client")]
@@ -109,10 +113,10 @@ pub use tx::{CommitPath, TxOptions};
 pub use tx::{Transaction, TxBegin, TxDatabase, TxExecution, TxFinished};
 pub use uuid;
 
-/// `#[idempotent(key_from = "msg.id", scope = "msg.tenant")]` on an async function: the
-/// function runs once per (scope, key) until it succeeds, under the [`call::Calls`] its
-/// callers pass,
-/// and its output is returned again on redelivery. See [`call`] and the attribute's docs.
+/// `#[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant")]` on an
+/// async function: the function runs once per (scope, key) until it succeeds, under the
+/// [`call::Calls`] its callers pass, and its output is returned again on redelivery. `name`
+/// (required) is the identity of its records: see [`call`] and the attribute's docs.
 pub use idempotent_macros::idempotent_fn as idempotent;
 
 #[doc(hidden)]
