@@ -60,8 +60,12 @@
 //! A request whose body cannot be cloned (a stream) is sent once, with its key, and not
 //! retried. Responses to keyed requests (unsafe methods) are read in full inside the
 //! middleware, within the deadline, so a connection cut in the middle of the body is retried
-//! too; idempotent POST answers are small. Turn that off with
-//! [`IdempotentRetryBuilder::buffer_responses`]; responses to safe methods are never buffered.
+//! too; idempotent POST answers are small. At most
+//! [`IdempotentRetryBuilder::max_buffered`] bytes of a body are held (default
+//! [`DEFAULT_MAX_BUFFERED`]): a larger body (by its `Content-Length`, or once that much has
+//! come) is handed on as it streams, whole, and a cut in it past that point is the caller's
+//! error. Turn buffering off with [`IdempotentRetryBuilder::buffer_responses`]; responses to
+//! safe methods are never buffered.
 
 use http::Extensions;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
@@ -99,8 +103,12 @@ pub struct IdempotentRetry {
     deadline: Duration,
     format: KeyFormat,
     buffer: bool,
+    max_buffered: usize,
     max_retry_after: Duration,
 }
+
+/// Default for [`IdempotentRetryBuilder::max_buffered`]: 8 MiB.
+pub const DEFAULT_MAX_BUFFERED: usize = 8 << 20;
 
 impl Default for IdempotentRetry {
     fn default() -> Self {
@@ -118,6 +126,7 @@ pub struct IdempotentRetryBuilder {
     deadline: Duration,
     format: KeyFormat,
     buffer: bool,
+    max_buffered: usize,
     max_retry_after: Duration,
 }
 
@@ -131,6 +140,7 @@ impl IdempotentRetry {
             deadline: Duration::from_secs(30),
             format: KeyFormat::Bare,
             buffer: true,
+            max_buffered: DEFAULT_MAX_BUFFERED,
             max_retry_after: Duration::from_secs(60),
         }
     }
@@ -177,6 +187,16 @@ impl IdempotentRetryBuilder {
         self
     }
 
+    /// The most of one response body held in memory while buffering (default
+    /// [`DEFAULT_MAX_BUFFERED`]). A body declared larger is not buffered at all; one that
+    /// grows past it is handed on as it streams, the part already read first, so the caller
+    /// still gets it whole. Either way a cut past this point is the caller's error, not
+    /// retried.
+    pub fn max_buffered(mut self, bytes: usize) -> Self {
+        self.max_buffered = bytes;
+        self
+    }
+
     /// The longest `Retry-After` honoured (default 60 s): a server asking for more makes the
     /// middleware give up and return that response.
     pub fn max_retry_after(mut self, max: Duration) -> Self {
@@ -196,6 +216,7 @@ impl IdempotentRetryBuilder {
             deadline: self.deadline,
             format: self.format,
             buffer: self.buffer,
+            max_buffered: self.max_buffered,
             max_retry_after: self.max_retry_after,
         }
     }
@@ -246,7 +267,8 @@ impl IdempotentRetry {
         }
     }
 
-    /// One attempt, bounded by `deadline`; with `buffer`, the body is read in full too.
+    /// One attempt, bounded by `deadline`; with `buffer`, the body is read too, up to
+    /// [`IdempotentRetryBuilder::max_buffered`] bytes.
     async fn attempt(
         &self,
         req: Request,
@@ -258,7 +280,7 @@ impl IdempotentRetry {
         let attempt = async {
             let res = next.run(req, extensions).await?;
             if buffer {
-                read_whole(res).await
+                read_whole(res, self.max_buffered).await
             } else {
                 Ok(res)
             }
@@ -278,13 +300,35 @@ impl IdempotentRetry {
 #[error("the retry deadline passed while an attempt was in flight")]
 pub struct DeadlineExceeded;
 
-/// The response with its body read, so a connection cut inside the body is an error here.
-async fn read_whole(mut res: Response) -> reqwest_middleware::Result<Response> {
+/// The response with its body read, so a connection cut inside the body is an error here;
+/// at most `limit` bytes of it are held. A body declared larger is returned as it is; one that
+/// grows past `limit` is returned streaming, what was read first (nothing is lost).
+async fn read_whole(mut res: Response, limit: usize) -> reqwest_middleware::Result<Response> {
+    if res
+        .content_length()
+        .is_some_and(|n| n > u64::try_from(limit).unwrap_or(u64::MAX))
+    {
+        return Ok(res);
+    }
     let url = res.url().clone();
     let (status, version) = (res.status(), res.version());
     let headers = std::mem::take(res.headers_mut());
     let extensions = std::mem::take(res.extensions_mut());
-    let body = res.bytes().await?;
+    let (mut chunks, mut held) = (Vec::new(), 0_usize);
+    let body = loop {
+        match res.chunk().await? {
+            None => break reqwest::Body::from(chunks.concat()),
+            Some(chunk) => {
+                held += chunk.len();
+                chunks.push(chunk);
+                if held > limit {
+                    use futures_util::StreamExt;
+                    let read = futures_util::stream::iter(chunks.into_iter().map(Ok));
+                    break reqwest::Body::wrap_stream(read.chain(res.bytes_stream()));
+                }
+            }
+        }
+    };
     // The builder's `url` is how reqwest lets a rebuilt response keep its URL.
     let (mut parts, ()) = reqwest::ResponseBuilderExt::url(http::Response::builder(), url)
         .body(())
@@ -294,10 +338,7 @@ async fn read_whole(mut res: Response) -> reqwest_middleware::Result<Response> {
     parts.version = version;
     parts.headers = headers;
     parts.extensions.extend(extensions);
-    Ok(Response::from(http::Response::from_parts(
-        parts,
-        reqwest::Body::from(body),
-    )))
+    Ok(Response::from(http::Response::from_parts(parts, body)))
 }
 
 #[async_trait::async_trait]

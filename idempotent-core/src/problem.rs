@@ -188,20 +188,6 @@ impl Problem {
         )
     }
 
-    /// 500: a transactional route asked for a transaction on a database the configured
-    /// store is not on (or the store is not a SQL store), so it cannot run atomically and did
-    /// not run. Names the database kind only.
-    pub fn transaction_store_mismatch(wanted: &str) -> Self {
-        Self::new(
-            "idempotency-misconfigured",
-            500,
-            "Idempotency misconfigured on the server",
-            format!(
-                "this endpoint writes through a {wanted} transaction, but the server's idempotency store is not a {wanted} store, so nothing was processed"
-            ),
-        )
-    }
-
     /// 500: the handler's response failed before it could be sent (its body returned an
     /// error); nothing was stored and the key was released.
     pub fn response_failed() -> Self {

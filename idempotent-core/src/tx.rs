@@ -244,7 +244,7 @@ mod with_sqlx {
         /// [`Begin::Unprotected`]).
         Respond(Begin),
         /// The engine's store is not a store on `DB`: the route cannot run atomically, so it
-        /// does not run (answer 500, naming both).
+        /// does not run (answer 500; the log names both, the client is told neither).
         WrongStore {
             /// The database the route asked for.
             wanted: &'static str,

@@ -22,6 +22,9 @@ enum Act {
     Truncate,
     /// Waits, then answers 201.
     Slow(Duration),
+    /// Answers 201 with this many bytes of body, chunked (no length declared); with `true`,
+    /// closes instead of sending the last chunk: a long body cut short.
+    Long(usize, bool),
 }
 
 /// A server that plays `script` (then answers 201 forever) and records each request's
@@ -57,6 +60,26 @@ impl Scripted {
                     .find_map(|l| l.strip_prefix("idempotency-key:"))
                     .map(|v| v.trim().to_owned());
                 seen.lock().unwrap().push(key);
+                if let Act::Long(n, cut) = act {
+                    let _ = conn
+                        .write_all(b"HTTP/1.1 201 X\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+                        .await;
+                    let piece = vec![b'x'; 64 * 1024];
+                    let mut left = n;
+                    while left > 0 {
+                        let len = left.min(piece.len());
+                        let chunk = format!("{len:x}\r\n");
+                        let _ = conn.write_all(chunk.as_bytes()).await;
+                        let _ = conn.write_all(&piece[..len]).await;
+                        let _ = conn.write_all(b"\r\n").await;
+                        left -= len;
+                    }
+                    if !cut {
+                        let _ = conn.write_all(b"0\r\n\r\n").await;
+                    }
+                    drop(conn);
+                    continue;
+                }
                 let answer = |status: u16, extra: &str, body: &str| {
                     format!(
                         "HTTP/1.1 {status} X\r\ncontent-length: {}\r\nconnection: close\r\n{extra}\r\n{body}",
@@ -74,6 +97,7 @@ impl Scripted {
                         tokio::time::sleep(d).await;
                         answer(201, "", "slow")
                     }
+                    Act::Long(..) => unreachable!("answered above"),
                 };
                 let _ = conn.write_all(out.as_bytes()).await;
                 drop(conn);
@@ -293,4 +317,43 @@ async fn stored_answers_and_absurd_waits_end_the_retries() {
     let res = s.post(fast().deadline(Duration::MAX).max_attempts(3)).await;
     assert_eq!(res.status(), 503);
     assert_eq!(s.keys().len(), 3);
+}
+
+/// Buffering holds at most `max_buffered` bytes of a body (default 8 MiB): a longer body is
+/// handed on whole as it streams, and a cut in it past that point is the caller's error, not
+/// an attempt again (which would have buffered it all first).
+#[tokio::test]
+async fn buffering_is_bounded_and_a_long_body_arrives_whole() {
+    let big = idempotent_core::client::DEFAULT_MAX_BUFFERED + 1024 * 1024;
+    // Whole, past the default bound: every byte arrives, in one attempt.
+    let server = Scripted::start(vec![Act::Long(big, false)]).await;
+    let res = client(IdempotentRetry::builder().build())
+        .post(&server.url)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let body = res.bytes().await.unwrap();
+    assert_eq!(body.len(), big);
+    assert!(body.iter().all(|&b| b == b'x'));
+    assert_eq!(server.keys.lock().unwrap().len(), 1);
+    // Cut past the bound: not read to the end inside the middleware, so not retried; the
+    // caller sees the cut.
+    let server = Scripted::start(vec![Act::Long(big, true)]).await;
+    let res = client(IdempotentRetry::builder().build())
+        .post(&server.url)
+        .send()
+        .await
+        .unwrap();
+    assert!(res.bytes().await.is_err(), "the cut reaches the caller");
+    assert_eq!(server.keys.lock().unwrap().len(), 1, "no second attempt");
+    // A small bound of its own; a cut inside it is still retried.
+    let server = Scripted::start(vec![Act::Long(100, true), Act::Long(100, false)]).await;
+    let res = client(IdempotentRetry::builder().max_buffered(1024).build())
+        .post(&server.url)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.bytes().await.unwrap().len(), 100);
+    assert_eq!(server.keys.lock().unwrap().len(), 2);
 }

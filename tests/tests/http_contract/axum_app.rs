@@ -258,6 +258,9 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/tx/postgres", post(tx_postgres))
         .route("/derive", post(derive).get(derive))
         .layer(idempotency.layer())
+        // Outside the idempotency layer, as an application would put it: the fingerprint
+        // sees the decoded body.
+        .layer(tower_http::decompression::RequestDecompressionLayer::new())
         .with_state(app.clone())
 }
 
