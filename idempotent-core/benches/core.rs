@@ -156,7 +156,15 @@ fn benches(c: &mut Criterion) {
 
     c.bench_function("engine_memory/first_execution", |b| {
         b.iter_custom(|iters| {
-            let engine = Engine::new(MemoryStore::builder().max_entries(usize::MAX).build());
+            let engine = Engine::new(
+                MemoryStore::builder()
+                    // One scope, as many records as the bench takes: no bound may refuse one.
+                    .max_entries(usize::MAX)
+                    .max_per_scope(usize::MAX)
+                    .max_bytes(u64::MAX)
+                    .max_bytes_per_scope(u64::MAX)
+                    .build(),
+            );
             let requests: Vec<_> = (0..iters).map(request).collect();
             rt.block_on(async {
                 let start = Instant::now();

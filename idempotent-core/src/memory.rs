@@ -7,9 +7,11 @@ use crate::{
 };
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
+
+const MIB: u64 = 1024 * 1024;
 
 /// An in-process store, correct under heavy concurrency.
 ///
@@ -27,20 +29,60 @@ use std::time::{Duration, SystemTime};
 /// go on. Expired records count until purged, and they are purged first: a claim refused for
 /// room purges every expired record (at most once a second, so a caller hammering a full
 /// store cannot make each of its requests scan the whole store) and tries again. The unscoped
-/// namespaces shared by every caller, unscoped routes' (`Scope::unscoped()`) and unscoped
+/// namespaces shared by every caller, unscoped routes' ([`Scope::unscoped`]) and unscoped
 /// idempotent functions' (queue consumers deduplicating by message id), have no per-scope
-/// bound; `max_entries` bounds them.
+/// bound; `max_entries` bounds them. A namespace is shared because it was built so, never
+/// because of how its text reads: a caller whose identity is spelled like a function's
+/// namespace is one caller, bounded like any other.
 ///
-/// The per-scope bound is a ceiling on *live* records, so it also limits a legitimate busy
+/// The per-scope bounds are ceilings on *live* records, so they also limit a legitimate busy
 /// caller: with the default ttl of 24 hours, a caller sending more than about 1.1 new keys a
-/// second on average (100,000 a day) meets it. Size `max_per_scope` (and the ttl) for your
-/// busiest caller, or use a SQL store, which has no such bound.
+/// second on average (100,000 a day) meets the count bound, and one whose records are larger
+/// than about 335 bytes meets its byte budget sooner (records of a 200-byte body: about 57,000
+/// a day, 0.66 a second). Size `max_per_scope`, `max_bytes_per_scope` (and the ttl) for your
+/// busiest caller, or use a SQL store, which has no such bounds.
+///
+/// # Byte budgets
+/// Records are also bounded by the memory they hold: at most `max_bytes` in all (default
+/// 256 MiB) and `max_bytes_per_scope` per caller (default 32 MiB), so 100,000 records of a
+/// 1 MiB response cannot exhaust the process. A record is charged an estimate of what it
+/// holds: its scope, key, fingerprint (33 bytes), stored response (status, encoded headers and
+/// body) and a fixed [`MemoryStore::RECORD_OVERHEAD`] of 256 bytes for the map slot, the entry
+/// and allocator rounding. Measured (BENCHMARKS.md's footprint bench): a million finished
+/// records of a 200-byte body are charged 584 bytes each and take 584 bytes each resident
+/// (556.9 MiB charged, 556.7 MiB resident). The defaults suit a process of 1 GiB: the store
+/// takes at most a quarter of it, leaving the rest to the application and to the requests and
+/// responses in flight (up to `max_request` and `max_response` each); one caller takes at most
+/// an eighth of the store (32 responses of 1 MiB, or about 57,000 records of a 200-byte body),
+/// so at least eight callers at their budget are needed to fill it. With the defaults the
+/// byte budget, not `max_entries`, is what bounds a store of small records (about 460,000 of
+/// them). Raise both for a larger process.
+///
+/// A claim is charged the record without its response, and refused like the count bound
+/// when that does not fit ([`StoreError::ScopeByteCapacity`], [`StoreError::ByteCapacity`];
+/// HTTP: 503 with `Retry-After`). The response's size is only known when the handler has run,
+/// so a response that does not fit at `complete` is **kept as the "not stored" marker**, as a
+/// response over `max_response` is: the caller gets its response, a retry gets 410, never a
+/// second run, and no record is lost. (Refusing the complete instead would leave the record
+/// to its lease, and then let a retry run the handler again.) The budget it did not fit is
+/// then full: further claims are refused until a record of that budget is released,
+/// deleted or purged, so one caller at its budget gets 503s, not a run of unreplayable
+/// records. A response larger than a whole budget is kept as the marker without filling it.
+///
+/// # Time
+/// Leases and expiry are measured on a monotonic clock ([`Clock::instant`]), so a wall clock
+/// stepped backwards never extends a lease and one stepped forwards never ends it early nor
+/// expires records. Record times shown by [`get`](Store::get) and
+/// [`delete`](Store::delete) are wall-clock times ([`Clock::now`]): `created_at` and
+/// `completed_at` as they were read then, the lease end and expiry as they stand now.
 ///
 /// ```
 /// use idempotent_core::MemoryStore;
 /// let store = MemoryStore::builder()
 ///     .max_entries(10_000)
 ///     .max_per_scope(1_000)
+///     .max_bytes(64 * 1024 * 1024)
+///     .max_bytes_per_scope(4 * 1024 * 1024)
 ///     .build();
 /// # let _ = store;
 /// ```
@@ -58,13 +100,28 @@ struct Inner {
     hasher: RandomState,
     len: AtomicUsize,
     max_entries: usize,
-    /// Records held per scope, sharded by the scope's hash (taken after a record shard's lock,
-    /// never before, and never across another lock).
-    per_scope: Box<[Mutex<HashMap<Scope, usize>>]>,
+    /// Bytes charged for every record held ([`MemoryStore::charge`]).
+    bytes: AtomicU64,
+    max_bytes: u64,
+    /// A response did not fit `max_bytes`: claims are refused until a record goes.
+    bytes_full: AtomicBool,
+    /// Records and bytes held per scope, sharded by the scope's hash (taken after a record
+    /// shard's lock, never before, and never across another lock).
+    per_scope: Box<[Mutex<HashMap<Scope, Usage>>]>,
     max_per_scope: usize,
-    /// When the last purge for room ran (by the store's clock; `None`: never).
-    last_room_purge: Mutex<Option<SystemTime>>,
+    max_bytes_per_scope: u64,
+    /// When the last purge for room ran (monotonic; `None`: never).
+    last_room_purge: Mutex<Option<Instant>>,
     clock: Arc<dyn Clock>,
+}
+
+/// What one scope holds.
+#[derive(Debug, Default)]
+struct Usage {
+    records: usize,
+    bytes: u64,
+    /// A response did not fit `max_bytes_per_scope`: claims are refused until a record goes.
+    full: bool,
 }
 
 /// Builds a [`MemoryStore`].
@@ -72,6 +129,8 @@ struct Inner {
 pub struct MemoryStoreBuilder {
     max_entries: usize,
     max_per_scope: usize,
+    max_bytes: u64,
+    max_bytes_per_scope: u64,
     clock: Arc<dyn Clock>,
 }
 
@@ -92,7 +151,26 @@ impl MemoryStoreBuilder {
         self
     }
 
-    /// The clock leases and expiry are measured with (default: the system clock).
+    /// Upper bound on the bytes all records hold, as the store estimates them (default
+    /// 256 MiB; see [`MemoryStore`]'s "Byte budgets"). A budget smaller than one record
+    /// without its response (about 300 bytes) refuses every claim.
+    #[must_use]
+    pub fn max_bytes(mut self, bytes: u64) -> Self {
+        self.max_bytes = bytes;
+        self
+    }
+
+    /// Upper bound on the bytes one scope's records hold (default 32 MiB), so one caller
+    /// cannot fill the store's memory for everyone. The unscoped namespace is bounded by
+    /// [`max_bytes`](Self::max_bytes) alone.
+    #[must_use]
+    pub fn max_bytes_per_scope(mut self, bytes: u64) -> Self {
+        self.max_bytes_per_scope = bytes;
+        self
+    }
+
+    /// The clock leases and expiry are measured with (default: the system's clocks; leases
+    /// and expiry use its monotonic reading, see [`Clock`]).
     #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
@@ -110,8 +188,12 @@ impl MemoryStoreBuilder {
                 hasher: RandomState::new(),
                 len: AtomicUsize::new(0),
                 max_entries: self.max_entries,
+                bytes: AtomicU64::new(0),
+                max_bytes: self.max_bytes,
+                bytes_full: AtomicBool::new(false),
                 per_scope: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
                 max_per_scope: self.max_per_scope,
+                max_bytes_per_scope: self.max_bytes_per_scope,
                 last_room_purge: Mutex::new(None),
                 clock: self.clock,
             }),
@@ -125,8 +207,42 @@ impl Default for MemoryStore {
     }
 }
 
+/// One reading of the store's clock.
+#[derive(Debug, Clone, Copy)]
+struct Now {
+    /// Wall time, for what records show.
+    wall: SystemTime,
+    /// Monotonic time, for leases and expiry.
+    mono: Instant,
+}
+
+impl Now {
+    /// The wall-clock time `t` (monotonic) stands for, read now.
+    fn wall_of(self, t: Instant) -> SystemTime {
+        if t >= self.mono {
+            wall_later(self.wall, t - self.mono)
+        } else {
+            self.wall
+                .checked_sub(self.mono - t)
+                .unwrap_or(SystemTime::UNIX_EPOCH)
+        }
+    }
+}
+
+/// Which budget a new record or a response did not fit.
+#[derive(Debug, Clone, Copy)]
+enum NoRoom {
+    Total,
+    Scope,
+}
+
 impl MemoryStore {
-    /// A store with the defaults (1,000,000 records, 100,000 per scope, system clock).
+    /// Bytes charged per record on top of its scope, key, fingerprint and stored response:
+    /// the map slot, the boxed entry and allocator rounding (see "Byte budgets").
+    pub const RECORD_OVERHEAD: u64 = 256;
+
+    /// A store with the defaults (1,000,000 records, 100,000 per scope, 256 MiB, 32 MiB per
+    /// scope, system clock).
     pub fn new() -> Self {
         Self::builder().build()
     }
@@ -136,6 +252,8 @@ impl MemoryStore {
         MemoryStoreBuilder {
             max_entries: 1_000_000,
             max_per_scope: 100_000,
+            max_bytes: 256 * MIB,
+            max_bytes_per_scope: 32 * MIB,
             clock: Arc::new(SystemClock),
         }
     }
@@ -143,6 +261,12 @@ impl MemoryStore {
     /// Records held, expired ones included until purged.
     pub fn len(&self) -> usize {
         self.inner.len.load(Ordering::Relaxed)
+    }
+
+    /// Bytes charged for the records held, expired ones included until purged (an estimate
+    /// of the memory they hold; see "Byte budgets").
+    pub fn bytes(&self) -> u64 {
+        self.inner.bytes.load(Ordering::Relaxed)
     }
 
     /// Whether no record is held.
@@ -159,61 +283,200 @@ impl MemoryStore {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    fn now(&self) -> SystemTime {
-        self.inner.clock.now()
+    fn now(&self) -> Now {
+        Now {
+            wall: self.inner.clock.now(),
+            mono: self.inner.clock.instant(),
+        }
     }
 
-    /// Counts one more record for `scope`, unless it holds its share already (the shared
-    /// namespaces, unscoped routes' and unscoped functions', are not counted).
-    fn reserve_in_scope(&self, scope: &Scope) -> bool {
-        if scope.is_shared() {
-            return true;
-        }
-        let mut counts = self.scope_counts(scope);
-        let n = counts.entry(scope.clone()).or_insert(0);
-        if *n >= self.inner.max_per_scope {
-            return false;
-        }
-        *n += 1;
-        true
+    /// What a record of `key` is charged without its response.
+    fn base_charge(key: &RecordKey) -> u64 {
+        Self::RECORD_OVERHEAD + (key.scope.as_str().len() + key.key.as_str().len() + 33) as u64
     }
 
-    /// Counts one record fewer for `scope`.
-    fn unreserve_in_scope(&self, scope: &Scope) {
-        if scope.is_shared() {
+    /// What the record `entry` of `key` is charged.
+    fn charge(key: &RecordKey, entry: &Entry) -> u64 {
+        Self::base_charge(key) + entry.response_bytes()
+    }
+
+    /// Counts a new record of `charge` bytes for `key`: in the store, and in its scope unless
+    /// that is a shared namespace (`counted` false).
+    fn admit(&self, key: &RecordKey, charge: u64, counted: bool) -> Result<(), Refused> {
+        let inner = &*self.inner;
+        // Reserve first, so claims racing on other shards cannot overshoot.
+        let max = inner.max_entries;
+        inner
+            .len
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .map_err(|_| Refused::Full)?;
+        self.grow(&key.scope, counted, charge, true)
+            .inspect_err(|_| {
+                inner.len.fetch_sub(1, Ordering::AcqRel);
+            })
+    }
+
+    /// Charges `bytes` more to the store and, if `counted`, to `scope` (one record more if
+    /// `new_record`). Refused when a budget would be exceeded, when a budget is marked full
+    /// (new records only), or when `new_record` and the scope holds `max_per_scope` records;
+    /// nothing is charged then.
+    fn grow(
+        &self,
+        scope: &Scope,
+        counted: bool,
+        bytes: u64,
+        new_record: bool,
+    ) -> Result<(), Refused> {
+        let inner = &*self.inner;
+        if new_record && inner.bytes_full.load(Ordering::Acquire) {
+            return Err(Refused::BytesFull);
+        }
+        let max = inner.max_bytes;
+        inner
+            .bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                b.checked_add(bytes).filter(|&total| total <= max)
+            })
+            .map_err(|_| Refused::BytesFull)?;
+        if !counted {
+            return Ok(());
+        }
+        let mut usages = self.scope_usage(scope);
+        let usage = usages.entry(scope.clone()).or_default();
+        let refused = if new_record && usage.records >= inner.max_per_scope {
+            Some(Refused::ScopeFull)
+        } else if (new_record && usage.full)
+            || usage
+                .bytes
+                .checked_add(bytes)
+                .is_none_or(|b| b > inner.max_bytes_per_scope)
+        {
+            Some(Refused::ScopeBytesFull)
+        } else {
+            None
+        };
+        if let Some(refused) = refused {
+            if usage.records == 0 {
+                usages.remove(scope);
+            }
+            drop(usages);
+            inner.bytes.fetch_sub(bytes, Ordering::AcqRel);
+            return Err(refused);
+        }
+        usage.bytes += bytes;
+        usage.records += usize::from(new_record);
+        Ok(())
+    }
+
+    /// Gives back `bytes` (and a record, if `gone`) charged to the store and, if `counted`,
+    /// to `scope`; a budget marked full has room again.
+    fn shrink(&self, scope: &Scope, counted: bool, bytes: u64, gone: bool) {
+        let inner = &*self.inner;
+        if gone {
+            inner.len.fetch_sub(1, Ordering::AcqRel);
+        }
+        if bytes == 0 && !gone {
             return;
         }
-        let mut counts = self.scope_counts(scope);
-        if let Some(n) = counts.get_mut(scope) {
-            *n -= 1;
-            if *n == 0 {
-                counts.remove(scope);
+        inner.bytes.fetch_sub(bytes, Ordering::AcqRel);
+        inner.bytes_full.store(false, Ordering::Release);
+        if !counted {
+            return;
+        }
+        let mut usages = self.scope_usage(scope);
+        if let Some(usage) = usages.get_mut(scope) {
+            usage.bytes = usage.bytes.saturating_sub(bytes);
+            usage.full = false;
+            if gone {
+                usage.records = usage.records.saturating_sub(1);
+                if usage.records == 0 {
+                    usages.remove(scope);
+                }
             }
         }
     }
 
-    fn scope_counts(&self, scope: &Scope) -> MutexGuard<'_, HashMap<Scope, usize>> {
+    /// Gives back everything the removed record `entry` of `key` was charged.
+    fn forget(&self, key: &RecordKey, entry: &Entry) {
+        self.shrink(&key.scope, entry.counted, Self::charge(key, entry), true);
+    }
+
+    fn scope_usage(&self, scope: &Scope) -> MutexGuard<'_, HashMap<Scope, Usage>> {
         let i = self.inner.hasher.hash_one(scope) as usize & (self.inner.per_scope.len() - 1);
         self.inner.per_scope[i]
             .lock()
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether about `bytes` more fit both budgets of `scope` now (a hint: the charge itself
+    /// is checked atomically).
+    fn has_room(&self, scope: &Scope, bytes: u64) -> bool {
+        let total = self.inner.bytes.load(Ordering::Acquire);
+        let of_scope = self.scope_usage(scope).get(scope).map_or(0, |u| u.bytes);
+        total.saturating_add(bytes) <= self.inner.max_bytes
+            && of_scope.saturating_add(bytes) <= self.inner.max_bytes_per_scope
+    }
+
+    /// Packs `outcome` for the record of `key`, charging its response to the budgets; a
+    /// response that does not fit is packed as the "not stored" marker, and the budget it did
+    /// not fit is marked full (unless the response is larger than the whole budget).
+    fn pack_within_budget(
+        &self,
+        key: &RecordKey,
+        counted: bool,
+        outcome: &StoredOutcome,
+    ) -> Packed {
+        let StoredOutcome::Response(r) = outcome else {
+            return Packed::pack(outcome);
+        };
+        let headers = r.encode_headers();
+        let size = (6 + headers.len() + r.body.len()) as u64;
+        let room = match self.grow(&key.scope, counted, size, false) {
+            Ok(()) => return Packed::response(r.status, &headers, &r.body),
+            Err(Refused::BytesFull) => NoRoom::Total,
+            Err(_) => NoRoom::Scope,
+        };
+        let (budget, which) = match room {
+            NoRoom::Total => (self.inner.max_bytes, "max_bytes"),
+            NoRoom::Scope => (self.inner.max_bytes_per_scope, "max_bytes_per_scope"),
+        };
+        if size <= budget {
+            match room {
+                NoRoom::Total => self.inner.bytes_full.store(true, Ordering::Release),
+                NoRoom::Scope => {
+                    if let Some(usage) = self.scope_usage(&key.scope).get_mut(&key.scope) {
+                        usage.full = true;
+                    }
+                }
+            }
+        }
+        tracing::warn!(
+            status = r.status,
+            size,
+            budget = which,
+            "idempotency: the memory store has no room for this response; it is kept as \"not stored\" (a retry gets 410, never a second run), and new claims are refused until records go"
+        );
+        Packed::Oversized {
+            status: r.status,
+            size: r.body.len() as u64,
+        }
+    }
+
     /// Purges expired records to make room, unless that ran less than a second ago (by the
-    /// store's clock). Whether it ran.
+    /// store's monotonic clock). Whether it ran.
     fn purge_for_room(&self) -> bool {
-        let now = self.now();
+        let now = self.now().mono;
         {
             let mut last = self
                 .inner
                 .last_room_purge
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            // Due when it never ran, a second has passed, or the clock went back.
-            let due = last.is_none_or(|last| {
-                now.duration_since(last)
-                    .map_or(true, |d| d >= Duration::from_secs(1))
-            });
+            // Due when it never ran or a second has passed.
+            let due = last
+                .is_none_or(|last| now.saturating_duration_since(last) >= Duration::from_secs(1));
             if !due {
                 return false;
             }
@@ -224,7 +487,7 @@ impl MemoryStore {
     }
 
     fn purge(&self, batch: usize) -> u64 {
-        let now = self.now();
+        let now = self.now().mono;
         let mut purged = 0_u64;
         let mut left = batch;
         for shard in self.inner.shards.iter() {
@@ -232,19 +495,16 @@ impl MemoryStore {
                 break;
             }
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
-            let before = map.len();
             map.retain(|k, r| {
                 if left > 0 && r.expires_at <= now {
                     left -= 1;
-                    self.unreserve_in_scope(&k.scope);
+                    purged += 1;
+                    self.forget(k, r);
                     false
                 } else {
                     true
                 }
             });
-            let removed = before - map.len();
-            self.inner.len.fetch_sub(removed, Ordering::Relaxed);
-            purged += removed as u64;
         }
         purged
     }
@@ -252,51 +512,41 @@ impl MemoryStore {
     fn try_claim(&self, req: &ClaimRequest<'_>) -> Result<ClaimOutcome, Refused> {
         let now = self.now();
         let mut map = self.shard(req.key);
-        let fresh = |took_over| {
+        let fresh = |took_over, counted| {
             let token = LeaseToken::generate();
-            let locked_until = later(now, req.lease);
+            let locked_until = later(now.mono, req.lease);
             let lease = Lease {
                 token,
-                locked_until,
+                locked_until: wall_later(now.wall, req.lease),
                 took_over,
             };
             let record = Entry {
                 // As a SQL store keeps it: version and digest.
                 fingerprint: req.fingerprint.to_stored(),
+                counted,
                 state: EntryState::InProgress {
                     token,
                     locked_until,
                 },
-                created_at: now,
-                expires_at: later(now, req.lease.saturating_add(req.ttl)),
+                created_at: now.wall,
+                expires_at: later(now.mono, req.lease.saturating_add(req.ttl)),
             };
             (lease, record)
         };
         match map.get_mut(req.key) {
             None => {
-                // Reserve a slot first, so claims racing on other shards cannot overshoot.
-                let max = self.inner.max_entries;
-                if self
-                    .inner
-                    .len
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                        (n < max).then_some(n + 1)
-                    })
-                    .is_err()
-                {
-                    return Err(Refused::Full);
-                }
-                if !self.reserve_in_scope(&req.key.scope) {
-                    self.inner.len.fetch_sub(1, Ordering::AcqRel);
-                    return Err(Refused::ScopeFull);
-                }
-                let (lease, record) = fresh(false);
+                let counted = !req.key.scope.is_shared();
+                self.admit(req.key, Self::base_charge(req.key), counted)?;
+                let (lease, record) = fresh(false, counted);
                 map.insert(req.key.clone(), Box::new(record));
                 Ok(ClaimOutcome::Claimed(lease))
             }
-            Some(rec) if rec.expires_at <= now => {
-                // Past its ttl: the record counts as absent, whatever its fingerprint.
-                let (lease, record) = fresh(true);
+            Some(rec) if rec.expires_at <= now.mono => {
+                // Past its ttl: the record counts as absent, whatever its fingerprint. It
+                // stays charged to whoever claimed it first (the map keeps that key); its
+                // response is given back.
+                let (lease, record) = fresh(true, rec.counted);
+                self.shrink(&req.key.scope, rec.counted, rec.response_bytes(), false);
                 **rec = record;
                 Ok(ClaimOutcome::Claimed(lease))
             }
@@ -310,14 +560,14 @@ impl MemoryStore {
                     Some(outcome) => Ok(ClaimOutcome::Replay(outcome)),
                     None => Err(Refused::Corrupt),
                 },
-                EntryState::InProgress { locked_until, .. } if *locked_until > now => {
+                EntryState::InProgress { locked_until, .. } if *locked_until > now.mono => {
                     Ok(ClaimOutcome::InProgress {
-                        retry_after: locked_until.duration_since(now).unwrap_or_default(),
+                        retry_after: locked_until.saturating_duration_since(now.mono),
                     })
                 }
                 EntryState::InProgress { .. } => {
                     // Lease ran out, same fingerprint: take over with a new token.
-                    let (lease, mut record) = fresh(true);
+                    let (lease, mut record) = fresh(true, rec.counted);
                     record.created_at = rec.created_at;
                     **rec = record;
                     Ok(ClaimOutcome::Claimed(lease))
@@ -331,7 +581,7 @@ impl MemoryStore {
         &self,
         key: &RecordKey,
         token: LeaseToken,
-        f: impl FnOnce(&mut Shard, SystemTime) -> T,
+        f: impl FnOnce(&mut Shard, Now) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
         let mut map = self.shard(key);
@@ -340,18 +590,23 @@ impl MemoryStore {
                 state: EntryState::InProgress { token: held, .. },
                 expires_at,
                 ..
-            }) if *held == token && *expires_at > now => Ok(f(&mut map, now)),
+            }) if *held == token && *expires_at > now.mono => Ok(f(&mut map, now)),
             _ => Err(StoreError::StaleLease),
         }
     }
 }
 
 /// Why [`MemoryStore::try_claim`] did not answer.
+#[derive(Debug)]
 enum Refused {
     /// No room for a new record.
     Full,
     /// No room for a new record of this scope.
     ScopeFull,
+    /// No room in the store's byte budget.
+    BytesFull,
+    /// No room in this scope's byte budget.
+    ScopeBytesFull,
     /// A packed response did not unpack (cannot happen: this store packed it).
     Corrupt,
 }
@@ -363,20 +618,24 @@ fn corrupt() -> StoreError {
 /// A record as the memory store holds it (the key is the map's): the fingerprint in its
 /// stored form and a finished response packed into one allocation. The maps hold it boxed:
 /// a hash table keeps up to half its slots empty, and an empty slot then costs a pointer
-/// instead of a whole entry (measured in BENCHMARKS.md).
+/// instead of a whole entry (measured in BENCHMARKS.md). Leases and expiry are monotonic
+/// instants; the times only shown are wall-clock.
 #[derive(Debug)]
 struct Entry {
     fingerprint: [u8; 33],
+    /// Whether the record counts towards its scope's bounds: its scope was not a shared
+    /// namespace when it was first claimed (the record stays charged to that claim's scope).
+    counted: bool,
     state: EntryState,
     created_at: SystemTime,
-    expires_at: SystemTime,
+    expires_at: Instant,
 }
 
 #[derive(Debug)]
 enum EntryState {
     InProgress {
         token: LeaseToken,
-        locked_until: SystemTime,
+        locked_until: Instant,
     },
     Done {
         outcome: Packed,
@@ -393,9 +652,20 @@ impl Entry {
         })
     }
 
-    /// The public form; `None` if a packed response does not unpack (it always does: this
-    /// store packed it).
-    fn to_record(&self, key: &RecordKey) -> Option<Record> {
+    /// The bytes of its packed response (0 in progress, or for the marker).
+    fn response_bytes(&self) -> u64 {
+        match &self.state {
+            EntryState::Done {
+                outcome: Packed::Response(bytes),
+                ..
+            } => bytes.len() as u64,
+            _ => 0,
+        }
+    }
+
+    /// The public form, its lease end and expiry on the wall clock as they stand `now`;
+    /// `None` if a packed response does not unpack (it always does: this store packed it).
+    fn to_record(&self, key: &RecordKey, now: Now) -> Option<Record> {
         Some(Record {
             key: key.clone(),
             fingerprint: self.fingerprint(),
@@ -405,7 +675,7 @@ impl Entry {
                     locked_until,
                 } => RecordState::InProgress {
                     token: *token,
-                    locked_until: *locked_until,
+                    locked_until: now.wall_of(*locked_until),
                 },
                 EntryState::Done {
                     outcome,
@@ -416,7 +686,7 @@ impl Entry {
                 },
             },
             created_at: self.created_at,
-            expires_at: self.expires_at,
+            expires_at: now.wall_of(self.expires_at),
         })
     }
 }
@@ -433,20 +703,22 @@ enum Packed {
 impl Packed {
     fn pack(outcome: &StoredOutcome) -> Self {
         match outcome {
-            StoredOutcome::Response(r) => {
-                let headers = r.encode_headers();
-                let mut out = Vec::with_capacity(6 + headers.len() + r.body.len());
-                out.extend_from_slice(&r.status.to_be_bytes());
-                out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
-                out.extend_from_slice(&headers);
-                out.extend_from_slice(&r.body);
-                Packed::Response(out.into_boxed_slice())
-            }
+            StoredOutcome::Response(r) => Packed::response(r.status, &r.encode_headers(), &r.body),
             StoredOutcome::Oversized { status, size } => Packed::Oversized {
                 status: *status,
                 size: *size,
             },
         }
+    }
+
+    /// A response from its status, encoded headers and body.
+    fn response(status: u16, headers: &[u8], body: &[u8]) -> Self {
+        let mut out = Vec::with_capacity(6 + headers.len() + body.len());
+        out.extend_from_slice(&status.to_be_bytes());
+        out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+        out.extend_from_slice(headers);
+        out.extend_from_slice(body);
+        Packed::Response(out.into_boxed_slice())
     }
 
     fn unpack(&self) -> Option<StoredOutcome> {
@@ -469,9 +741,18 @@ impl Packed {
     }
 }
 
-/// `t + d`, saturating far in the future instead of panicking on absurd durations.
-fn later(t: SystemTime, d: Duration) -> SystemTime {
-    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
+const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+/// `t + d` (monotonic), saturating far in the future instead of panicking on absurd
+/// durations.
+fn later(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(CENTURY))
+        .unwrap_or(t)
+}
+
+/// `t + d` (wall clock), saturating far in the future instead of panicking.
+fn wall_later(t: SystemTime, d: Duration) -> SystemTime {
     t.checked_add(d)
         .or_else(|| t.checked_add(CENTURY))
         .unwrap_or(t)
@@ -487,13 +768,18 @@ impl Store for MemoryStore {
             Refused::ScopeFull => StoreError::ScopeCapacity {
                 max_per_scope: self.inner.max_per_scope,
             },
+            Refused::BytesFull => StoreError::ByteCapacity {
+                max_bytes: self.inner.max_bytes,
+            },
+            Refused::ScopeBytesFull => StoreError::ScopeByteCapacity {
+                max_bytes_per_scope: self.inner.max_bytes_per_scope,
+            },
             Refused::Corrupt => corrupt(),
         };
         match self.try_claim(&req) {
             Ok(outcome) => Ok(outcome),
-            Err(Refused::Full | Refused::ScopeFull) if self.purge_for_room() => {
-                self.try_claim(&req).map_err(refused)
-            }
+            Err(Refused::Corrupt) => Err(corrupt()),
+            Err(_) if self.purge_for_room() => self.try_claim(&req).map_err(refused),
             Err(other) => Err(refused(other)),
         }
     }
@@ -505,22 +791,30 @@ impl Store for MemoryStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        if let StoredOutcome::Response(r) = outcome {
+            // Expired records make room first, as for a claim (before the shard's lock: the
+            // purge takes every shard's).
+            let headers: usize = r.headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum();
+            let size = (6 + headers + r.body.len()) as u64;
+            if !self.has_room(&key.scope, size) {
+                self.purge_for_room();
+            }
+        }
         self.fenced(key, token, |map, now| {
             if let Some(rec) = map.get_mut(key) {
                 rec.state = EntryState::Done {
-                    outcome: Packed::pack(outcome),
-                    completed_at: now,
+                    outcome: self.pack_within_budget(key, rec.counted, outcome),
+                    completed_at: now.wall,
                 };
-                rec.expires_at = rec.expires_at.max(later(now, ttl));
+                rec.expires_at = rec.expires_at.max(later(now.mono, ttl));
             }
         })
     }
 
     async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
         self.fenced(key, token, |map, _| {
-            if map.remove(key).is_some() {
-                self.inner.len.fetch_sub(1, Ordering::Relaxed);
-                self.unreserve_in_scope(&key.scope);
+            if let Some((key, entry)) = map.remove_entry(key) {
+                self.forget(&key, &entry);
             }
         })
     }
@@ -532,7 +826,7 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
         self.fenced(key, token, |map, now| {
-            let until = later(now, lease);
+            let until = later(now.mono, lease);
             if let Some(rec) = map.get_mut(key) {
                 rec.state = EntryState::InProgress {
                     token,
@@ -540,7 +834,7 @@ impl Store for MemoryStore {
                 };
                 rec.expires_at = rec.expires_at.max(until);
             }
-            until
+            wall_later(now.wall, lease)
         })
     }
 
@@ -549,27 +843,28 @@ impl Store for MemoryStore {
     }
 
     async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        let now = self.now();
         let mut map = self.shard(key);
         let Some(entry) = map.get(key) else {
             return Ok(Deleted::Absent);
         };
-        let record = entry.to_record(key).ok_or_else(corrupt)?;
+        let record = entry.to_record(key, now).ok_or_else(corrupt)?;
         let in_progress = matches!(entry.state, EntryState::InProgress { .. });
         // An expired record is deleted whatever its state: it is absent to claims already.
-        if in_progress && !force && entry.expires_at > self.now() {
+        if in_progress && !force && entry.expires_at > now.mono {
             return Ok(Deleted::InProgress(record));
         }
-        map.remove(key);
-        self.inner.len.fetch_sub(1, Ordering::Relaxed);
-        self.unreserve_in_scope(&key.scope);
+        if let Some((key, entry)) = map.remove_entry(key) {
+            self.forget(&key, &entry);
+        }
         Ok(Deleted::Deleted(record))
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = self.now();
-        match self.shard(key).get(key).filter(|r| r.expires_at > now) {
+        match self.shard(key).get(key).filter(|r| r.expires_at > now.mono) {
             None => Ok(None),
-            Some(entry) => entry.to_record(key).map(Some).ok_or_else(corrupt),
+            Some(entry) => entry.to_record(key, now).map(Some).ok_or_else(corrupt),
         }
     }
 }

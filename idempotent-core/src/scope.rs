@@ -25,8 +25,42 @@ use std::fmt;
 /// assert_ne!(a, Scope::unscoped());
 /// # Ok::<(), idempotent_core::ScopeError>(())
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Scope(String);
+///
+/// A scope also knows whether every caller shares it (the unscoped namespace, and an unscoped
+/// idempotent function's): that is set where the scope is built, never read from its text, so
+/// a caller whose identity is spelled like a shared namespace is still one caller. Two scopes
+/// with the same text are the same scope (equal, same hash), as they are in a SQL store.
+#[derive(Clone)]
+pub struct Scope {
+    text: Box<str>,
+    shared: bool,
+}
+
+impl PartialEq for Scope {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Scope {}
+
+impl std::hash::Hash for Scope {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.text.hash(state);
+    }
+}
+
+impl PartialOrd for Scope {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Scope {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.text.cmp(&other.text)
+    }
+}
 
 /// Why a value cannot be a scope.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -68,47 +102,54 @@ impl Scope {
         if value.contains('\0') {
             return Err(ScopeError::Nul);
         }
-        Ok(Scope(value))
+        Ok(Scope {
+            text: value.into_boxed_str(),
+            shared: false,
+        })
     }
 
     /// The namespace of routes that declared `unscoped`: every caller shares it.
     pub fn unscoped() -> Self {
-        Scope(String::new())
+        Scope {
+            text: Box::default(),
+            shared: true,
+        }
+    }
+
+    /// The namespace of the idempotent function `name` for `caller`
+    /// (`call:<len>:<name>:<caller>`, see [`Call`](crate::call::Call)): shared by every
+    /// caller when `caller` is.
+    pub(crate) fn function(name: &str, caller: &Scope) -> Result<Self, ScopeError> {
+        let mut scope = Scope::new(format!("call:{}:{name}:{}", name.len(), caller.as_str()))?;
+        scope.shared = caller.shared;
+        Ok(scope)
     }
 
     /// Whether this is the unscoped namespace.
     pub fn is_unscoped(&self) -> bool {
-        self.0.is_empty()
+        self.text.is_empty()
     }
 
     /// Whether every caller shares this namespace: the unscoped one, or an unscoped idempotent
-    /// function's (`call:<length>:<name>:`, see [`Call`](crate::call::Call)).
+    /// function's. Set where the scope was built ([`Scope::unscoped`], `Scope::function`),
+    /// never guessed from its text; a scope read back from a store is shared only if it is
+    /// the unscoped one.
     pub(crate) fn is_shared(&self) -> bool {
-        if self.is_unscoped() {
-            return true;
-        }
-        // `call:<len>:<name>:` with nothing after the name.
-        let Some(rest) = self.0.strip_prefix("call:") else {
-            return false;
-        };
-        let Some((len, after)) = rest.split_once(':') else {
-            return false;
-        };
-        len.parse::<usize>()
-            .ok()
-            .and_then(|len| after.get(len..))
-            .is_some_and(|tail| tail == ":")
+        self.shared
     }
 
     /// The scope's text (empty for [`Scope::unscoped`]).
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.text
     }
 
     /// Rebuilds a scope read back from a store (no validation: stores only hold valid scopes).
     #[doc(hidden)]
     pub fn from_stored(value: String) -> Self {
-        Scope(value)
+        Scope {
+            shared: value.is_empty(),
+            text: value.into_boxed_str(),
+        }
     }
 }
 
@@ -117,7 +158,7 @@ impl fmt::Debug for Scope {
         if self.is_unscoped() {
             f.write_str("Scope(<unscoped>)")
         } else {
-            f.debug_tuple("Scope").field(&self.0).finish()
+            f.debug_tuple("Scope").field(&&*self.text).finish()
         }
     }
 }
@@ -127,7 +168,7 @@ impl fmt::Display for Scope {
         if self.is_unscoped() {
             f.write_str("<unscoped>")
         } else {
-            f.write_str(&self.0)
+            f.write_str(&self.text)
         }
     }
 }
@@ -249,20 +290,22 @@ mod tests {
         assert!("x".repeat(Scope::MAX_LEN + 1).to_scope().is_err());
     }
 
+    /// Sharedness is set where a scope is built, never read from its text.
     #[test]
     fn shared_namespaces() {
         assert!(Scope::unscoped().is_shared());
-        assert!(Scope::new("call:4:book:").unwrap().is_shared());
-        for own in [
-            "call:4:book:acme",
-            "call:4:book",
-            "call:9:book:",
-            "call:x:book:",
-            "acct",
-            "call:",
-        ] {
-            assert!(!Scope::new(own).unwrap().is_shared(), "{own}");
-        }
+        let unscoped_fn = Scope::function("book", &Scope::unscoped()).unwrap();
+        assert_eq!(unscoped_fn.as_str(), "call:4:book:");
+        assert!(unscoped_fn.is_shared());
+        let tenant_fn = Scope::function("book", &Scope::new("acme").unwrap()).unwrap();
+        assert_eq!(tenant_fn.as_str(), "call:4:book:acme");
+        assert!(!tenant_fn.is_shared());
+        // A caller spelled like a shared namespace is one caller, yet the same record scope.
+        let spelled = Scope::new("call:4:book:").unwrap();
+        assert!(!spelled.is_shared());
+        assert_eq!(spelled, unscoped_fn);
+        assert!(Scope::from_stored(String::new()).is_shared());
+        assert!(!Scope::from_stored("call:4:book:".into()).is_shared());
     }
 
     /// Integer and string ids with the same decimal text are one scope; anything else is not.

@@ -57,6 +57,21 @@ pub enum StoreError {
         /// The configured bound.
         max_per_scope: usize,
     },
+    /// The store holds as many bytes as it allows (memory store: `max_bytes`, an estimate of
+    /// what its records hold in memory).
+    #[error("the store holds as many bytes as it allows ({max_bytes})")]
+    ByteCapacity {
+        /// The configured budget, in bytes.
+        max_bytes: u64,
+    },
+    /// One scope holds as many bytes as the store allows one scope (memory store:
+    /// `max_bytes_per_scope`), so this caller's new keys are refused while other callers' go
+    /// on.
+    #[error("this scope holds as many bytes as the store allows one scope ({max_bytes_per_scope})")]
+    ScopeByteCapacity {
+        /// The configured budget, in bytes.
+        max_bytes_per_scope: u64,
+    },
     /// The store cannot be reached or failed (connection loss, pool timeout, busy database).
     #[error("store unavailable: {0}")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -105,6 +120,7 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::Unavailable`], [`StoreError::Capacity`], [`StoreError::ScopeCapacity`],
+    /// [`StoreError::ByteCapacity`], [`StoreError::ScopeByteCapacity`],
     /// [`StoreError::Corrupt`].
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
 

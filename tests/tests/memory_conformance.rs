@@ -185,17 +185,14 @@ async fn one_scope_cannot_fill_the_store_for_everyone() {
         ));
     }
     assert_eq!(store.len(), 3, "the expired records were purged");
-    // The unscoped namespaces are everyone's: only max_entries bounds them (unscoped routes,
-    // and unscoped functions: a consumer deduplicating by message id); a function's records
-    // for one caller are that caller's.
-    let unscoped_call = Scope::new("call:4:book:").unwrap();
+    // The unscoped namespace is everyone's: only max_entries bounds it (unscoped functions'
+    // are too, see `function_scopes_are_shared_when_built_not_when_spelled_so`); a function's
+    // records for one caller are that caller's.
     for i in 0..10 {
-        for scope in [&Scope::unscoped(), &unscoped_call] {
-            assert!(matches!(
-                claim(key(scope, &format!("u{i}"))).await,
-                Ok(ClaimOutcome::Claimed(_))
-            ));
-        }
+        assert!(matches!(
+            claim(key(&Scope::unscoped(), &format!("u{i}"))).await,
+            Ok(ClaimOutcome::Claimed(_))
+        ));
     }
     let tenant_call = Scope::new("call:4:book:acme").unwrap();
     for i in 0..3 {
@@ -208,4 +205,404 @@ async fn one_scope_cannot_fill_the_store_for_everyone() {
         claim(key(&tenant_call, "t3")).await,
         Err(StoreError::ScopeCapacity { .. })
     ));
+}
+
+/// A scope is shared by every caller (no per-scope bound) because it was built so (the
+/// unscoped constant, an unscoped idempotent function's namespace), never because its text
+/// looks like one: an HTTP caller whose authenticated id is literally `call:1:x:` is one
+/// caller, bounded like any other.
+#[tokio::test]
+async fn function_scopes_are_shared_when_built_not_when_spelled_so() {
+    use idempotent_core::call::{Call, Calls};
+    use idempotent_core::*;
+    let store = MemoryStore::builder()
+        .max_entries(100)
+        .max_per_scope(3)
+        .build();
+    let fp = idempotent_tests::conformance::fp("a");
+    let lease = Duration::from_secs(10);
+    let spelled = Scope::new("call:1:x:").unwrap();
+    let mut outcomes = Vec::new();
+    for i in 0..4 {
+        let key = RecordKey::new(spelled.clone(), format!("k{i}").parse().unwrap());
+        outcomes.push(
+            store
+                .claim(ClaimRequest {
+                    key: &key,
+                    fingerprint: &fp,
+                    lease,
+                    ttl: lease,
+                })
+                .await,
+        );
+    }
+    assert!(
+        matches!(
+            outcomes[3],
+            Err(StoreError::ScopeCapacity { max_per_scope: 3 })
+        ),
+        "an identity spelled `call:1:x:` skipped the per-scope bound: its 4th claim gave {:?}",
+        outcomes[3]
+    );
+    // An unscoped idempotent function (a consumer deduplicating by message id) shares its
+    // namespace with every caller: only max_entries bounds it.
+    let calls = Calls::new(Engine::new(store.clone()));
+    for i in 0..10_u32 {
+        let id = format!("msg_{i}");
+        let call = Call::new(
+            "book",
+            Scope::unscoped(),
+            IdempotencyKey::parse(id.as_bytes()).unwrap(),
+            &i,
+        )
+        .unwrap();
+        let out = calls
+            .run(call, || async move { Ok::<_, std::io::Error>(i) })
+            .await;
+        assert_eq!(out.unwrap(), i, "message {i}");
+    }
+}
+
+/// Leases (and expiry) are measured on a monotonic clock: a wall clock stepped backwards (NTP,
+/// an operator) does not extend a lease, one stepped forwards does not end it early nor expire
+/// a finished record; only time passing does. Record times are still shown on the wall clock.
+#[tokio::test]
+async fn leases_are_measured_on_a_monotonic_clock() {
+    use idempotent_core::*;
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let fp = idempotent_tests::conformance::fp("a");
+    let lease = Duration::from_secs(10);
+    let ttl = Duration::from_secs(60);
+    let hour = Duration::from_secs(3600);
+    let k = idempotent_tests::conformance::unique_key("mono");
+    let req = ClaimRequest {
+        key: &k,
+        fingerprint: &fp,
+        lease,
+        ttl,
+    };
+    let ClaimOutcome::Claimed(first) = store.claim(req).await.unwrap() else {
+        panic!("not claimed");
+    };
+    // The wall clock steps back an hour: the lease still ends within 10 s.
+    clock.set_wall_time(clock.now() - hour);
+    match store.claim(req).await.unwrap() {
+        ClaimOutcome::InProgress { retry_after } => assert!(
+            retry_after <= lease,
+            "a wall clock stepped back an hour extended the lease: retry after {retry_after:?}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    let shown = store.get(&k).await.unwrap().expect("record");
+    let RecordState::InProgress { locked_until, .. } = shown.state else {
+        panic!("{shown:?}");
+    };
+    let left = locked_until.duration_since(clock.now());
+    assert!(
+        left.as_ref().is_ok_and(|left| *left <= lease),
+        "the lease end is shown on the wall clock: {left:?} from now"
+    );
+    // The wall clock steps forward two hours: the lease has not run out.
+    clock.set_wall_time(clock.now() + 2 * hour);
+    assert!(
+        matches!(
+            store.claim(req).await.unwrap(),
+            ClaimOutcome::InProgress { .. }
+        ),
+        "a wall clock stepped forward ended the lease early"
+    );
+    // Nor does a finished record expire when the wall clock jumps past its ttl.
+    store
+        .complete(
+            &k,
+            first.token,
+            &StoredResponse::new(201, "done").into(),
+            ttl,
+        )
+        .await
+        .unwrap();
+    clock.set_wall_time(clock.now() + 24 * hour);
+    assert!(
+        matches!(store.claim(req).await.unwrap(), ClaimOutcome::Replay(_)),
+        "a wall clock stepped forward expired a finished record"
+    );
+    // Time passing does end a lease.
+    let k2 = idempotent_tests::conformance::unique_key("mono2");
+    let req2 = ClaimRequest { key: &k2, ..req };
+    assert!(matches!(
+        store.claim(req2).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    clock.advance(lease + Duration::from_secs(1));
+    match store.claim(req2).await.unwrap() {
+        ClaimOutcome::Claimed(lease) => assert!(lease.took_over),
+        other => panic!("{other:?}"),
+    }
+}
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+
+/// Claims `k` and, if claimed, completes it with a `size`-byte body; returns what the claim
+/// answered.
+async fn claim_and_store(
+    store: &idempotent_core::MemoryStore,
+    k: &idempotent_core::RecordKey,
+    size: u64,
+) -> Result<idempotent_core::ClaimOutcome, idempotent_core::StoreError> {
+    use idempotent_core::*;
+    let fp = idempotent_tests::conformance::fp("a");
+    let short = Duration::from_secs(10);
+    let out = store
+        .claim(ClaimRequest {
+            key: k,
+            fingerprint: &fp,
+            lease: short,
+            ttl: short,
+        })
+        .await?;
+    if let ClaimOutcome::Claimed(lease) = &out {
+        let body = vec![b'x'; usize::try_from(size).unwrap()];
+        let response = StoredResponse::new(201, body).with_header("content-type", "text/plain");
+        store
+            .complete(k, lease.token, &response.into(), short)
+            .await
+            .unwrap();
+    }
+    Ok(out)
+}
+
+/// What a replay of `k` gives: the stored body's length, or `None` for the "not stored"
+/// marker.
+async fn replayed_size(
+    store: &idempotent_core::MemoryStore,
+    k: &idempotent_core::RecordKey,
+) -> Option<usize> {
+    use idempotent_core::*;
+    let fp = idempotent_tests::conformance::fp("a");
+    let short = Duration::from_secs(10);
+    match store
+        .claim(ClaimRequest {
+            key: k,
+            fingerprint: &fp,
+            lease: short,
+            ttl: short,
+        })
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Replay(StoredOutcome::Response(r)) => Some(r.body.len()),
+        ClaimOutcome::Replay(StoredOutcome::Oversized { status: 201, .. }) => None,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// One caller storing large responses fills its own byte budget and no more: the response
+/// that does not fit is kept as the "not stored" marker (the handler ran; a retry gets a clear
+/// error, never a second run), its next claim is refused with `ScopeByteCapacity` (answered as
+/// the count bound is), while another caller goes on. Deleted, released and expired records
+/// give their bytes back.
+#[tokio::test]
+async fn one_scope_cannot_fill_the_store_with_bytes() {
+    use idempotent_core::*;
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::builder()
+        .max_bytes(64 * MIB)
+        .max_bytes_per_scope(MIB)
+        .clock(clock.clone())
+        .build();
+    let greedy = Scope::new("greedy").unwrap();
+    let key = |scope: &Scope, k: &str| RecordKey::new(scope.clone(), k.parse().unwrap());
+    let mut refused = None;
+    for i in 0..20 {
+        match claim_and_store(&store, &key(&greedy, &format!("k{i}")), 200 * KIB).await {
+            Ok(ClaimOutcome::Claimed(_)) => {}
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => {
+                refused = Some((i, e));
+                break;
+            }
+        }
+    }
+    let Some((at, error)) = refused else {
+        panic!("one caller stored 20 responses of 200 KiB (4 MiB) under a 1 MiB budget");
+    };
+    assert!(
+        matches!(
+            error,
+            StoreError::ScopeByteCapacity {
+                max_bytes_per_scope: MIB
+            }
+        ),
+        "{error:?}"
+    );
+    // Five responses fit, the sixth was kept as the marker, the seventh claim was refused.
+    assert_eq!(at, 6, "refused at claim {at}");
+    for i in 0..5 {
+        assert_eq!(
+            replayed_size(&store, &key(&greedy, &format!("k{i}"))).await,
+            Some(200 * 1024)
+        );
+    }
+    assert_eq!(replayed_size(&store, &key(&greedy, "k5")).await, None);
+    assert!(store.bytes() <= 64 * MIB && store.bytes() > 5 * 200 * KIB);
+    // Another caller is not held up.
+    let other = Scope::new("other").unwrap();
+    assert!(matches!(
+        claim_and_store(&store, &key(&other, "k0"), 200 * KIB).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    assert_eq!(
+        replayed_size(&store, &key(&other, "k0")).await,
+        Some(200 * 1024)
+    );
+    // Through the engine the refusal is the count bound's answer (HTTP: 503, `Retry-After`,
+    // `idempotency-store-unavailable`): the handler does not run.
+    let engine = Engine::new(store.clone());
+    let request = ExecuteRequest {
+        scope: greedy.clone(),
+        key: "k20".parse(),
+        fingerprint: idempotent_tests::conformance::fp("a"),
+    };
+    let out = engine.begin(request, &Policy::default()).await;
+    assert!(
+        matches!(
+            out,
+            Begin::StoreUnavailable(StoreError::ScopeByteCapacity { .. })
+        ),
+        "{out:?}"
+    );
+    // A deleted record gives its bytes back.
+    store.delete(&key(&greedy, "k0"), false).await.unwrap();
+    assert!(matches!(
+        claim_and_store(&store, &key(&greedy, "k6"), 0).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    // A released one too: a fresh claim, released, then a 200 KiB response fits.
+    let fp = idempotent_tests::conformance::fp("a");
+    let short = Duration::from_secs(10);
+    let k7 = key(&greedy, "k7");
+    let req = ClaimRequest {
+        key: &k7,
+        fingerprint: &fp,
+        lease: short,
+        ttl: short,
+    };
+    let ClaimOutcome::Claimed(held) = store.claim(req).await.unwrap() else {
+        panic!("not claimed");
+    };
+    store.release(&k7, held.token).await.unwrap();
+    assert!(matches!(
+        claim_and_store(&store, &key(&greedy, "k8"), 100 * KIB).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    assert_eq!(
+        replayed_size(&store, &key(&greedy, "k8")).await,
+        Some(100 * 1024)
+    );
+    // Expired records make room first (they still hold the budget until purged), and give
+    // everything back.
+    clock.advance(Duration::from_secs(60));
+    assert!(matches!(
+        claim_and_store(&store, &key(&greedy, "k9"), 1000 * KIB).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    assert_eq!(
+        replayed_size(&store, &key(&greedy, "k9")).await,
+        Some(1000 * 1024),
+        "expired records kept a response from being stored"
+    );
+    store.purge_expired(usize::MAX).await.unwrap();
+    assert_eq!(store.len(), 1);
+    clock.advance(Duration::from_secs(60));
+    store.purge_expired(usize::MAX).await.unwrap();
+    assert_eq!(
+        (store.len(), store.bytes()),
+        (0, 0),
+        "every byte given back"
+    );
+}
+
+/// The total byte budget: callers together fill it, and then every new claim is refused with
+/// `ByteCapacity` until records go.
+#[tokio::test]
+async fn the_total_byte_budget_holds() {
+    use idempotent_core::*;
+    let store = MemoryStore::builder()
+        .max_bytes(MIB)
+        .max_bytes_per_scope(64 * MIB)
+        .build();
+    let key = |i: usize| {
+        RecordKey::new(
+            Scope::new(format!("caller_{i}")).unwrap(),
+            "k".parse().unwrap(),
+        )
+    };
+    let mut refused = None;
+    for i in 0..20 {
+        match claim_and_store(&store, &key(i), 200 * KIB).await {
+            Ok(ClaimOutcome::Claimed(_)) => {}
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => {
+                refused = Some((i, e));
+                break;
+            }
+        }
+    }
+    let Some((at, error)) = refused else {
+        panic!("20 callers stored 200 KiB each (4 MiB) under a 1 MiB total budget");
+    };
+    assert!(
+        matches!(error, StoreError::ByteCapacity { max_bytes: MIB }),
+        "{error:?}"
+    );
+    assert_eq!(at, 6, "refused at claim {at}");
+    assert_eq!(replayed_size(&store, &key(5)).await, None);
+    assert!(store.bytes() <= MIB);
+    store.delete(&key(0), false).await.unwrap();
+    assert!(matches!(
+        claim_and_store(&store, &key(7), 100 * KIB).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    assert_eq!(replayed_size(&store, &key(7)).await, Some(100 * 1024));
+}
+
+/// Concurrent claims and completes never charge the store past its byte budget, and each
+/// ends as a stored response, the marker, or a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn byte_budget_holds_under_concurrent_completes() {
+    use idempotent_core::*;
+    let store = MemoryStore::builder().max_bytes(MIB).build();
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let key = idempotent_tests::conformance::unique_key(&format!("b{i}"));
+                barrier.wait().await;
+                let out = claim_and_store(&store, &key, 100 * KIB).await;
+                assert!(store.bytes() <= MIB, "{} bytes charged", store.bytes());
+                match out {
+                    Ok(ClaimOutcome::Claimed(_)) => Some(replayed_size(&store, &key).await),
+                    Err(StoreError::ByteCapacity { max_bytes: MIB }) => None,
+                    other => panic!("{other:?}"),
+                }
+            })
+        })
+        .collect();
+    let (mut stored, mut markers) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Some(Some(_)) => stored += 1,
+            Some(None) => markers += 1,
+            None => {}
+        }
+    }
+    assert!(store.bytes() <= MIB);
+    assert!((1..=10).contains(&stored), "{stored} stored");
+    assert!(
+        markers >= 1,
+        "the response that did not fit is kept as the marker"
+    );
 }
