@@ -30,6 +30,26 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # The name is the identity
+//! A function's records belong to its **name** (the attribute's required `name = "…"`, the
+//! first argument of [`Call::new`]), never to where its code lives: the record's scope is
+//! the caller's scope within that name (`call:<len>:<name>:<scope>`), the name is part of
+//! the fingerprint, and derived downstream keys come from that scope. So:
+//! - moving the function to another module, renaming the Rust function or splitting a crate
+//!   between a delivery and its redelivery keeps its records: the redelivery replays, and a
+//!   re-run derives the same downstream keys;
+//! - changing the name is a new function: a redelivery of a message the old name already
+//!   handled runs again and derives new downstream keys (a double charge downstream, unless
+//!   the provider deduplicates otherwise). Rename only when no message of the old name can
+//!   still arrive (after the ttl), or keep the old name;
+//! - two functions must not share a name unless they are the same operation (one runs,
+//!   the other replays its output, or gets [`CallError::Mismatch`] for other arguments).
+//!
+//! A name is 1 to 64 ([`Call::MAX_NAME_LEN`]) ASCII letters, digits, `_`, `-` or `.`
+//! (`book_payment`, `billing.book-payment.v2`); the attribute refuses another at compile
+//! time, [`Call::new`] with [`InvalidCall::Name`]. It is also the `route` of the function's
+//! logs and metrics.
+//!
 //! # What is fingerprinted, stored and returned
 //! - **Fingerprint**: SHA-256 over the function's name and the JSON of the arguments given to
 //!   [`Call::new`] (canonicalised, RFC 8785: field order does not matter). The same key with
@@ -108,23 +128,29 @@ impl Call {
     /// A call of the function `name` by `scope` under `key`; `args` (any `Serialize` value:
     /// the message, or a tuple of the arguments that identify the work) is fingerprinted.
     ///
-    /// Each function has records of its own: the record's scope is `scope` within `name`
-    /// (`call:<len>:<name>:<scope>`), so two functions consuming one message each run once,
-    /// and derive keys of their own. Give each function a distinct `name` (the attribute
-    /// uses its module path and name).
+    /// **`name` is the identity of the function's records**: the record's scope is `scope`
+    /// within `name`, and the name is part of the fingerprint and of every derived key. So
+    /// two functions consuming one message each run once and derive keys of their own, and
+    /// one function keeps its records wherever its code lives. Give each function a distinct
+    /// name that you never change (the attribute's `name = "…"`): a redelivery under another
+    /// name runs the function again and derives new downstream keys. See the
+    /// [module docs](self#the-name-is-the-identity).
+    ///
+    /// A name is 1 to [`Call::MAX_NAME_LEN`] ASCII letters, digits, `_`, `-` or `.`.
     ///
     /// # Errors
-    /// [`InvalidCall`]: `args` cannot be serialized (a map with non-string keys, a failing
-    /// `Serialize`), or the scope with the name is longer than a scope may be.
+    /// [`InvalidCall`]: the name breaks that rule ([`InvalidCall::Name`]), `args` cannot be
+    /// serialized (a map with non-string keys, a failing `Serialize`), or the scope with the
+    /// name is longer than a scope may be.
     pub fn new<A: Serialize + ?Sized>(
         name: &'static str,
         scope: Scope,
         key: IdempotencyKey,
         args: &A,
     ) -> Result<Self, InvalidCall> {
+        check_name(name).map_err(InvalidCall::Name)?;
         let json = serde_json::to_vec(args).map_err(InvalidCall::Encode)?;
-        let scope = Scope::new(format!("call:{}:{name}:{}", name.len(), scope.as_str()))
-            .map_err(InvalidCall::Scope)?;
+        let scope = Scope::function(name, &scope).map_err(InvalidCall::Scope)?;
         let fingerprint = Fingerprint::compute(&FingerprintInput {
             method: METHOD,
             path: name,
@@ -164,16 +190,62 @@ impl Call {
         self
     }
 
-    /// The function's name.
+    /// The function's name: the identity of its records.
     pub fn name(&self) -> &'static str {
         self.name
     }
+
+    /// The longest name a function may have, in bytes.
+    pub const MAX_NAME_LEN: usize = 64;
+}
+
+/// The rule of a function's name (the attribute's `name = "…"` checks the same at compile
+/// time): 1 to [`Call::MAX_NAME_LEN`] ASCII letters, digits, `_`, `-` or `.`, so it reads the
+/// same in every store, log line and metric label, and no `:` blurs it with the scope.
+fn check_name(name: &str) -> Result<(), NameError> {
+    if name.is_empty() {
+        return Err(NameError::Empty);
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
+    {
+        return Err(NameError::Char(c));
+    }
+    if name.len() > Call::MAX_NAME_LEN {
+        return Err(NameError::TooLong { len: name.len() });
+    }
+    Ok(())
+}
+
+/// Why a function's name was refused ([`Call::new`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NameError {
+    /// The name is empty.
+    #[error("the function name is empty")]
+    Empty,
+    /// The name is longer than [`Call::MAX_NAME_LEN`] bytes.
+    #[error(
+        "the function name is {len} bytes long; the limit is {}",
+        Call::MAX_NAME_LEN
+    )]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The name holds a character other than an ASCII letter, digit, `_`, `-` or `.`.
+    #[error("the function name holds {0:?}; use ASCII letters, digits, `_`, `-` or `.`")]
+    Char(char),
 }
 
 /// Why a [`Call`] could not be made.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InvalidCall {
+    /// The function's name breaks the rule of names (see [`Call::new`]).
+    #[error("invalid function name: {0}")]
+    Name(NameError),
     /// The arguments could not be serialized.
     #[error("the arguments cannot be serialized: {0}")]
     Encode(serde_json::Error),
@@ -218,9 +290,9 @@ pub enum CallError<E> {
     /// The engine is draining (shutting down); the function did not run.
     #[error("the engine is shutting down")]
     Draining,
-    /// The ttl or lease is out of bounds, the function takes an [`Idempotent`] context and no
-    /// derive secret is configured, or the store is not on a transactional call's database:
-    /// the function did not run. Also when a transactional function kept its transaction
+    /// The ttl or lease is out of bounds, the function's name is invalid, the function
+    /// takes an [`Idempotent`] context and no derive secret is configured, or the store is
+    /// not on a transactional call's database: the function did not run. Also when a transactional function kept its transaction
     /// past its return: it ran, and its writes rolled back.
     #[error("misconfigured: {0}")]
     Misconfigured(String),
@@ -770,6 +842,8 @@ impl Function {
         let mut call = Call::new(self.name, scope, key, args).map_err(|e| match e {
             InvalidCall::Encode(e) => CallError::Encode(e),
             InvalidCall::Scope(e) => CallError::InvalidScope(e),
+            // The attribute checks its `name` at compile time; kept for completeness.
+            InvalidCall::Name(e) => CallError::Misconfigured(e.to_string()),
         })?;
         call.ttl = self.ttl;
         call.lease = self.lease;

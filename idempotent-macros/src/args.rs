@@ -16,7 +16,7 @@ enum Kind {
 
 /// Every argument the attribute knows: its name, what it takes, and the example the errors
 /// show. The parser, the "expected one of" list and the hints all read this one table.
-const ARGS: [(&str, Kind, &str); 12] = [
+const ARGS: [(&str, Kind, &str); 13] = [
     ("scope", Kind::Value, "scope = \"account_id\""),
     ("unscoped", Kind::Flag, "unscoped"),
     ("ttl", Kind::Value, "ttl = \"24h\""),
@@ -29,6 +29,7 @@ const ARGS: [(&str, Kind, &str); 12] = [
     ("crate", Kind::Value, "crate = \"my_idempotent_axum\""),
     ("key_from", Kind::Value, "key_from = \"msg.id\""),
     ("store_errors", Kind::Flag, "store_errors"),
+    ("name", Kind::Value, "name = \"book_payment\""),
 ];
 
 /// Every argument, for error messages: `` `scope`, `unscoped`, … ``.
@@ -43,6 +44,8 @@ fn valid() -> String {
 pub(crate) const MAX_DURATION_MS: u64 = 365 * 86_400_000;
 /// Shortest ttl or lease: 100 ms (the runtime configuration has the same bound).
 pub(crate) const MIN_DURATION_MS: u64 = 100;
+/// Longest function name, in bytes (`idempotent_core::call::Call::MAX_NAME_LEN`).
+pub(crate) const MAX_NAME_LEN: usize = 64;
 
 /// Whether requests must carry a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +79,10 @@ pub(crate) struct Args {
     pub(crate) key_from: Option<(ScopePath, Span)>,
     /// Function mode: errors that opt in (`StoredError`) are stored.
     pub(crate) store_errors: Option<Span>,
+    /// Function mode: the stable name that identifies the function's records.
+    pub(crate) name: Option<(String, Span)>,
+    /// A `name` was written but refused (its error is reported; "missing" would be noise).
+    pub(crate) name_refused: bool,
 }
 
 /// Sets `slot` once; a second time is a "duplicate argument" error (serde's `Attr::set`).
@@ -196,6 +203,13 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
                 Ok(ms) => set(&mut args.wait, (ms, lspan), &name, span, &mut errors),
                 Err(e) => errors.push(e),
             },
+            "name" => match function_name(&lit.value()) {
+                Ok(n) => set(&mut args.name, (n, lspan), &name, span, &mut errors),
+                Err(m) => {
+                    args.name_refused = true;
+                    errors.push(syn::Error::new(lspan, m));
+                }
+            },
             "max_response" => match size(&lit) {
                 Ok(n) => set(&mut args.max_response, (n, lspan), &name, span, &mut errors),
                 Err(e) => errors.push(e),
@@ -256,6 +270,36 @@ fn scope_path(lit: &LitStr, what: &str) -> Result<ScopePath, syn::Error> {
         ));
     }
     Ok(ScopePath { param, fields })
+}
+
+/// A function's name, by the rule of `idempotent_core::call::Call::new`: 1 to 64 ASCII
+/// letters, digits, `_`, `-` or `.` (so it reads the same in every store, log and metric
+/// label, and no `:` blurs it with the scope it prefixes).
+pub(crate) fn function_name(s: &str) -> Result<String, String> {
+    const RULE: &str = "a function name is 1 to 64 ASCII letters, digits, `_`, `-` or `.`";
+    if s.is_empty() {
+        return Err(format!(
+            "`name` is empty; {RULE}, as in `name = \"book_payment\"`"
+        ));
+    }
+    if let Some(c) = s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
+    {
+        let what = if c == ' ' {
+            "a space".to_owned()
+        } else {
+            format!("`{}`", c.escape_debug())
+        };
+        return Err(format!(
+            "`name = \"{}\"` holds {what}; {RULE}",
+            s.escape_debug()
+        ));
+    }
+    if s.len() > MAX_NAME_LEN {
+        return Err(format!("`name` is {} characters long; {RULE}", s.len()));
+    }
+    Ok(s.to_owned())
 }
 
 /// The same grammar as `idempotent_core::parse_duration`: `<n>ms|s|m|h|d`, from 100 ms to 365
@@ -429,6 +473,37 @@ mod tests {
             errs(quote!(unscoped, key = "maybe"))[0]
                 .contains("expected `\"required\"` or `\"optional\"`")
         );
+    }
+
+    #[test]
+    fn function_names() {
+        let a = parse(quote!(
+            name = "billing.book-payment_v2",
+            key_from = "m.id",
+            unscoped
+        ))
+        .0;
+        assert_eq!(a.name.unwrap().0, "billing.book-payment_v2");
+        assert_eq!(
+            errs(quote!(name = "", unscoped))[0],
+            "`name` is empty; a function name is 1 to 64 ASCII letters, digits, `_`, `-` or `.`, as in `name = \"book_payment\"`"
+        );
+        assert_eq!(
+            errs(quote!(name = "payments::book", unscoped))[0],
+            "`name = \"payments::book\"` holds `:`; a function name is 1 to 64 ASCII letters, digits, `_`, `-` or `.`"
+        );
+        assert!(errs(quote!(name = "book payment", unscoped))[0].contains("holds a space"));
+        assert!(errs(quote!(name = "a\nb", unscoped))[0].contains("holds `\\n`"));
+        assert!(errs(quote!(name = "réserver", unscoped))[0].contains("holds `é`"));
+        let long = "x".repeat(MAX_NAME_LEN + 1);
+        assert!(errs(quote!(name = #long, unscoped))[0].contains("is 65 characters long"));
+        let longest = "x".repeat(MAX_NAME_LEN);
+        assert!(errs(quote!(name = #longest, unscoped)).is_empty());
+        assert_eq!(
+            errs(quote!(name = "a", name = "b", unscoped))[0],
+            "duplicate argument `name`"
+        );
+        assert!(errs(quote!(name = book, unscoped))[0].contains("takes a string literal"));
     }
 
     #[test]

@@ -43,6 +43,12 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, fw: Framework) -> Tok
             "`store_errors` applies to idempotent functions (`key_from = …`); a handler stores 5xx with `store_server_errors`",
         ));
     }
+    if let Some((_, span)) = parsed.name {
+        arg_errors.push(syn::Error::new(
+            span,
+            "`name` applies to idempotent functions (`key_from = …`); a handler's records are identified by its caller's scope and the `Idempotency-Key`, and its fingerprint holds the method and path, so it takes no name",
+        ));
+    }
     let func: ItemFn = match syn::parse2::<syn::Item>(item.clone()) {
         Ok(syn::Item::Fn(f)) => f,
         Ok(other) => {
@@ -519,6 +525,48 @@ mod tests {
         assert!(
             plain.contains("__IdempotentImpl0 : IntoResponse"),
             "{plain}"
+        );
+    }
+
+    #[test]
+    fn function_mode_is_identified_by_its_name() {
+        let item = quote!(
+            async fn book(calls: &Calls, msg: &Msg) -> Result<u8, E> {
+                Ok(1)
+            }
+        );
+        let out = expand_function(
+            quote!(name = "billing.book", key_from = "msg.id", unscoped),
+            item.clone(),
+        )
+        .to_string();
+        assert!(out.contains("Function :: new (\"billing.book\" ,"), "{out}");
+        assert!(!out.contains("module_path"), "{out}");
+        let unnamed =
+            expand_function(quote!(key_from = "msg.id", unscoped), item.clone()).to_string();
+        assert!(
+            unnamed.contains("function mode needs a stable `name = \\\"book\\\"`"),
+            "{unnamed}"
+        );
+        assert!(unnamed.contains("async fn book"), "{unnamed}");
+        // An invalid name is one error, not also a missing one.
+        let invalid = expand_function(
+            quote!(name = "a:b", key_from = "msg.id", unscoped),
+            item.clone(),
+        )
+        .to_string();
+        assert!(invalid.contains("holds `:`"), "{invalid}");
+        assert!(!invalid.contains("needs a stable"), "{invalid}");
+        // On a handler, `name` is refused.
+        let handler = expand_str(
+            quote!(unscoped, name = "book"),
+            quote!(
+                async fn h() {}
+            ),
+        );
+        assert!(
+            handler.contains("`name` applies to idempotent functions"),
+            "{handler}"
         );
     }
 

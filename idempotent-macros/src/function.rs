@@ -1,6 +1,7 @@
-//! Function mode: `#[idempotent(key_from = "msg.id", scope = "msg.tenant")]` on any async
-//! function returning `Result<T, E>`. The function runs under the `&Calls` its callers pass, at
-//! most once per (scope, key); its output is stored and returned again on redelivery.
+//! Function mode: `#[idempotent(name = "book", key_from = "msg.id", scope = "msg.tenant")]` on
+//! any async function returning `Result<T, E>`. The function runs under the `&Calls` its
+//! callers pass, at most once per (scope, key); its output is stored and returned again on
+//! redelivery. Its records belong to the required `name`, never to its module path.
 
 use crate::args::{Args, ScopePath};
 use crate::signature;
@@ -103,6 +104,21 @@ pub(crate) fn expand(
             "function mode needs `key_from = \"param\"` or `\"param.field\"`: where the key (a message id) comes from",
         ));
     }
+    if parsed.name.is_none() && !parsed.name_refused {
+        // Suggest the function's own name when it is a valid one (a fair first choice); the
+        // error says why the name must then stay put even if the function does not.
+        let ident = func.sig.ident.to_string();
+        let ident = ident.strip_prefix("r#").unwrap_or(&ident);
+        let suggestion =
+            crate::args::function_name(ident).unwrap_or_else(|_| "book_payment".into());
+        errors.push(syn::Error::new(
+            Span::call_site(),
+            format!(
+                "function mode needs a stable `name = \"{suggestion}\"`: the name, not the module path, identifies the function's records and derived keys, so renaming or moving `{}` keeps them (a new `name` starts new ones)",
+                func.sig.ident
+            ),
+        ));
+    }
     match (errors.is_empty(), runner, output, &parsed.key_from) {
         (true, Some(runner), Some((ok, err)), Some(key_from)) => generate(
             &parsed,
@@ -186,9 +202,13 @@ fn generate(
     let (inner, outer): (Vec<_>, Vec<_>) = attrs
         .into_iter()
         .partition(|attr| matches!(attr.style, syn::AttrStyle::Inner(_)));
-    let name = sig.ident.to_string();
-    // Each function has records of its own: its module path and name.
-    let name = quote!(::core::concat!(::core::module_path!(), "::", #name));
+    // The records' identity: the stable `name` written in the attribute (checked at parse
+    // time), never the module path, so a function can move or be renamed between a delivery
+    // and its redelivery.
+    let Some((name, name_span)) = &a.name else {
+        return quote!();
+    };
+    let name = syn::LitStr::new(name, *name_span);
     let statik = format_ident!("__IDEMPOTENT_FUNCTION", span = Span::mixed_site());
     let call = format_ident!("__idempotent_call", span = Span::mixed_site());
     let ctx = format_ident!("__idempotent_context", span = Span::mixed_site());

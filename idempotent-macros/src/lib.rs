@@ -6,6 +6,9 @@
 //! shape and the names its parameters bind) → `expand` (code generation). Everything below
 //! the entry points works on `proc_macro2`, so it unit-tests without a compiler run.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// The workspace denies unsafe code (one test allows it, to count allocations); the published
+// crates forbid it outright.
+#![forbid(unsafe_code)]
 
 use proc_macro::TokenStream;
 
@@ -49,6 +52,7 @@ mod signature;
 /// | `commit = "single"` / `"two"` | transactional handlers (a `Transaction<DB>` parameter): the claim inside the handler's transaction (one commit), or committed first | the configuration's (single) |
 /// | `wait = "5s"` | transactional, single commit on PostgreSQL: how long a duplicate waits for the first to commit (then replays) before 409 | the configuration's (50 ms) |
 /// | `crate = "path"` | where the adapter crate is, if renamed | `::idempotent_axum` |
+/// | `key_from = "msg.id"`, `name = "…"` | make an idempotent *function* instead (function mode, see `idempotent_core::idempotent`); `name` without `key_from` is refused: a handler's records belong to its caller's scope and request, not to a name | |
 ///
 /// A parameter whose type is `Transaction<DB>` (the adapter's, not sqlx's) makes the handler
 /// transactional: it is no extractor; the runtime opens the transaction after the claim and
@@ -72,7 +76,8 @@ mod signature;
 /// that names no parameter (the error lists the parameters), two `Transaction` or two
 /// `Idempotent` parameters,
 /// sqlx's own `Transaction<'_, DB>`, `commit` or `wait` without a transaction, `scope` together with `unscoped`
-/// or neither, a `ttl` shorter than a `lease` written next to it, and a function that is not
+/// or neither, function mode's `name` or `store_errors` without `key_from`, a `ttl` shorter
+/// than a `lease` written next to it, and a function that is not
 /// a free `async fn`. All errors are reported together, next to the unchanged function. A
 /// `ttl` shorter than the *configured* lease can only be seen at run time: the route then
 /// answers 500 and logs its name, once.
@@ -159,8 +164,8 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::expand(args.into(), item.into(), expand::Framework::Actix).into()
 }
 
-/// `#[idempotent(key_from = "msg.id", scope = "msg.tenant", ttl = "7d")]` on an async
-/// function: **function mode**, re-exported by `idempotent-core` as `idempotent` (and reached
+/// `#[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant", ttl = "7d")]`
+/// on an async function: **function mode**, re-exported by `idempotent-core` as `idempotent` (and reached
 /// through each adapter's `idempotent` too, which switches to function mode on `key_from`).
 ///
 /// ```
@@ -170,7 +175,7 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
 /// #[derive(serde::Serialize)]
 /// struct PaymentEvent { id: String, tenant: String, amount: i64 }
 ///
-/// #[idempotent(key_from = "msg.id", scope = "msg.tenant", ttl = "7d")]
+/// #[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant", ttl = "7d")]
 /// async fn book_payment(calls: &Calls, msg: &PaymentEvent) -> Result<String, std::io::Error> {
 ///     Ok(format!("booked {}", msg.amount))
 /// }
@@ -187,23 +192,45 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
 ///
 /// The function declares the runner it executes under, `calls: &Calls` (its callers pass
 /// it), returns `Result<T, E>` with `T: Serialize + DeserializeOwned`, and becomes a function
-/// returning `Result<T, CallError<E>>`:
-/// - the key comes from `key_from` (a parameter or `param.field` path whose value is text, an
-///   integer or a UUID: a message id), the scope from `scope` (as for handlers) or `unscoped`;
-/// - the fingerprint is the JSON of the parameter `key_from` starts at (the message), so a
-///   redelivered message with other contents under the same id is [`CallError::Mismatch`];
+/// returning `Result<T, CallError<E>>`.
+///
+/// # Arguments
+///
+/// | argument | meaning | default |
+/// |---|---|---|
+/// | `name = "book_payment"` | **the identity of the function's records**: see below | required |
+/// | `key_from = "param"` / `"param.field"` | the key: a parameter (or a field of one) whose value is text, an integer or a UUID (a message id) | required |
+/// | `scope = "param"` / `"param.field"` | the caller, as for handlers | required, or `unscoped` |
+/// | `unscoped` | every caller shares one namespace | |
+/// | `ttl = "7d"`, `lease = "30s"` | as for handlers | the runner's (24 h, 30 s) |
+/// | `wait = "5s"` | a concurrent duplicate waits that long for the first to finish (polling the store) and returns its output, instead of [`CallError::InProgress`] at once | the runner's (refuse at once) |
+/// | `store_errors` | an `Err` whose `E: StoredError` says it is final is stored and returned on redelivery, instead of releasing the key | off |
+/// | `crate = "path"` | where the crate is, if renamed | `::idempotent_core` (or the adapter whose attribute was written) |
+///
+/// **The name is the identity.** The function's records (and so its replays, and the keys
+/// it derives downstream) belong to `name`, not to the function's module path or Rust name:
+/// moving the function to another module or renaming it between a delivery and its
+/// redelivery keeps its records, and the redelivery replays. Changing `name` starts new
+/// records: a message the old name already handled runs again and derives new downstream
+/// keys, so keep a name once messages have been handled under it. Two functions with one
+/// name share records (give each its own). A name is 1 to 64 ASCII letters, digits, `_`,
+/// `-` or `.` (`book_payment`, `billing.book-payment.v2`); it is also the `route` of the
+/// function's logs and metrics. There is no default: a name taken from the module path
+/// would change silently with a refactor.
+///
+/// - the fingerprint is the JSON of the parameter `key_from` starts at (the message), with
+///   the name, so a redelivered message with other contents under the same id is
+///   [`CallError::Mismatch`];
 /// - `Ok` is stored and returned on redelivery without running the body; `Err` releases the
 ///   key (retryable), unless `store_errors` is written and `E: StoredError` says it is final;
-/// - `ttl`, `lease` as for handlers; `wait = "5s"`: a concurrent duplicate waits that long
-///   for the first to finish (polling the store) and returns its output, instead of
-///   [`CallError::InProgress`] at once;
 /// - a parameter `tx: Transaction<DB>` makes it transactional (the record commits with the
 ///   function's writes, in one commit); a parameter `idem: &Idempotent` gives the call's
 ///   context for derived downstream keys (the runner needs a derive secret).
 ///
-/// Checked at compile time: `key_from` and `scope` must name parameters (the error lists
-/// them), the runner must be there, the return type must be a `Result`, and HTTP-only
-/// arguments (`key`, `max_response`, `store_server_errors`, `commit`) are refused.
+/// Checked at compile time: `name` is written and valid, `key_from` and `scope` name
+/// parameters (the error lists them), the runner is there, the return type is a `Result`,
+/// and HTTP-only arguments (`key`, `max_response`, `store_server_errors`, `commit`) are
+/// refused.
 ///
 /// [`CallError::Mismatch`]: ../idempotent_core/call/enum.CallError.html
 /// [`CallError::InProgress`]: ../idempotent_core/call/enum.CallError.html

@@ -3,7 +3,7 @@
 //! stored, mismatches, concurrent duplicates refused or waited for, derived keys.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::call::{Call, CallError, Calls, Concurrent, StoredError};
+use idempotent_core::call::{Call, CallError, Calls, Concurrent, InvalidCall, StoredError};
 use idempotent_core::{DeriveSecret, Engine, IdempotencyKey, MemoryStore, Scope, Store};
 use idempotent_tests::Fixture;
 use serde::{Deserialize, Serialize};
@@ -325,7 +325,12 @@ async fn unstorable_outputs_never_run_twice(f: &impl Fixture) {
 }
 
 /// The attribute's function mode: the same semantics through `#[idempotent(key_from = …)]`.
-#[idempotent_core::idempotent(key_from = "msg.id", scope = "msg.tenant", lease = "5s")]
+#[idempotent_core::idempotent(
+    name = "book_with_the_attribute",
+    key_from = "msg.id",
+    scope = "msg.tenant",
+    lease = "5s"
+)]
 async fn book_with_the_attribute(
     calls: &Calls,
     msg: &PaymentEvent,
@@ -377,7 +382,13 @@ async fn the_attribute_runs_once(f: &impl Fixture) {
 }
 
 /// The attribute with a derived-key context, stored final errors and a wait.
-#[idempotent_core::idempotent(key_from = "msg.id", scope = "msg.tenant", store_errors, wait = "5s")]
+#[idempotent_core::idempotent(
+    name = "settle_with_the_attribute",
+    key_from = "msg.id",
+    scope = "msg.tenant",
+    store_errors,
+    wait = "5s"
+)]
 async fn settle_with_the_attribute(
     calls: &Calls,
     idem: &idempotent_core::Idempotent,
@@ -426,6 +437,113 @@ async fn the_attribute_stores_final_errors_and_derives(f: &impl Fixture) {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// A function's records are its `name`'s, not its module path's: `settle` moved to another
+/// module and renamed between deliveries (a deploy) keeps its records and derived keys.
+mod before_the_move {
+    use super::{BookError, Calls, PaymentEvent};
+    use std::sync::Mutex;
+
+    #[idempotent_core::idempotent(name = "settle", key_from = "msg.id", scope = "msg.tenant")]
+    pub(super) async fn settle(
+        calls: &Calls,
+        idem: &idempotent_core::Idempotent,
+        msg: &PaymentEvent,
+        derived: &Mutex<Vec<String>>,
+        fail: bool,
+    ) -> Result<String, BookError> {
+        let key = idem.derive("psp").to_string();
+        derived.lock().unwrap().push(key.clone());
+        if fail {
+            return Err(BookError::Unavailable);
+        }
+        Ok(key)
+    }
+}
+
+/// The same function after the move: another module, another Rust name, the same `name`.
+mod after_the_move {
+    use super::{BookError, Calls, PaymentEvent};
+    use std::sync::Mutex;
+
+    #[idempotent_core::idempotent(name = "settle", key_from = "msg.id", scope = "msg.tenant")]
+    pub(super) async fn settle_payment(
+        calls: &Calls,
+        idem: &idempotent_core::Idempotent,
+        msg: &PaymentEvent,
+        derived: &Mutex<Vec<String>>,
+        fail: bool,
+    ) -> Result<String, BookError> {
+        let key = idem.derive("psp").to_string();
+        derived.lock().unwrap().push(key.clone());
+        if fail {
+            return Err(BookError::Unavailable);
+        }
+        Ok(key)
+    }
+}
+
+/// Another `name` in the same module as the original: another identity.
+mod renamed_identity {
+    use super::{BookError, Calls, PaymentEvent};
+    use std::sync::Mutex;
+
+    #[idempotent_core::idempotent(name = "settle_v2", key_from = "msg.id", scope = "msg.tenant")]
+    pub(super) async fn settle(
+        calls: &Calls,
+        idem: &idempotent_core::Idempotent,
+        msg: &PaymentEvent,
+        derived: &Mutex<Vec<String>>,
+        fail: bool,
+    ) -> Result<String, BookError> {
+        let key = idem.derive("psp").to_string();
+        derived.lock().unwrap().push(key.clone());
+        if fail {
+            return Err(BookError::Unavailable);
+        }
+        Ok(key)
+    }
+}
+
+async fn the_name_is_the_identity_not_the_module_path(f: &impl Fixture) {
+    let calls = calls(f)
+        .await
+        .derive_secret(DeriveSecret::new([7u8; 32]).unwrap());
+    let msg = event(17);
+    let derived = std::sync::Mutex::new(Vec::new());
+    let seen = || derived.lock().unwrap().clone();
+    // The first delivery fails after deriving its downstream key: the key is released.
+    let first = before_the_move::settle(&calls, &msg, &derived, true).await;
+    assert!(
+        matches!(first, Err(CallError::Failed(BookError::Unavailable))),
+        "{first:?}"
+    );
+    // The redelivery reaches the moved and renamed function: it derives the same key.
+    let out = after_the_move::settle_payment(&calls, &msg, &derived, false)
+        .await
+        .unwrap();
+    assert_eq!(seen().len(), 2);
+    assert_eq!(
+        seen()[0],
+        seen()[1],
+        "a moved function derives the same downstream key"
+    );
+    // The function after the move stored the output under the shared identity: a delivery to
+    // either one replays it without running.
+    for _ in 0..2 {
+        let again = before_the_move::settle(&calls, &msg, &derived, false).await;
+        assert_eq!(again.unwrap(), out, "the old location replays the output");
+        let again = after_the_move::settle_payment(&calls, &msg, &derived, false).await;
+        assert_eq!(again.unwrap(), out, "the new location replays the output");
+    }
+    assert_eq!(seen().len(), 2, "neither ran again");
+    // Another name is another function: it runs, with keys of its own.
+    let other = renamed_identity::settle(&calls, &msg, &derived, false)
+        .await
+        .unwrap();
+    assert_eq!(seen().len(), 3, "another name runs");
+    assert_ne!(other, out, "another name derives other keys");
+}
+
 macro_rules! on_every_store {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -470,6 +588,7 @@ on_every_store!(
     unstorable_outputs_never_run_twice,
     the_attribute_runs_once,
     the_attribute_stores_final_errors_and_derives,
+    the_name_is_the_identity_not_the_module_path,
 );
 
 /// Transactional mode on `$db`: the booking row commits with the stored output, or not at
@@ -643,4 +762,39 @@ async fn transactional_calls_need_the_store_on_their_database() {
         })
         .await;
     assert!(matches!(out, Err(CallError::Misconfigured(_))), "{out:?}");
+}
+
+/// A call's name is its identity: the non-macro API refuses one that is empty, too long, or
+/// holds characters outside `[A-Za-z0-9_.-]`, with an error rather than a panic.
+#[test]
+fn call_names_are_validated() {
+    let msg = event(18);
+    let make = |name: &'static str| {
+        Call::new(
+            name,
+            Scope::new(&msg.tenant).unwrap(),
+            IdempotencyKey::parse(msg.id.as_bytes()).unwrap(),
+            &msg,
+        )
+    };
+    let long: &'static str = "x".repeat(65).leak();
+    for bad in [
+        "",
+        "book payment",
+        "payments::book",
+        "réserver",
+        "a\nb",
+        long,
+    ] {
+        let out = make(bad);
+        assert!(
+            matches!(out, Err(InvalidCall::Name(_))),
+            "{bad:?} must be refused: {out:?}"
+        );
+    }
+    let longest: &'static str = "x".repeat(64).leak();
+    for good in ["book_payment", "payments.book-v2", "A1", longest] {
+        let out = make(good);
+        assert!(out.is_ok(), "{good:?} is a valid name: {out:?}");
+    }
 }

@@ -61,6 +61,7 @@ struct Work {
 /// Books one payment: runs at most once per (tenant, event id), and its row commits with
 /// the record of having run.
 #[idempotent(
+    name = "book_payment",
     key_from = "event.id",
     scope = "event.tenant",
     ttl = "7d",

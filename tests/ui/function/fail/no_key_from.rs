@@ -1,7 +1,7 @@
 use idempotent_core::call::Calls;
 use idempotent_core::idempotent;
 
-#[idempotent(unscoped)]
+#[idempotent(name = "book", unscoped)]
 async fn book(_calls: &Calls, _id: &str) -> Result<(), String> {
     Ok(())
 }

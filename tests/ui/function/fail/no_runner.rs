@@ -1,6 +1,6 @@
 use idempotent_core::idempotent;
 
-#[idempotent(key_from = "_id", unscoped)]
+#[idempotent(name = "book", key_from = "_id", unscoped)]
 async fn book(_id: &str) -> Result<(), String> {
     Ok(())
 }

@@ -1,7 +1,7 @@
 use idempotent_core::call::Calls;
 use idempotent_core::idempotent;
 
-#[idempotent(key_from = "_id", unscoped)]
+#[idempotent(name = "book", key_from = "_id", unscoped)]
 async fn book(_calls: &Calls, _id: &str) -> String {
     String::new()
 }

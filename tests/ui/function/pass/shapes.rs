@@ -23,7 +23,7 @@ impl StoredError for BookError {
 }
 
 /// Key from a field, scope from a field, a derived key, errors stored when final.
-#[idempotent(key_from = "msg.id", scope = "msg.tenant", ttl = "7d", store_errors)]
+#[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant", ttl = "7d", store_errors)]
 pub async fn book_payment(
     calls: &Calls,
     idem: &Idempotent,
@@ -36,14 +36,14 @@ pub async fn book_payment(
 }
 
 /// An integer key, unscoped, owned message, `?` inside, a wait for duplicates.
-#[idempotent(key_from = "msg.seq", unscoped, wait = "5s", lease = "10s")]
+#[idempotent(name = "by-sequence.v1", key_from = "msg.seq", unscoped, wait = "5s", lease = "10s")]
 async fn by_sequence(msg: PaymentEvent, calls: &Calls) -> Result<u64, std::io::Error> {
     let n: u64 = "7".parse().map_err(std::io::Error::other)?;
     Ok(msg.seq + n)
 }
 
 /// Transactional: the record commits with the function's writes.
-#[idempotent(key_from = "msg.id", scope = "msg.tenant")]
+#[idempotent(name = "book_in_tx", key_from = "msg.id", scope = "msg.tenant")]
 async fn book_in_tx(
     calls: &Calls,
     mut tx: Transaction<sqlx::Postgres>,
@@ -62,7 +62,7 @@ mod through_axum {
     use idempotent_axum::call::Calls;
     use idempotent_axum::idempotent;
 
-    #[idempotent(key_from = "id", unscoped)]
+    #[idempotent(name = "axum.plain", key_from = "id", unscoped)]
     pub async fn plain(calls: &Calls, id: &str) -> Result<(), String> {
         let _ = id;
         Ok(())
@@ -73,7 +73,7 @@ mod through_actix {
     use idempotent_actix::call::Calls;
     use idempotent_actix::idempotent;
 
-    #[idempotent(key_from = "id", unscoped)]
+    #[idempotent(name = "actix.plain", key_from = "id", unscoped)]
     pub async fn plain(calls: &Calls, id: u64) -> Result<(), String> {
         let _ = id;
         Ok(())
