@@ -437,6 +437,21 @@ async fn the_attribute_stores_final_errors_and_derives(f: &impl Fixture) {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// What each of the `settle` functions below does, whatever its module: derives the
+/// provider's key from its own, records it, and fails if asked to (so a delivery runs again).
+fn settle_body(
+    idem: &idempotent_core::Idempotent,
+    derived: &std::sync::Mutex<Vec<String>>,
+    fail: bool,
+) -> Result<String, BookError> {
+    let key = idem.derive("psp").to_string();
+    derived.lock().unwrap().push(key.clone());
+    if fail {
+        return Err(BookError::Unavailable);
+    }
+    Ok(key)
+}
+
 /// A function's records are its `name`'s, not its module path's: `settle` moved to another
 /// module and renamed between deliveries (a deploy) keeps its records and derived keys.
 mod before_the_move {
@@ -451,12 +466,7 @@ mod before_the_move {
         derived: &Mutex<Vec<String>>,
         fail: bool,
     ) -> Result<String, BookError> {
-        let key = idem.derive("psp").to_string();
-        derived.lock().unwrap().push(key.clone());
-        if fail {
-            return Err(BookError::Unavailable);
-        }
-        Ok(key)
+        super::settle_body(idem, derived, fail)
     }
 }
 
@@ -473,12 +483,7 @@ mod after_the_move {
         derived: &Mutex<Vec<String>>,
         fail: bool,
     ) -> Result<String, BookError> {
-        let key = idem.derive("psp").to_string();
-        derived.lock().unwrap().push(key.clone());
-        if fail {
-            return Err(BookError::Unavailable);
-        }
-        Ok(key)
+        super::settle_body(idem, derived, fail)
     }
 }
 
@@ -495,12 +500,7 @@ mod renamed_identity {
         derived: &Mutex<Vec<String>>,
         fail: bool,
     ) -> Result<String, BookError> {
-        let key = idem.derive("psp").to_string();
-        derived.lock().unwrap().push(key.clone());
-        if fail {
-            return Err(BookError::Unavailable);
-        }
-        Ok(key)
+        super::settle_body(idem, derived, fail)
     }
 }
 
