@@ -49,6 +49,49 @@ fn form_1k() -> Vec<u8> {
     out.into_bytes()
 }
 
+/// About `size` bytes of a checkout-like form in no order: fields of 10 to 30 bytes, names
+/// that share prefixes (`customer%5Baddress%5D%5B…`), repeated names, escapes.
+fn form_realistic(size: usize) -> Vec<u8> {
+    const NAMES: [&str; 10] = [
+        "customer%5Baddress%5D%5Bline1%5D",
+        "customer%5Baddress%5D%5Bcity%5D",
+        "items%5B%5D%5Bprice%5D",
+        "items%5B%5D%5Bquantity%5D",
+        "metadata%5Border_",
+        "amount",
+        "currency",
+        "email",
+        "first+name",
+        "utm_source",
+    ];
+    const VALUES: [&str; 6] = [
+        "value",
+        "hello+world",
+        "4200",
+        "a%40b.com",
+        "caf%C3%A9",
+        "x",
+    ];
+    let mut state = 0x9e37_79b9_u32;
+    let mut next = |n: usize| {
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        (state >> 8) as usize % n
+    };
+    let mut fields = Vec::new();
+    let mut len = 0;
+    while len < size {
+        let field = format!(
+            "{}{}={}",
+            NAMES[next(NAMES.len())],
+            next(40),
+            VALUES[next(VALUES.len())]
+        );
+        len += field.len() + 1;
+        fields.push(field);
+    }
+    fields.join("&").into_bytes()
+}
+
 fn fp() -> Fingerprint {
     Fingerprint::compute(&FingerprintInput {
         method: "POST",
@@ -125,6 +168,23 @@ fn benches(c: &mut Criterion) {
             })
         })
     });
+    for (name, kib) in [
+        ("fingerprint/form_64KiB_realistic", 64),
+        ("fingerprint/form_256KiB_realistic", 256),
+    ] {
+        let form = form_realistic(kib << 10);
+        c.bench_function(name, |b| {
+            b.iter(|| {
+                Fingerprint::compute(&FingerprintInput {
+                    method: "POST",
+                    path: "/v1/charges",
+                    query: None,
+                    content_type: Some("application/x-www-form-urlencoded"),
+                    body: black_box(&form),
+                })
+            })
+        });
+    }
     c.bench_function("fingerprint/raw_1KiB", |b| {
         b.iter(|| {
             Fingerprint::compute(&FingerprintInput {

@@ -21,8 +21,9 @@ use std::fmt;
 /// # Cost
 /// Time is linear in the body (plus the sort of out-of-order form fields or JSON members), and
 /// the working memory a small multiple of it, whatever its shape: a form is hashed as it is
-/// written in canonical order, from a list of 4-byte offsets into the body (8-byte above
-/// 4 GiB), never from a copy; JSON is written once in canonical form (see [`canonical_json`]).
+/// written in canonical order, from one sort record per field pointing into the body (at
+/// most 3 times the body, see [`canonical_form`]), never from a copy; JSON is written once
+/// in canonical form (see [`canonical_json`]).
 /// Both stay within 4 times the body (`tests/alloc_bounds.rs` checks hostile shapes up to
 /// 2 MiB). Large bodies are best fingerprinted off the async workers:
 /// [`RequestHead::fingerprint_async`](crate::http::RequestHead::fingerprint_async).
@@ -96,11 +97,7 @@ impl Fingerprint {
             h.update([b'f']);
             // The canonical form is never built: its length, then its bytes in order, go
             // straight into the hash.
-            if u32::try_from(body.len()).is_ok() {
-                hash_form(&mut h, body, &form_order::<u32>(body));
-            } else {
-                hash_form(&mut h, body, &form_order::<usize>(body));
-            }
+            hash_form(&mut h, body);
         } else {
             h.update([b'r']);
             field(&mut h, body);
@@ -247,7 +244,12 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 /// compared as the bytes they decode to, so bodies that differ only in bytes that are not
 /// UTF-8 stay different; empty segments (`a=1&&b=2`) are dropped.
 ///
-/// Working memory, beyond the canonical text it returns: 4 bytes per field (8 above 4 GiB).
+/// Working memory, beyond the canonical text it returns: one sort record per field, at most
+/// 3 times the body. A record is 16 bytes (the first 11 decoded bytes of the name and the
+/// field's offset, so that most comparisons are one integer comparison) when fields average
+/// 16/3 bytes or more, 8 bytes (3 name bytes) from 8/3, and 4 bytes for tinier fields (1
+/// name byte below 4 MiB, or the offset alone, at most 2 times the body as a field takes 2
+/// bytes).
 ///
 /// ```
 /// use idempotent_core::canonical_form;
@@ -255,25 +257,23 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 /// assert_eq!(canonical_form(b"a=2&z&a=1"), b"a=2&a=1&z=");
 /// ```
 pub fn canonical_form(body: &[u8]) -> Vec<u8> {
-    fn build<O: Offset>(body: &[u8]) -> Vec<u8> {
-        let order = form_order::<O>(body);
-        let mut out = Vec::with_capacity(usize::try_from(form_len(body)).unwrap_or(0));
-        write_form(&mut out, body, &order);
-        out
-    }
-    if u32::try_from(body.len()).is_ok() {
-        build::<u32>(body)
-    } else {
-        build::<usize>(body)
-    }
+    let mut out = Vec::new();
+    write_form(&mut out, body);
+    out
 }
 
 /// Where canonical form bytes go: a buffer, a hash, or a count.
 trait Sink {
+    /// Told the canonical form's length before its first byte.
+    fn begin(&mut self, len: u64);
     fn put(&mut self, bytes: &[u8]);
 }
 
 impl Sink for Vec<u8> {
+    fn begin(&mut self, len: u64) {
+        self.reserve_exact(usize::try_from(len).unwrap_or(0));
+    }
+
     fn put(&mut self, bytes: &[u8]) {
         self.extend_from_slice(bytes);
     }
@@ -283,13 +283,15 @@ impl Sink for Vec<u8> {
 struct Count(u64);
 
 impl Sink for Count {
+    fn begin(&mut self, _: u64) {}
+
     fn put(&mut self, bytes: &[u8]) {
         self.0 += bytes.len() as u64;
     }
 }
 
 /// Feeds a hash through a buffer, so the many short writes (a `=`, an escape) do not each
-/// cost a call into the hash.
+/// cost a call into the hash. The form is a length-prefixed field: its length goes first.
 struct Hashing<'h> {
     hash: &'h mut Sha256,
     buf: [u8; 4096],
@@ -304,6 +306,10 @@ impl Hashing<'_> {
 }
 
 impl Sink for Hashing<'_> {
+    fn begin(&mut self, len: u64) {
+        self.put(&len.to_be_bytes());
+    }
+
     fn put(&mut self, bytes: &[u8]) {
         if self.len + bytes.len() > self.buf.len() {
             self.flush();
@@ -317,66 +323,324 @@ impl Sink for Hashing<'_> {
     }
 }
 
-/// Hashes the canonical form of `body` as a length-prefixed field, without building it:
-/// its length is counted first (it does not depend on the order), then its bytes are
-/// written in `order`.
-fn hash_form<O: Offset>(h: &mut Sha256, body: &[u8], order: &[O]) {
-    h.update(form_len(body).to_be_bytes());
+/// Hashes the canonical form of `body` as a length-prefixed field, without building it.
+fn hash_form(h: &mut Sha256, body: &[u8]) {
     let mut sink = Hashing {
         hash: h,
         buf: [0; 4096],
         len: 0,
     };
-    write_form(&mut sink, body, order);
+    write_form(&mut sink, body);
     sink.flush();
 }
 
-/// The form's non-empty segments (`name=value` between `&`s).
-fn segments(body: &[u8]) -> impl Iterator<Item = &[u8]> {
-    body.split(|b| *b == b'&').filter(|s| !s.is_empty())
+/// How many non-empty segments (`name=value` between `&`s) the form has.
+fn count_segments(body: &[u8]) -> usize {
+    // The segments' first bytes: a byte that is not `&`, first or after an `&`. Written as
+    // a count over pairs of bytes, which compiles to vector code.
+    let first = usize::from(body.first().is_some_and(|b| *b != b'&'));
+    first
+        + body
+            .iter()
+            .zip(body.iter().skip(1))
+            .filter(|(a, b)| **a == b'&' && **b != b'&')
+            .count()
 }
 
-/// The length of the canonical form of `body`.
-fn form_len(body: &[u8]) -> u64 {
-    let mut count = Count(0);
-    for (i, segment) in segments(body).enumerate() {
-        count.0 += u64::from(i > 0);
-        write_segment(&mut count, segment);
+/// The form's non-empty segments: the offset of each, with what [`scan_form_segment`]
+/// finds in it.
+fn scanned_segments(body: &[u8]) -> impl Iterator<Item = (usize, SegmentScan)> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        while body.get(at) == Some(&b'&') {
+            at += 1;
+        }
+        let scan = scan_form_segment(body.get(at..).filter(|rest| !rest.is_empty())?);
+        let start = at;
+        at += scan.len;
+        Some((start, scan))
+    })
+}
+
+/// Writes the canonical form of `body` (its length first, see [`Sink::begin`]): its
+/// segments stably sorted by decoded field name, joined by `&`.
+///
+/// The sort runs on one small record per field and nothing else: a field's name, value and
+/// end are found again in the body when they are needed. Each record holds the first
+/// decoded bytes of its field's name with its offset (a [`FormKey`]), so that most
+/// comparisons are one integer comparison, as wide as the records stay within 3 times the
+/// body: [`Key16`] when fields average 16/3 bytes or more, [`Key8`] from 8/3, else [`Key4`]
+/// (at most twice the body, as a field takes 2 bytes or more). Past [`Key4`]'s 4 MiB, tiny
+/// fields are sorted on their 4-byte offsets alone, comparing the names in the body, and
+/// above 4 GiB every form is, on 8-byte offsets.
+fn write_form(sink: &mut impl Sink, body: &[u8]) {
+    let fields = count_segments(body);
+    let (count, len) = (fields as u64, body.len() as u64);
+    if u32::try_from(body.len()).is_err() {
+        write_sorted_offsets::<usize>(sink, body, fields);
+    } else if 16 * count <= 3 * len {
+        write_sorted_keys::<Key16>(sink, body, fields);
+    } else if 8 * count <= 3 * len {
+        write_sorted_keys::<Key8>(sink, body, fields);
+    } else if body.len() <= Key4::OFFSET_MASK as usize {
+        write_sorted_keys::<Key4>(sink, body, fields);
+    } else {
+        write_sorted_offsets::<u32>(sink, body, fields);
     }
-    count.0
 }
 
-/// The offsets of the form's non-empty segments, in canonical order: stably sorted by the
-/// decoded field name. One offset per field and nothing else: a field's name, value and end
-/// are found again in the body when they are needed.
-fn form_order<O: Offset>(body: &[u8]) -> Vec<O> {
-    let mut order = Vec::with_capacity(segments(body).count());
-    order.extend(segments(body).map(|s| O::at(s.as_ptr() as usize - body.as_ptr() as usize)));
+/// The length of the canonical form of the segment `scan` was taken of.
+fn canonical_len(segment: &[u8], scan: &SegmentScan) -> u64 {
+    if scan.canonical {
+        scan.len as u64 + u64::from(scan.eq.is_none())
+    } else {
+        let mut count = Count(0);
+        write_segment(&mut count, segment, scan);
+        count.0
+    }
+}
+
+/// Something that says where a segment starts in the body: an offset, or a sort key that
+/// carries one.
+trait Start: Copy {
+    fn start(self) -> usize;
+}
+
+impl<O: Offset> Start for O {
+    fn start(self) -> usize {
+        self.get()
+    }
+}
+
+/// Writes the segments starting at `order`, joined by `&`.
+fn write_in_order<S: Start>(sink: &mut impl Sink, body: &[u8], order: &[S]) {
+    for (i, start) in order.iter().enumerate() {
+        if i > 0 {
+            sink.put(b"&");
+        }
+        let rest = &body[start.start()..];
+        let scan = scan_form_segment(rest);
+        write_segment(sink, &rest[..scan.len], &scan);
+    }
+}
+
+/// [`write_form`] on offsets of type `O`, for a form of `fields` non-empty segments.
+fn write_sorted_offsets<O: Offset>(sink: &mut impl Sink, body: &[u8], fields: usize) {
+    let mut order = Vec::with_capacity(fields);
+    let mut len = fields.saturating_sub(1) as u64;
+    order.extend(scanned_segments(body).map(|(start, scan)| {
+        len += canonical_len(&body[start..start + scan.len], &scan);
+        O::at(start)
+    }));
+    sink.begin(len);
     let by_name = |a: &O, b: &O| cmp_form_names(body, a.get(), b.get());
     if !order.is_sorted_by(|a, b| by_name(a, b).is_le()) {
         // Unstable (in place, no buffer), with ties broken by position: the same order as a
         // stable sort, so a repeated field's values keep their order.
         order.sort_unstable_by(|a, b| by_name(a, b).then_with(|| a.cmp(b)));
     }
-    order
+    write_in_order(sink, body, &order);
 }
 
-/// Writes the canonical form: the segments at `order`, joined by `&`.
-fn write_form<O: Offset>(sink: &mut impl Sink, body: &[u8], order: &[O]) {
-    for (i, start) in order.iter().enumerate() {
-        if i > 0 {
-            sink.put(b"&");
+/// [`write_form`] on keys of type `K`, for a form below 4 GiB of `fields` non-empty
+/// segments.
+fn write_sorted_keys<K: FormKey>(sink: &mut impl Sink, body: &[u8], fields: usize) {
+    let mut keys = Vec::with_capacity(fields);
+    let mut len = fields.saturating_sub(1) as u64;
+    keys.extend(scanned_segments(body).map(|(start, scan)| {
+        let segment = &body[start..start + scan.len];
+        len += canonical_len(segment, &scan);
+        K::new(body, start, 0)
+    }));
+    sink.begin(len);
+    sort_keys(body, &mut keys, 0);
+    write_in_order(sink, body, &keys);
+}
+
+/// A sort key: `BYTES` decoded bytes of a field's name from some depth on (zero-padded), how
+/// many there are (`BYTES + 1` when the name goes on past them), and the segment's offset,
+/// packed in one integer in that order of significance. Keys taken at the same depth of
+/// names that agree before it compare as the names do, ties broken by position; except two
+/// keys whose bytes are equal and whose names both go on, which [`FormKey::ties`] tells.
+///
+/// Zero padding is exact: where a name has ended and the other goes on with a zero byte,
+/// the counts decide, and the shorter name comes first as it should.
+trait FormKey: Start + Ord {
+    /// How many decoded name bytes a key holds.
+    const BYTES: usize;
+
+    /// The key of the name of the segment at `start` (below 4 GiB), on its decoded bytes
+    /// from `depth` on. The name must be at least `depth` bytes long.
+    fn new(body: &[u8], start: usize, depth: usize) -> Self;
+
+    /// Whether `self` and `other` hold the same bytes of names that both go on past them:
+    /// then the keys do not order the names, the bytes after them do.
+    fn ties(self, other: Self) -> bool;
+}
+
+/// The bytes `depth..depth + N` of the decoded name of the segment at `start` (`N` at most
+/// 15), big-endian, zero-padded, followed by a byte counting them (`N + 1` when the name
+/// goes on past them).
+fn name_window<const N: usize>(body: &[u8], start: usize, depth: usize) -> u128 {
+    let rest = &body[start..];
+    let head = &rest[..rest.len().min(depth + N + 1)];
+    let plain = head
+        .iter()
+        .position(|b| !FORM_LITERAL[usize::from(*b)])
+        .unwrap_or(head.len());
+    // 16 bytes from the window's start (only the first `count` of them are the name's).
+    let (word, count) = if plain == head.len() || matches!(head[plain], b'=' | b'&') {
+        // No escape up to the name's end, or for long enough: its bytes are its decoding.
+        let count = plain.saturating_sub(depth);
+        let word = match rest.get(depth..depth + 16) {
+            Some(word) => word.try_into().map_or(0, u128::from_be_bytes),
+            None => {
+                let mut word = [0u8; 16];
+                let bytes = rest.get(depth..).unwrap_or_default();
+                word[..bytes.len()].copy_from_slice(bytes);
+                u128::from_be_bytes(word)
+            }
+        };
+        (word, count)
+    } else {
+        // Decoded, as `FormName` does it, in a loop of its own: this runs once a field and
+        // again for each depth its key ties.
+        let mut word = [0u8; 16];
+        let (mut at, mut decoded) = (0, 0);
+        while decoded < depth + N + 1 {
+            let (b, used) = match rest.get(at) {
+                None | Some(b'=' | b'&') => break,
+                Some(b'+') => (b' ', 1),
+                Some(b'%') => match (hex(rest.get(at + 1)), hex(rest.get(at + 2))) {
+                    (Some(hi), Some(lo)) => (hi << 4 | lo, 3),
+                    _ => (b'%', 1),
+                },
+                Some(b) => (*b, 1),
+            };
+            if let Some(slot) = decoded.checked_sub(depth).and_then(|i| word.get_mut(i)) {
+                *slot = b;
+            }
+            at += used;
+            decoded += 1;
         }
-        let rest = &body[start.get()..];
-        let end = rest.iter().position(|b| *b == b'&').unwrap_or(rest.len());
-        write_segment(sink, &rest[..end]);
+        (u128::from_be_bytes(word), decoded.saturating_sub(depth))
+    };
+    // The first `N` bytes of the window, those past the name's end zero, then the count.
+    let held = count.min(N);
+    let bytes = word.checked_shr(8 * (16 - held) as u32).unwrap_or(0) << (8 * (N - held));
+    bytes << 8 | count as u128
+}
+
+/// A [`FormKey`] of 4 bytes for bodies below 4 MiB: 1 name byte, its count (2 bits), a
+/// 22-bit offset.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Key4(u32);
+
+impl Key4 {
+    /// The offset's bits.
+    const OFFSET_MASK: u32 = (1 << 22) - 1;
+}
+
+impl Start for Key4 {
+    fn start(self) -> usize {
+        (self.0 & Self::OFFSET_MASK) as usize
+    }
+}
+
+impl FormKey for Key4 {
+    const BYTES: usize = 1;
+
+    fn new(body: &[u8], start: usize, depth: usize) -> Self {
+        let window = name_window::<{ Self::BYTES }>(body, start, depth) as u32;
+        // The count (at most 2) in 2 bits, right under the byte.
+        Key4((window >> 8) << 24 | (window & 3) << 22 | start as u32)
+    }
+
+    fn ties(self, other: Self) -> bool {
+        self.0 >> 22 == other.0 >> 22 && (self.0 >> 22) & 3 > Self::BYTES as u32
+    }
+}
+
+/// A [`FormKey`] of 8 bytes: 3 name bytes, their count, a 32-bit offset.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Key8(u64);
+
+impl Start for Key8 {
+    fn start(self) -> usize {
+        (self.0 & 0xffff_ffff) as usize
+    }
+}
+
+impl FormKey for Key8 {
+    const BYTES: usize = 3;
+
+    fn new(body: &[u8], start: usize, depth: usize) -> Self {
+        let window = name_window::<{ Self::BYTES }>(body, start, depth) as u64;
+        Key8(window << 32 | start as u64)
+    }
+
+    fn ties(self, other: Self) -> bool {
+        self.0 >> 32 == other.0 >> 32 && (self.0 >> 32) as u8 as usize > Self::BYTES
+    }
+}
+
+/// A [`FormKey`] of 16 bytes: 11 name bytes, their count, a 32-bit offset.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Key16(u128);
+
+impl Start for Key16 {
+    fn start(self) -> usize {
+        (self.0 & 0xffff_ffff) as usize
+    }
+}
+
+impl FormKey for Key16 {
+    const BYTES: usize = 11;
+
+    fn new(body: &[u8], start: usize, depth: usize) -> Self {
+        Key16(name_window::<{ Self::BYTES }>(body, start, depth) << 32 | start as u128)
+    }
+
+    fn ties(self, other: Self) -> bool {
+        self.0 >> 32 == other.0 >> 32 && (self.0 >> 32) as u8 as usize > Self::BYTES
+    }
+}
+
+/// How deep into the names keys are taken again for fields whose keys tie; past it, the
+/// names themselves are compared.
+const KEY_DEPTH: usize = 48;
+
+/// Sorts `keys`, taken at `depth` of names that agree before it, into canonical order: on
+/// the keys, then each run of keys that tie on keys taken further on.
+fn sort_keys<K: FormKey>(body: &[u8], keys: &mut [K], depth: usize) {
+    if !keys.is_sorted() {
+        keys.sort_unstable();
+    }
+    let mut rest = keys;
+    while let Some((first, _)) = rest.split_first() {
+        let run = 1 + rest[1..].iter().take_while(|k| first.ties(**k)).count();
+        let (tied, after) = rest.split_at_mut(run);
+        if run > 1 {
+            let deeper = depth + K::BYTES;
+            if deeper < KEY_DEPTH {
+                for key in tied.iter_mut() {
+                    *key = K::new(body, key.start(), deeper);
+                }
+                sort_keys(body, tied, deeper);
+            } else {
+                tied.sort_unstable_by(|a, b| {
+                    cmp_form_names(body, a.start(), b.start())
+                        .then_with(|| a.start().cmp(&b.start()))
+                });
+            }
+        }
+        rest = after;
     }
 }
 
 /// One segment in canonical form: `name=value`, each decoded and encoded again (an absent
 /// `=` is written, an absent value is empty); copied as it is when it already is canonical.
-fn write_segment(sink: &mut impl Sink, segment: &[u8]) {
-    let scan = scan_form_segment(segment);
+fn write_segment(sink: &mut impl Sink, segment: &[u8], scan: &SegmentScan) {
     if scan.canonical {
         sink.put(segment);
         if scan.eq.is_none() {
@@ -395,31 +659,39 @@ fn write_segment(sink: &mut impl Sink, segment: &[u8]) {
 
 /// What one pass over a form segment finds.
 struct SegmentScan {
+    /// The segment's length: up to the first `&`, or the end.
+    len: usize,
     /// Index of the first `=`.
     eq: Option<usize>,
-    /// The segment is exactly the encoding [`form_encode`] would give its decoding.
+    /// The segment is exactly the encoding [`reencode`] would give its decoding.
     canonical: bool,
 }
 
-fn scan_form_segment(segment: &[u8]) -> SegmentScan {
+/// Scans the segment at the start of `rest` (up to its first `&`).
+fn scan_form_segment(rest: &[u8]) -> SegmentScan {
     let mut scan = SegmentScan {
+        len: rest.len(),
         eq: None,
         canonical: true,
     };
     let mut i = 0;
-    while i < segment.len() {
-        let b = segment[i];
+    while i < rest.len() {
+        let b = rest[i];
         if !FORM_PLAIN[usize::from(b)] {
             match b {
+                b'&' => {
+                    scan.len = i;
+                    break;
+                }
                 b'=' if scan.eq.is_none() => scan.eq = Some(i),
                 // A space, as it is encoded.
                 b'+' => {}
                 b'%' => {
                     // Canonical only as upper-case hex of a byte that must be encoded
-                    // (not a plain byte, not a space, which encodes as `+`).
+                    // (not a plain byte, not a space, which encodes as `+`). Hex digits are
+                    // never `&`: an escape never crosses the segment's end.
                     let hex = |at: usize| {
-                        segment
-                            .get(at)
+                        rest.get(at)
                             .filter(|h| h.is_ascii_digit() || (b'A'..=b'F').contains(*h))
                             .and_then(|h| (*h as char).to_digit(16))
                     };
@@ -881,21 +1153,116 @@ mod tests {
         );
     }
 
-    /// Bodies past the `u32` offsets' range use `usize` ones: the same canonical form.
+    /// Every way of ordering a form (8-byte offsets past 4 GiB, 4-byte ones past 4 MiB of
+    /// tiny fields, 4-, 8- and 16-byte keys) gives the canonical form, and the length
+    /// announced first is its length.
+    fn every_order(body: &[u8]) -> [(&'static str, Vec<u8>, u64); 5] {
+        /// The length [`Sink::begin`] is told, and the bytes.
+        #[derive(Default)]
+        struct Announced(u64, Vec<u8>);
+        impl Sink for Announced {
+            fn begin(&mut self, len: u64) {
+                self.0 = len;
+            }
+            fn put(&mut self, bytes: &[u8]) {
+                self.1.extend_from_slice(bytes);
+            }
+        }
+        let fields = count_segments(body);
+        let run = |f: fn(&mut Announced, &[u8], usize)| {
+            let mut out = Announced::default();
+            f(&mut out, body, fields);
+            (out.1, out.0)
+        };
+        let (wide, wide_len) = run(write_sorted_offsets::<usize>);
+        let (offsets, offsets_len) = run(write_sorted_offsets::<u32>);
+        let (key4, key4_len) = run(write_sorted_keys::<Key4>);
+        let (key8, key8_len) = run(write_sorted_keys::<Key8>);
+        let (key16, key16_len) = run(write_sorted_keys::<Key16>);
+        [
+            ("usize offsets", wide, wide_len),
+            ("u32 offsets", offsets, offsets_len),
+            ("4-byte keys", key4, key4_len),
+            ("8-byte keys", key8, key8_len),
+            ("16-byte keys", key16, key16_len),
+        ]
+    }
+
     #[test]
-    fn wide_offsets_give_the_same_form() {
+    fn every_order_gives_the_same_form() {
+        let long = "customer%5Baddress%5D%5Bline1%5D";
         for body in [
             &b"b=2&a=1&a=%41+x&c&&=z&%7e=~"[..],
             b"&a&a&b&a",
             b"",
+            b"&&",
             b"z&y&x",
+            b"a%00&a&a%00%00=1&a=2&%00&=&a%00b",
+            b"abc&abcd&abc%00&abcd=1&ab&abc",
+            format!("{long}=1&{long}0=2&{long}=3&{long}%00=4&{long}+=5&{long}").as_bytes(),
+            "x".repeat(100).as_bytes(),
+            format!("{a}1&{a}&{a}0&{a}&{a}%30", a = "y".repeat(60)).as_bytes(),
         ] {
-            let order = form_order::<usize>(body);
-            let mut wide = Vec::new();
-            write_form(&mut wide, body, &order);
-            assert_eq!(wide, canonical_form(body));
-            assert_eq!(wide, canonical_form_reference(body));
-            assert_eq!(form_len(body), wide.len() as u64);
+            let want = canonical_form_reference(body);
+            assert_eq!(canonical_form(body), want, "{body:?}");
+            for (order, form, len) in every_order(body) {
+                assert_eq!(form, want, "{order}: {body:?}");
+                assert_eq!(len, want.len() as u64, "{order}: {body:?}");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Names that share long decoded prefixes, spelled with and without escapes, so that
+        /// keys tie and are taken again deeper.
+        #[test]
+        fn every_order_on_shared_prefixes(
+            fields in proptest::collection::vec(
+                (
+                    proptest::collection::vec(
+                        proptest::sample::select(vec!["a", "%61", "b", "+", "%20", "%00", ""]),
+                        0..6,
+                    ),
+                    0..60usize,
+                    proptest::collection::vec(
+                        proptest::sample::select(vec!["a", "%61", "b", "%00", "&", "="]),
+                        0..3,
+                    ),
+                ),
+                0..40,
+            )
+        ) {
+            let mut body = String::new();
+            for (head, shared, tail) in fields {
+                body.push_str(&head.concat());
+                body.push_str(&"s".repeat(shared));
+                body.push_str(&tail.concat());
+                body.push('&');
+            }
+            let want = canonical_form_reference(body.as_bytes());
+            for (order, form, len) in every_order(body.as_bytes()) {
+                proptest::prop_assert_eq!(&form, &want, "{}: {:?}", order, body);
+                proptest::prop_assert_eq!(len, want.len() as u64, "{}: {:?}", order, body);
+            }
+        }
+
+        /// Any bytes, on every ordering.
+        #[test]
+        fn every_order_on_any_bytes(
+            body in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::sample::select(b"&=+%aAzZ09*-._ ~/".to_vec()),
+                    proptest::sample::select(b"0123456789abcdefABCDEF".to_vec()),
+                    proptest::prelude::any::<u8>(),
+                ],
+                0..200,
+            )
+        ) {
+            let want = canonical_form_reference(&body);
+            for (order, form, len) in every_order(&body) {
+                proptest::prop_assert_eq!(&form, &want, "{}: {:?}", order, body);
+                proptest::prop_assert_eq!(len, want.len() as u64, "{}: {:?}", order, body);
+            }
         }
     }
 }
