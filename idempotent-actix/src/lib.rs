@@ -36,9 +36,10 @@
 //! `#[idempotent]` handler then checks the key, reads the body for the fingerprint (handing
 //! the same bytes on to `web::Json`, `web::Form` or `Bytes`, whose own limits keep working),
 //! claims the record and runs, replays or refuses. A body with a `Content-Encoding` is
-//! fingerprinted decoded, as actix-web's extractors decode it, with the size limit on the
-//! decoded bytes (features `compress-gzip`, `compress-brotli`, `compress-zstd`, on by default
-//! as in actix-web: keep them in step with actix-web's). The execution runs as a task of its own on
+//! fingerprinted decoded, with the decoders actix-web's extractors use, and the size limit on
+//! the decoded bytes: decoding stops there, so a small body that would expand enormously is a
+//! 413 (features `compress-gzip`, `compress-brotli`, `compress-zstd`, on by default; they do
+//! not switch on actix-web's own, which decide what your extractors decode). The execution runs as a task of its own on
 //! the worker's runtime, so a client that goes away does not stop it. At shutdown, build the
 //! server with `.disable_signals()` and call [`Idempotency::stop_server`] from your signal
 //! handler: it stops accepting, drains, then stops the workers. (Actix's own stop drops the
@@ -148,6 +149,12 @@
 #![forbid(unsafe_code)]
 
 mod config;
+#[cfg(any(
+    feature = "compress-gzip",
+    feature = "compress-brotli",
+    feature = "compress-zstd"
+))]
+mod decode;
 mod middleware;
 mod private;
 mod response;

@@ -165,45 +165,37 @@ async fn read_limited<E>(
     Ok(read.freeze())
 }
 
-/// The body the request means: `raw` decoded by its `Content-Encoding` (gzip, br, zstd,
-/// deflate) as actix-web's own extractors decode it, so a compressor's incidental bytes (a
-/// gzip timestamp) never change the fingerprint. The limit applies to the decoded bytes too;
-/// a body that does not decode is 400. Unknown encodings are left as they are, as actix-web
-/// leaves them.
-#[cfg(any(
-    feature = "compress-gzip",
-    feature = "compress-brotli",
-    feature = "compress-zstd"
-))]
+/// The body the request means: `raw` decoded by its `Content-Encoding` (gzip, deflate, br,
+/// zstd) as actix-web's own extractors decode it, so a compressor's incidental bytes (a gzip
+/// timestamp) never change the fingerprint. The limit applies to the decoded bytes, and
+/// decoding stops there (a small body that would expand enormously is 413 at the limit, never
+/// decoded whole); a body that does not decode is 400. Unknown encodings, and lists of several,
+/// are left as they are, as actix-web leaves them. Decoded on the blocking pool.
 async fn decoded(
     raw: &Bytes,
     headers: &actix_web::http::header::HeaderMap,
     limit: usize,
 ) -> Result<Bytes, Problem> {
-    if !headers.contains_key(header::CONTENT_ENCODING) {
-        return Ok(raw.clone());
+    #[cfg(any(
+        feature = "compress-gzip",
+        feature = "compress-brotli",
+        feature = "compress-zstd"
+    ))]
+    if let Some(encoding) = headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| crate::decode::Encoding::parse(v.as_bytes()))
+    {
+        use crate::decode::{DecodeError, decode};
+        let raw = raw.clone();
+        let decoded = tokio::task::spawn_blocking(move || decode(encoding, &raw, limit)).await;
+        return match decoded {
+            Ok(Ok(body)) => Ok(Bytes::from(body)),
+            Ok(Err(DecodeError::TooLarge)) => Err(Problem::request_too_large(limit)),
+            // Not valid in its encoding (or the decoder's task failed: a runtime shutting down).
+            Ok(Err(DecodeError::Invalid)) | Err(_) => Err(Problem::request_body_invalid()),
+        };
     }
-    let sent =
-        futures_util::stream::once(ready(Ok::<_, actix_web::error::PayloadError>(raw.clone())));
-    read_limited(
-        actix_web::dev::Decompress::from_headers(sent, headers),
-        limit,
-    )
-    .await
-}
-
-/// Without actix-web's compression features its extractors do not decode bodies, so neither
-/// does the fingerprint.
-#[cfg(not(any(
-    feature = "compress-gzip",
-    feature = "compress-brotli",
-    feature = "compress-zstd"
-)))]
-async fn decoded(
-    raw: &Bytes,
-    _headers: &actix_web::http::header::HeaderMap,
-    _limit: usize,
-) -> Result<Bytes, Problem> {
+    let _ = (headers, limit);
     Ok(raw.clone())
 }
 

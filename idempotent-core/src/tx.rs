@@ -228,7 +228,9 @@ mod with_sqlx {
         ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
         /// How long the library waits for the complete and for COMMIT to answer before it
-        /// gives up on them (answers 503 and lets the connection go), given the route's
+        /// gives up on them (answers 503; the connection goes back to sqlx's pool, which tests
+        /// it with no bound of its own: a connection whose peer went silent holds its pool
+        /// slot until the operating system reports the socket dead), given the route's
         /// lease; `None`: no bound (SQLite: a local file, whose busy timeout bounds waits).
         #[doc(hidden)]
         fn finish_bound(lease: Duration) -> Option<Duration>;
@@ -530,7 +532,9 @@ mod with_sqlx {
     /// `fut` (a complete or COMMIT), given up after [`TxDatabase::finish_bound`]: a
     /// connection that stopped answering (a lost network) must not hold the execution, and
     /// with it [`Engine::drain`], forever. Whether a COMMIT given up on applied is unknown, as
-    /// for any failed COMMIT: a retry replays if it did, else runs again.
+    /// for any failed COMMIT: a retry replays if it did, else runs again. The execution (and
+    /// the key, once the server ends the idle session) is freed; the pooled connection is
+    /// not, until the operating system gives up on it (sqlx's release ping has no bound).
     async fn bounded<DB: TxDatabase, T>(
         lease: Duration,
         what: &'static str,

@@ -730,3 +730,88 @@ async fn postgres_take_over_never_waits_on_a_row_lock() {
     ));
     pg_drop(&pool, &table).await;
 }
+
+/// The SQLSTATE of a store error that came from PostgreSQL.
+fn sqlstate(error: &StoreError) -> Option<String> {
+    let StoreError::Unavailable(source) = error else {
+        return None;
+    };
+    let db = source.downcast_ref::<sqlx::Error>()?.as_database_error()?;
+    db.code().map(|c| c.into_owned())
+}
+
+/// `claim_on` inside a transaction of the caller's: a serialization failure is the caller's to
+/// see (40001, so it can run its transaction again), never an error of the store's own making,
+/// and it does not change how the store claims later, in or out of a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_claim_on_inside_a_callers_transaction() {
+    use sqlx::Connection;
+    let table = unique_table("callertx");
+    let pool = pg_pool(4).await;
+    let store = pg_store(pool.clone(), &table).await;
+    let key = unique_key("k");
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("rt"),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(3600),
+    };
+    let serializable = "BEGIN ISOLATION LEVEL SERIALIZABLE";
+    // The first claims in its transaction; the second took its snapshot before that commits.
+    let mut first = pool.acquire().await.unwrap();
+    let mut tx1 = first.begin_with(serializable).await.unwrap();
+    assert!(matches!(
+        store.claim_on(&mut tx1, req).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    let mut second = pool.acquire().await.unwrap();
+    let second_claim = {
+        let store = store.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            let mut tx2 = second.begin_with(serializable).await.unwrap();
+            sqlx::query("SELECT 1").execute(&mut *tx2).await.unwrap();
+            let req = ClaimRequest {
+                key: &key,
+                fingerprint: &fp("rt"),
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(3600),
+            };
+            let out = store.claim_on(&mut tx2, req).await;
+            drop(tx2);
+            out
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await; // the second waits on the row
+    tx1.commit().await.unwrap();
+    let out = second_claim.await.unwrap();
+    match &out {
+        Err(e) => assert_eq!(sqlstate(e).as_deref(), Some("40001"), "{e:?}"),
+        other => panic!("expected the caller's serialization failure: {other:?}"),
+    }
+    // Claims go on as before: inside a READ COMMITTED transaction of the caller's, and alone.
+    let fresh = unique_key("after");
+    let fresh_req = ClaimRequest { key: &fresh, ..req };
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = conn
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    let inside = store.claim_on(&mut tx, fresh_req).await;
+    assert!(matches!(inside, Ok(ClaimOutcome::Claimed(_))), "{inside:?}");
+    tx.commit().await.unwrap();
+    let before = store.statements_sent();
+    let lone = unique_key("alone");
+    let alone = store.claim(ClaimRequest { key: &lone, ..req });
+    assert!(matches!(alone.await, Ok(ClaimOutcome::Claimed(_))));
+    assert_eq!(
+        store.statements_sent() - before,
+        1,
+        "a claim alone is one statement"
+    );
+    pg_drop(&pool, &table).await;
+}

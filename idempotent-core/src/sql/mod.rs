@@ -81,7 +81,13 @@ macro_rules! sql_store_common {
                     outcome: &StoredOutcome,
                     ttl: Duration,
                 ) -> Result<(), StoreError> {
-                    let mut conflicts = 0;
+                    // Inside the caller's transaction a serialization failure has aborted
+                    // it: the error is theirs to see, not ours to run again.
+                    let mut conflicts = if sqlx::Connection::is_in_transaction(&*conn) {
+                        u32::MAX
+                    } else {
+                        0
+                    };
                     loop {
                         let done = self
                             .complete_query(&self.sql.complete, key, token, outcome, ttl)
@@ -403,7 +409,8 @@ pub(crate) fn is_serialization_failure(error: &StoreError) -> bool {
 const CONFLICT_RETRIES: u32 = 8;
 
 /// Whether to run a fenced write again after `error`: a serialization failure, fewer than
-/// [`CONFLICT_RETRIES`] times; waits a moment (growing) first.
+/// [`CONFLICT_RETRIES`] times (start `conflicts` at `u32::MAX` for never); waits a moment
+/// (growing) first.
 pub(crate) async fn again_after_conflict(error: &StoreError, conflicts: &mut u32) -> bool {
     if *conflicts >= CONFLICT_RETRIES || !is_serialization_failure(error) {
         return false;

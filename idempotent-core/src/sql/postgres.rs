@@ -2,7 +2,7 @@
 
 use super::{
     Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, fenced,
-    has_sqlstate, identifier, is_serialization_failure, millis, q,
+    has_sqlstate, identifier, millis, q,
 };
 use crate::LeaseToken;
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
@@ -330,6 +330,10 @@ impl PostgresStore {
     /// `BEGIN ISOLATION LEVEL READ COMMITTED` … `COMMIT`, two more round trips (set the pool's
     /// `default_transaction_isolation` to `read committed` to avoid them).
     ///
+    /// Inside a transaction of yours, the claim runs at your transaction's isolation, and a
+    /// serialization failure (SQLSTATE 40001) is returned to you as it is, for you to run your
+    /// transaction again.
+    ///
     /// # Errors
     /// As [`Store::claim`](crate::Store::claim).
     pub async fn claim_on(
@@ -338,9 +342,14 @@ impl PostgresStore {
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
         use std::sync::atomic::Ordering;
+        if sqlx::Connection::is_in_transaction(&*conn) {
+            return self.claim_loop(conn, &req).await;
+        }
         if !self.pin_isolation.load(Ordering::Relaxed) {
             match self.claim_loop(conn, &req).await {
-                Err(e) if is_serialization_failure(&e) => {
+                // A serialization failure of the claim itself (not a deadlock, which READ
+                // COMMITTED can meet too): the session's isolation is stricter.
+                Err(e) if has_sqlstate(&e, "40001") => {
                     if !self.pin_isolation.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
                             error = %e,

@@ -892,8 +892,8 @@ fn gzip(body: &str, mtime: u32) -> Vec<u8> {
 /// A gzip body is fingerprinted decoded (actix-web's extractors decode it; on Axum,
 /// tower-http's decompression layer does): a retry whose compressor wrote another timestamp
 /// replays, the same key for another decoded body is 422, a body that does not decode is 400
-/// and claims nothing, and the request limit applies to the decoded bytes. Both frameworks
-/// answer alike.
+/// and claims nothing, and the request limit applies to the decoded bytes (a zstd bomb is 413).
+/// Both frameworks answer alike.
 async fn compressed_bodies_are_fingerprinted_decoded(fw: Fw) {
     let s = serve(fw, limited(MemoryStore::new())).await;
     let send = |key: &str, body: Vec<u8>| {
@@ -942,8 +942,21 @@ async fn compressed_bodies_are_fingerprinted_decoded(fw: Fw) {
         "idempotency-request-too-large",
     )
     .await;
+    // A bomb: a few hundred bytes of zstd that decode to 16 MiB. 413 once the decoded bytes
+    // pass the limit; decoding stops there (actix-web's own decoder would build the whole
+    // 16 MiB first).
+    let bomb = zstd::encode_all(&vec![0_u8; 16 << 20][..], 19).unwrap();
+    assert!(bomb.len() < 1024, "{}", bomb.len());
+    let res = s
+        .post("/v1/charges", "acct_a", Some("bomb"), "")
+        .header("content-encoding", "zstd")
+        .body(bomb)
+        .send()
+        .await
+        .unwrap();
+    problem(res, 413, "idempotency-request-too-large").await;
     assert_eq!(s.runs(), 1);
-    // Neither failed request claimed its key.
+    // No failed request claimed its key.
     let res = send("broken", gzip(json, 9)).await.unwrap();
     assert_eq!(res.headers()["idempotent-replayed"], "false");
 }
