@@ -195,6 +195,27 @@ impl Call {
         self.name
     }
 
+    /// The scope the records of function `name` for `caller` are kept under
+    /// (`call:<len>:<name>:<caller>`), for tools that look a function's record up in a store
+    /// ([`Store::get`](crate::Store::get), an admin tool). No caller identity can be this
+    /// scope: [`Scope::new`] refuses the `call:` prefix.
+    ///
+    /// ```
+    /// use idempotent_core::{call::Call, Scope};
+    /// let scope = Call::record_scope("book", &Scope::new("acme")?)?;
+    /// assert_eq!(scope.as_str(), "call:4:book:acme");
+    /// assert!(Scope::new("call:4:book:acme").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`InvalidCall::Name`] when `name` breaks the rule of names (see [`Call::new`]),
+    /// [`InvalidCall::Scope`] when the scope with the name is too long.
+    pub fn record_scope(name: &str, caller: &Scope) -> Result<Scope, InvalidCall> {
+        check_name(name).map_err(InvalidCall::Name)?;
+        Scope::function(name, caller).map_err(InvalidCall::Scope)
+    }
+
     /// The longest name a function may have, in bytes.
     pub const MAX_NAME_LEN: usize = 64;
 }

@@ -301,31 +301,43 @@ impl IdempotentRetry {
 pub struct DeadlineExceeded;
 
 /// The response with its body read, so a connection cut inside the body is an error here;
-/// at most `limit` bytes of it are held. A body declared larger is returned as it is; one that
-/// grows past `limit` is returned streaming, what was read first (nothing is lost).
+/// at most `limit` bytes of it are held (and one chunk more, the one found past it). A body
+/// declared larger is returned as it is; one that grows past `limit` is returned streaming,
+/// what was read first (nothing is lost).
+///
+/// The body is read into one buffer (sized by `Content-Length` when declared, capped at
+/// `limit`) that becomes the response's body without a copy: holding the chunks and joining
+/// them at the end would hold the body twice.
 async fn read_whole(mut res: Response, limit: usize) -> reqwest_middleware::Result<Response> {
-    if res
-        .content_length()
-        .is_some_and(|n| n > u64::try_from(limit).unwrap_or(u64::MAX))
-    {
+    let declared = res.content_length();
+    if declared.is_some_and(|n| n > u64::try_from(limit).unwrap_or(u64::MAX)) {
         return Ok(res);
     }
     let url = res.url().clone();
     let (status, version) = (res.status(), res.version());
     let headers = std::mem::take(res.headers_mut());
     let extensions = std::mem::take(res.extensions_mut());
-    let (mut chunks, mut held) = (Vec::new(), 0_usize);
+    // `declared` is at most `limit` here.
+    let mut read = Vec::with_capacity(declared.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
     let body = loop {
         match res.chunk().await? {
-            None => break reqwest::Body::from(chunks.concat()),
+            None => break reqwest::Body::from(read),
+            Some(chunk) if chunk.len() > limit - read.len() => {
+                // Past the limit: what was read goes on as one piece, then this chunk and the
+                // rest as they come.
+                use futures_util::StreamExt;
+                let first = futures_util::stream::iter([Ok(read.into()), Ok(chunk)]);
+                break reqwest::Body::wrap_stream(first.chain(res.bytes_stream()));
+            }
             Some(chunk) => {
-                held += chunk.len();
-                chunks.push(chunk);
-                if held > limit {
-                    use futures_util::StreamExt;
-                    let read = futures_util::stream::iter(chunks.into_iter().map(Ok));
-                    break reqwest::Body::wrap_stream(read.chain(res.bytes_stream()));
+                if read.capacity() - read.len() < chunk.len() {
+                    // Doubling, as `Vec` grows, but never past the limit.
+                    let want = (read.capacity() * 2)
+                        .max(read.len() + chunk.len())
+                        .min(limit);
+                    read.reserve_exact(want - read.len());
                 }
+                read.extend_from_slice(&chunk);
             }
         }
     };

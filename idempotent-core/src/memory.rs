@@ -7,7 +7,7 @@ use crate::{
 };
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -60,14 +60,25 @@ const MIB: u64 = 1024 * 1024;
 ///
 /// A claim is charged the record without its response, and refused like the count bound
 /// when that does not fit ([`StoreError::ScopeByteCapacity`], [`StoreError::ByteCapacity`];
-/// HTTP: 503 with `Retry-After`). The response's size is only known when the handler has run,
-/// so a response that does not fit at `complete` is **kept as the "not stored" marker**, as a
-/// response over `max_response` is: the caller gets its response, a retry gets 410, never a
-/// second run, and no record is lost. (Refusing the complete instead would leave the record
-/// to its lease, and then let a retry run the handler again.) The budget it did not fit is
-/// then full: further claims are refused until a record of that budget is released,
-/// deleted or purged, so one caller at its budget gets 503s, not a run of unreplayable
-/// records. A response larger than a whole budget is kept as the marker without filling it.
+/// HTTP: 503 with `Retry-After`); so is a claim taking over an expired record. The
+/// response's size is only known when the handler has run, and by then its bytes are in
+/// memory: **`complete` stores every response and charges it, even past a budget**. Neither
+/// budget ever turns a response into the "not stored" marker (that marker, a 410 on retry, is
+/// only for a response over the route's `max_response`), so other callers' volume never costs
+/// a caller a replayable response; refusing the complete instead would leave the record to
+/// its lease and let a retry run the handler again. While the bytes charged are over a
+/// budget, that budget refuses every new claim: the total, everyone's; a scope's, that
+/// caller's. That is read from the bytes charged, never remembered: it ends as soon as
+/// records released, deleted or purged bring the bytes back under the budget, and not before.
+///
+/// The overshoot is bounded by the executions in flight when a budget was reached: each was
+/// admitted while its budgets were under, and stores at most its route's `max_response`
+/// (default 1 MiB; a larger response is stored as the marker). So the store holds at most
+/// `max_bytes` + (executions in flight) × `max_response`, and a scope at most
+/// `max_bytes_per_scope` + (its executions in flight) × `max_response`; those responses were
+/// held in memory by their executions anyway, and the store keeps them for their ttl instead.
+/// A response larger than a whole budget is stored too, and that budget then refuses claims
+/// until its record goes: keep `max_bytes_per_scope` well above the routes' `max_response`.
 ///
 /// # Time
 /// Leases and expiry are measured on a monotonic clock ([`Clock::instant`]), so a wall clock
@@ -100,11 +111,10 @@ struct Inner {
     hasher: RandomState,
     len: AtomicUsize,
     max_entries: usize,
-    /// Bytes charged for every record held ([`MemoryStore::charge`]).
+    /// Bytes charged for every record held ([`MemoryStore::charge`]); over `max_bytes` after
+    /// a response was stored past it, and new records are refused while it is.
     bytes: AtomicU64,
     max_bytes: u64,
-    /// A response did not fit `max_bytes`: claims are refused until a record goes.
-    bytes_full: AtomicBool,
     /// Records and bytes held per scope, sharded by the scope's hash (taken after a record
     /// shard's lock, never before, and never across another lock).
     per_scope: Box<[Mutex<HashMap<Scope, Usage>>]>,
@@ -119,9 +129,9 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Usage {
     records: usize,
+    /// Over `max_bytes_per_scope` after a response was stored past it; the scope's new
+    /// records are refused while it is.
     bytes: u64,
-    /// A response did not fit `max_bytes_per_scope`: claims are refused until a record goes.
-    full: bool,
 }
 
 /// Builds a [`MemoryStore`].
@@ -190,7 +200,6 @@ impl MemoryStoreBuilder {
                 max_entries: self.max_entries,
                 bytes: AtomicU64::new(0),
                 max_bytes: self.max_bytes,
-                bytes_full: AtomicBool::new(false),
                 per_scope: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
                 max_per_scope: self.max_per_scope,
                 max_bytes_per_scope: self.max_bytes_per_scope,
@@ -227,13 +236,6 @@ impl Now {
                 .unwrap_or(SystemTime::UNIX_EPOCH)
         }
     }
-}
-
-/// Which budget a new record or a response did not fit.
-#[derive(Debug, Clone, Copy)]
-enum NoRoom {
-    Total,
-    Scope,
 }
 
 impl MemoryStore {
@@ -312,27 +314,17 @@ impl MemoryStore {
                 (n < max).then_some(n + 1)
             })
             .map_err(|_| Refused::Full)?;
-        self.grow(&key.scope, counted, charge, true)
-            .inspect_err(|_| {
-                inner.len.fetch_sub(1, Ordering::AcqRel);
-            })
+        self.grow(&key.scope, counted, charge).inspect_err(|_| {
+            inner.len.fetch_sub(1, Ordering::AcqRel);
+        })
     }
 
-    /// Charges `bytes` more to the store and, if `counted`, to `scope` (one record more if
-    /// `new_record`). Refused when a budget would be exceeded, when a budget is marked full
-    /// (new records only), or when `new_record` and the scope holds `max_per_scope` records;
-    /// nothing is charged then.
-    fn grow(
-        &self,
-        scope: &Scope,
-        counted: bool,
-        bytes: u64,
-        new_record: bool,
-    ) -> Result<(), Refused> {
+    /// Charges a new record of `bytes` to the store and, if `counted`, to `scope`. Refused,
+    /// with nothing charged, when the bytes charged would then be over a budget (so always
+    /// while a budget is over: a response may be stored past it, see "Byte budgets"), or when
+    /// the scope holds `max_per_scope` records.
+    fn grow(&self, scope: &Scope, counted: bool, bytes: u64) -> Result<(), Refused> {
         let inner = &*self.inner;
-        if new_record && inner.bytes_full.load(Ordering::Acquire) {
-            return Err(Refused::BytesFull);
-        }
         let max = inner.max_bytes;
         inner
             .bytes
@@ -345,13 +337,12 @@ impl MemoryStore {
         }
         let mut usages = self.scope_usage(scope);
         let usage = usages.entry(scope.clone()).or_default();
-        let refused = if new_record && usage.records >= inner.max_per_scope {
+        let refused = if usage.records >= inner.max_per_scope {
             Some(Refused::ScopeFull)
-        } else if (new_record && usage.full)
-            || usage
-                .bytes
-                .checked_add(bytes)
-                .is_none_or(|b| b > inner.max_bytes_per_scope)
+        } else if usage
+            .bytes
+            .checked_add(bytes)
+            .is_none_or(|b| b > inner.max_bytes_per_scope)
         {
             Some(Refused::ScopeBytesFull)
         } else {
@@ -366,12 +357,44 @@ impl MemoryStore {
             return Err(refused);
         }
         usage.bytes += bytes;
-        usage.records += usize::from(new_record);
+        usage.records += 1;
         Ok(())
     }
 
+    /// Charges the response of `bytes` of a record being completed to the store and, if
+    /// `counted`, to `scope`, whatever the budgets: those bytes are in memory already, and
+    /// turning them away would cost the caller a replayable response. A budget this takes
+    /// past its bound refuses new records until records go ("Byte budgets"); logged once per
+    /// crossing.
+    fn charge_response(&self, scope: &Scope, counted: bool, bytes: u64) {
+        let inner = &*self.inner;
+        let before = inner.bytes.fetch_add(bytes, Ordering::AcqRel);
+        let mut crossed = None;
+        if before <= inner.max_bytes && before.saturating_add(bytes) > inner.max_bytes {
+            crossed = Some(("max_bytes", inner.max_bytes));
+        }
+        if counted {
+            // A counted record keeps its scope's usage alive (records >= 1).
+            if let Some(usage) = self.scope_usage(scope).get_mut(scope) {
+                let max = inner.max_bytes_per_scope;
+                if usage.bytes <= max && usage.bytes.saturating_add(bytes) > max {
+                    crossed = crossed.or(Some(("max_bytes_per_scope", max)));
+                }
+                usage.bytes = usage.bytes.saturating_add(bytes);
+            }
+        }
+        if let Some((budget, max)) = crossed {
+            tracing::warn!(
+                budget,
+                max,
+                size = bytes,
+                "idempotency: a response took the memory store past its byte budget; it is stored and replayed, and new keys under that budget are refused (503) until records are released, deleted or expire"
+            );
+        }
+    }
+
     /// Gives back `bytes` (and a record, if `gone`) charged to the store and, if `counted`,
-    /// to `scope`; a budget marked full has room again.
+    /// to `scope`.
     fn shrink(&self, scope: &Scope, counted: bool, bytes: u64, gone: bool) {
         let inner = &*self.inner;
         if gone {
@@ -381,14 +404,12 @@ impl MemoryStore {
             return;
         }
         inner.bytes.fetch_sub(bytes, Ordering::AcqRel);
-        inner.bytes_full.store(false, Ordering::Release);
         if !counted {
             return;
         }
         let mut usages = self.scope_usage(scope);
         if let Some(usage) = usages.get_mut(scope) {
             usage.bytes = usage.bytes.saturating_sub(bytes);
-            usage.full = false;
             if gone {
                 usage.records = usage.records.saturating_sub(1);
                 if usage.records == 0 {
@@ -419,49 +440,14 @@ impl MemoryStore {
             && of_scope.saturating_add(bytes) <= self.inner.max_bytes_per_scope
     }
 
-    /// Packs `outcome` for the record of `key`, charging its response to the budgets; a
-    /// response that does not fit is packed as the "not stored" marker, and the budget it did
-    /// not fit is marked full (unless the response is larger than the whole budget).
-    fn pack_within_budget(
-        &self,
-        key: &RecordKey,
-        counted: bool,
-        outcome: &StoredOutcome,
-    ) -> Packed {
-        let StoredOutcome::Response(r) = outcome else {
-            return Packed::pack(outcome);
-        };
-        let headers = r.encode_headers();
-        let size = (6 + headers.len() + r.body.len()) as u64;
-        let room = match self.grow(&key.scope, counted, size, false) {
-            Ok(()) => return Packed::response(r.status, &headers, &r.body),
-            Err(Refused::BytesFull) => NoRoom::Total,
-            Err(_) => NoRoom::Scope,
-        };
-        let (budget, which) = match room {
-            NoRoom::Total => (self.inner.max_bytes, "max_bytes"),
-            NoRoom::Scope => (self.inner.max_bytes_per_scope, "max_bytes_per_scope"),
-        };
-        if size <= budget {
-            match room {
-                NoRoom::Total => self.inner.bytes_full.store(true, Ordering::Release),
-                NoRoom::Scope => {
-                    if let Some(usage) = self.scope_usage(&key.scope).get_mut(&key.scope) {
-                        usage.full = true;
-                    }
-                }
-            }
+    /// Packs `outcome` for the record of `key`, charging its response (see
+    /// [`charge_response`](Self::charge_response)).
+    fn pack_charged(&self, key: &RecordKey, counted: bool, outcome: &StoredOutcome) -> Packed {
+        let packed = Packed::pack(outcome);
+        if let Packed::Response(bytes) = &packed {
+            self.charge_response(&key.scope, counted, bytes.len() as u64);
         }
-        tracing::warn!(
-            status = r.status,
-            size,
-            budget = which,
-            "idempotency: the memory store has no room for this response; it is kept as \"not stored\" (a retry gets 410, never a second run), and new claims are refused until records go"
-        );
-        Packed::Oversized {
-            status: r.status,
-            size: r.body.len() as u64,
-        }
+        packed
     }
 
     /// Purges expired records to make room, unless that ran less than a second ago (by the
@@ -533,21 +519,21 @@ impl MemoryStore {
             };
             (lease, record)
         };
+        // Past its ttl, a record counts as absent, whatever its fingerprint: it is purged here
+        // and the key claimed as a new record (a take-over), so that claim is bounded as any
+        // new record is (refused while a byte budget is over).
+        let expired = map
+            .get(req.key)
+            .is_some_and(|rec| rec.expires_at <= now.mono);
+        if expired && let Some((key, entry)) = map.remove_entry(req.key) {
+            self.forget(&key, &entry);
+        }
         match map.get_mut(req.key) {
             None => {
                 let counted = !req.key.scope.is_shared();
                 self.admit(req.key, Self::base_charge(req.key), counted)?;
-                let (lease, record) = fresh(false, counted);
+                let (lease, record) = fresh(expired, counted);
                 map.insert(req.key.clone(), Box::new(record));
-                Ok(ClaimOutcome::Claimed(lease))
-            }
-            Some(rec) if rec.expires_at <= now.mono => {
-                // Past its ttl: the record counts as absent, whatever its fingerprint. It
-                // stays charged to whoever claimed it first (the map keeps that key); its
-                // response is given back.
-                let (lease, record) = fresh(true, rec.counted);
-                self.shrink(&req.key.scope, rec.counted, rec.response_bytes(), false);
-                **rec = record;
                 Ok(ClaimOutcome::Claimed(lease))
             }
             Some(rec) if !req.fingerprint.matches_stored(&rec.fingerprint()) => {
@@ -803,7 +789,7 @@ impl Store for MemoryStore {
         self.fenced(key, token, |map, now| {
             if let Some(rec) = map.get_mut(key) {
                 rec.state = EntryState::Done {
-                    outcome: self.pack_within_budget(key, rec.counted, outcome),
+                    outcome: self.pack_charged(key, rec.counted, outcome),
                     completed_at: now.wall,
                 };
                 rec.expires_at = rec.expires_at.max(later(now.mono, ttl));

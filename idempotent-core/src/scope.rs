@@ -26,10 +26,16 @@ use std::fmt;
 /// # Ok::<(), idempotent_core::ScopeError>(())
 /// ```
 ///
+/// **`call:` is reserved.** Idempotent functions keep their records under scopes
+/// `call:<len>:<name>:<caller>` (see [`Call`](crate::call::Call)), which only the library
+/// builds: [`Scope::new`], and so every [`ScopeValue`], refuses text starting with
+/// [`Scope::RESERVED_PREFIX`] ([`ScopeError::Reserved`]; over HTTP, the 400 problem of any
+/// unusable scope), so no caller can spell a function's namespace and hold its records.
+///
 /// A scope also knows whether every caller shares it (the unscoped namespace, and an unscoped
-/// idempotent function's): that is set where the scope is built, never read from its text, so
-/// a caller whose identity is spelled like a shared namespace is still one caller. Two scopes
-/// with the same text are the same scope (equal, same hash), as they are in a SQL store.
+/// idempotent function's): that is set where the scope is built, never read from its text.
+/// Two scopes with the same text are the same scope (equal, same hash), as they are in a SQL
+/// store.
 #[derive(Clone)]
 pub struct Scope {
     text: Box<str>,
@@ -81,18 +87,39 @@ pub enum ScopeError {
     /// The value contains a NUL character, which SQL stores cannot hold.
     #[error("the scope value contains a NUL character")]
     Nul,
+    /// The value starts with `call:`, the prefix reserved for idempotent functions' namespaces
+    /// ([`Scope::RESERVED_PREFIX`]): a caller spelled so would share a function's records.
+    #[error(
+        "the scope value starts with `{}`, which is reserved for idempotent functions",
+        Scope::RESERVED_PREFIX
+    )]
+    Reserved,
 }
 
 impl Scope {
     /// Longest scope accepted, in bytes.
     pub const MAX_LEN: usize = 1024;
 
+    /// The prefix of idempotent functions' namespaces (`call:<len>:<name>:<caller>`, see
+    /// [`Call`](crate::call::Call)), which no caller identity may start with.
+    pub const RESERVED_PREFIX: &'static str = "call:";
+
     /// A scope from a caller identity.
     ///
     /// # Errors
-    /// [`ScopeError`] when the value is empty, too long or holds NUL.
+    /// [`ScopeError`] when the value is empty, too long, holds NUL, or starts with
+    /// [`Scope::RESERVED_PREFIX`] (`call:`): that text is an idempotent function's namespace,
+    /// and a caller spelled so would share the function's records.
     pub fn new(value: impl Into<String>) -> Result<Self, ScopeError> {
         let value = value.into();
+        if value.starts_with(Self::RESERVED_PREFIX) {
+            return Err(ScopeError::Reserved);
+        }
+        Self::checked(value, false)
+    }
+
+    /// A scope of `value` if it is not empty, not too long and free of NUL.
+    fn checked(value: String, shared: bool) -> Result<Self, ScopeError> {
         if value.is_empty() {
             return Err(ScopeError::Empty);
         }
@@ -104,7 +131,7 @@ impl Scope {
         }
         Ok(Scope {
             text: value.into_boxed_str(),
-            shared: false,
+            shared,
         })
     }
 
@@ -120,9 +147,14 @@ impl Scope {
     /// (`call:<len>:<name>:<caller>`, see [`Call`](crate::call::Call)): shared by every
     /// caller when `caller` is.
     pub(crate) fn function(name: &str, caller: &Scope) -> Result<Self, ScopeError> {
-        let mut scope = Scope::new(format!("call:{}:{name}:{}", name.len(), caller.as_str()))?;
-        scope.shared = caller.shared;
-        Ok(scope)
+        // The one place a scope may start with the reserved prefix.
+        let text = format!(
+            "{}{}:{name}:{}",
+            Self::RESERVED_PREFIX,
+            name.len(),
+            caller.as_str()
+        );
+        Self::checked(text, caller.shared)
     }
 
     /// Whether this is the unscoped namespace.
@@ -132,8 +164,7 @@ impl Scope {
 
     /// Whether every caller shares this namespace: the unscoped one, or an unscoped idempotent
     /// function's. Set where the scope was built ([`Scope::unscoped`], `Scope::function`),
-    /// never guessed from its text; a scope read back from a store is shared only if it is
-    /// the unscoped one.
+    /// never guessed from its text.
     pub(crate) fn is_shared(&self) -> bool {
         self.shared
     }
@@ -141,15 +172,6 @@ impl Scope {
     /// The scope's text (empty for [`Scope::unscoped`]).
     pub fn as_str(&self) -> &str {
         &self.text
-    }
-
-    /// Rebuilds a scope read back from a store (no validation: stores only hold valid scopes).
-    #[doc(hidden)]
-    pub fn from_stored(value: String) -> Self {
-        Scope {
-            shared: value.is_empty(),
-            text: value.into_boxed_str(),
-        }
     }
 }
 
@@ -300,12 +322,32 @@ mod tests {
         let tenant_fn = Scope::function("book", &Scope::new("acme").unwrap()).unwrap();
         assert_eq!(tenant_fn.as_str(), "call:4:book:acme");
         assert!(!tenant_fn.is_shared());
-        // A caller spelled like a shared namespace is one caller, yet the same record scope.
-        let spelled = Scope::new("call:4:book:").unwrap();
-        assert!(!spelled.is_shared());
-        assert_eq!(spelled, unscoped_fn);
-        assert!(Scope::from_stored(String::new()).is_shared());
-        assert!(!Scope::from_stored("call:4:book:".into()).is_shared());
+    }
+
+    /// No caller identity can spell a function's namespace: `call:` is reserved, so a caller
+    /// whose id reads `call:4:book:acme` can never hold (or pre-claim) the records of function
+    /// `book` for tenant `acme`, nor of the unscoped `book`.
+    #[test]
+    fn function_namespaces_cannot_be_spelled() {
+        let unscoped_fn = Scope::function("book", &Scope::unscoped()).unwrap();
+        let tenant_fn = Scope::function("book", &Scope::new("acme").unwrap()).unwrap();
+        for (text, function) in [
+            ("call:4:book:", &unscoped_fn),
+            ("call:4:book:acme", &tenant_fn),
+        ] {
+            let spelled = Scope::new(text);
+            assert!(
+                spelled.as_ref() != Ok(function),
+                "the identity {text:?} is the record scope of a function: {spelled:?}"
+            );
+            assert_eq!(spelled, Err(ScopeError::Reserved), "{text}");
+            assert_eq!(text.to_scope(), Err(ScopeError::Reserved), "{text}");
+            assert_eq!(String::from(text).to_scope(), Err(ScopeError::Reserved));
+        }
+        // Only the prefix is reserved: `call` alone, or `call:` inside an id, is an identity.
+        for fine in ["call", "calls:1", "Call:4:book:", "acct:call:4:book:"] {
+            assert!(Scope::new(fine).is_ok(), "{fine}");
+        }
     }
 
     /// Integer and string ids with the same decimal text are one scope; anything else is not.

@@ -360,3 +360,27 @@ pub(crate) async fn scope_and_key_values_never_collide(fw: Fw) {
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(again.text().await.unwrap(), r#"refund for a:b: {"n":1}"#);
 }
+
+/// A caller identity spelled like an idempotent function's namespace (`call:4:book:acme` is
+/// function `book`'s for tenant `acme`, `call:4:book:` the unscoped `book`'s) is refused with
+/// the scope problem (400), before anything is claimed or run: an HTTP caller can never hold
+/// a function's records (pre-claiming a message id so that the consumer gets a mismatch).
+pub(crate) async fn function_namespaces_are_no_caller_identity(fw: Fw) {
+    let store = MemoryStore::new();
+    let s = serve(fw, config(store.clone())).await;
+    for account in ["call:4:book:acme", "call:4:book:", "call:"] {
+        let res = s
+            .post("/v1/charges", account, Some("msg_1"), r#"{"amount": 1}"#)
+            .send()
+            .await
+            .unwrap();
+        let body = problem(res, 400, "idempotency-scope-invalid").await;
+        assert!(
+            body["detail"].as_str().unwrap().contains("call:"),
+            "{account}: {body}"
+        );
+    }
+    assert_eq!(s.runs(), 0, "a refused caller's handler ran");
+    assert_eq!(store.len(), 0, "a refused caller claimed a record");
+    still_serves(&s).await;
+}

@@ -12,9 +12,10 @@ mod axum_app;
 mod hostile;
 
 use hostile::{
-    hostile_json_is_fingerprinted_without_harm, hostile_keys_are_400_and_claim_nothing,
-    one_caller_cannot_fill_the_memory_store, scope_and_key_values_never_collide,
-    slow_bodies_time_out_and_claim_nothing, thousands_of_headers_are_refused_cleanly,
+    function_namespaces_are_no_caller_identity, hostile_json_is_fingerprinted_without_harm,
+    hostile_keys_are_400_and_claim_nothing, one_caller_cannot_fill_the_memory_store,
+    scope_and_key_values_never_collide, slow_bodies_time_out_and_claim_nothing,
+    thousands_of_headers_are_refused_cleanly,
 };
 
 use idempotent_core::http::{Config, ConfigBuilder, ConfigError};
@@ -1445,6 +1446,7 @@ on_both!(
     slow_bodies_time_out_and_claim_nothing,
     hostile_json_is_fingerprinted_without_harm,
     scope_and_key_values_never_collide,
+    function_namespaces_are_no_caller_identity,
     one_caller_cannot_fill_the_memory_store,
 );
 
