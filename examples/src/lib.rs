@@ -12,6 +12,9 @@
 //! [`outbox`] is the queue pair's shared part: `orders-producer` writes orders with their
 //! events through a transactional outbox and relays them to RabbitMQ; `payments-consumer`
 //! books each event once through an idempotent function, whatever the broker redelivers.
+//!
+//! The small examples (`axum-minimal`, `actix-minimal`, `tx-sqlite`, `consumer`) use none of
+//! this library: each is one file in `src/bin/`, whole on its own.
 
 pub mod api;
 pub mod charges;

@@ -2,6 +2,7 @@
 //! 422?", "let this client run its request again".
 //!
 //! ```text
+//! cargo install --path idempotent-admin     # from a checkout of the repository
 //! idempotent-admin --database sqlite://charges.db get --scope acct_1 --key 8e03978e-…
 //! idempotent-admin --database postgres://… delete --scope acct_1 --key 8e03978e-… [--force]
 //! ```
@@ -14,12 +15,13 @@
 //! then run the handler while the first execution still runs.
 //!
 //! Exit codes: 0 done, 1 an error (printed), 2 no such record, 3 the record is in progress
-//! and `--force` was not given. The scope is the text the record is stored under: the
-//! caller's id for HTTP routes (`--unscoped` for unscoped routes),
-//! `call:<length of name>:<name>:<scope>` for idempotent functions. The table is the stores'
-//! default (`idempotency_records`). `get` shows live records only; `delete` also removes an
-//! expired row the sweeper has not deleted yet. A single-commit claim inside its still open
-//! transaction is invisible to both until it commits.
+//! and `--force` was not given. The record is named as the application names it: the
+//! caller's id (`--scope`, or `--unscoped` for unscoped routes) and the key; for an idempotent
+//! function add `--function NAME` (its records are stored under the scope
+//! `call:<length of name>:<name>:<scope>`, which `--scope` alone refuses). The table is the
+//! stores' default (`idempotency_records`). `get` shows live records only; `delete` also
+//! removes an expired row the sweeper has not deleted yet. A single-commit claim inside its
+//! still open transaction is invisible to both until it commits.
 
 use clap::{Parser, Subcommand};
 use idempotent_core::{
@@ -74,6 +76,10 @@ struct Which {
     /// The idempotency key, as the client sent it.
     #[arg(long)]
     key: String,
+    /// The record of the idempotent function of this name (its `name = "…"`), called by
+    /// `--scope` (or `--unscoped`).
+    #[arg(long)]
+    function: Option<String>,
 }
 
 impl Which {
@@ -81,6 +87,11 @@ impl Which {
         let scope = match &self.scope {
             Some(scope) => Scope::new(scope.clone()).map_err(|e| format!("--scope: {e}"))?,
             None => Scope::unscoped(),
+        };
+        let scope = match &self.function {
+            Some(name) => idempotent_core::call::Call::record_scope(name, &scope)
+                .map_err(|e| format!("--function: {e}"))?,
+            None => scope,
         };
         let key = IdempotencyKey::parse(self.key.as_bytes()).map_err(|e| format!("--key: {e}"))?;
         Ok(RecordKey::new(scope, key))

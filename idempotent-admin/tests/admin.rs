@@ -1,13 +1,16 @@
-//! `idempotent-admin` against a charges server's database (SQLite and PostgreSQL), as real
-//! processes: `get` shows a finished record (state, status, fingerprint, times) without its
-//! body unless asked; `delete` refuses an in-progress record without `--force` and deletes it
-//! with it (the running execution's record is then refused by the fence); a deleted key runs
-//! again; an unknown key is exit code 2.
+//! `idempotent-admin` as a real process against the records of an application (an Axum
+//! route under `#[idempotent]`, served by this test, on SQLite and PostgreSQL): `get` shows a
+//! finished record (state, status, fingerprint, times) without its body unless asked;
+//! `delete` refuses an in-progress record without `--force` and deletes it with it (the
+//! running execution's record is then refused by the fence); a deleted key runs again; an
+//! unknown key is exit code 2.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-mod common;
-
-use common::{Bin, start};
+use axum::Router;
+use axum::extract::{FromRequestParts, State};
+use axum::http::{StatusCode, request::Parts};
+use axum::routing::post;
+use idempotent_axum::{Idempotency, PostgresStore, SqliteStore, Store, idempotent};
 use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
@@ -32,6 +35,68 @@ fn admin(database: &str, args: &[&str]) -> (i32, Value, String) {
     )
 }
 
+/// The caller, from `Authorization: Bearer <account>`: the records' scope.
+struct Account(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for Account {
+    type Rejection = StatusCode;
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+        parts
+            .headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "))
+            .map(|account| Account(account.to_owned()))
+            .ok_or(StatusCode::UNAUTHORIZED)
+    }
+}
+
+/// A charge: answers 201 with the body it was sent, after the server's work delay.
+#[idempotent(scope = "account")]
+async fn create_charge(
+    State(work): State<Duration>,
+    Account(account): Account,
+    body: String,
+) -> (StatusCode, String) {
+    tokio::time::sleep(work).await;
+    (
+        StatusCode::CREATED,
+        format!(r#"{{"account": "{account}", "charge": {body}}}"#),
+    )
+}
+
+/// A server on a free port whose charges take `work`, on the database's store (migrated),
+/// with a 2 s lease (heartbeat-extended while a charge runs); its base URL. It runs until the
+/// test ends.
+async fn serve(database: &str, work: Duration) -> String {
+    let idempotency = if database.starts_with("sqlite:") {
+        let store = SqliteStore::connect(database).await.unwrap();
+        store.migrate().await.unwrap();
+        configure(store)
+    } else {
+        let pool = idempotent_axum::sqlx::PgPool::connect(database)
+            .await
+            .unwrap();
+        let store = PostgresStore::new(pool).unwrap();
+        store.migrate().await.unwrap();
+        configure(store)
+    };
+    let app = Router::new()
+        .route("/v1/charges", post(create_charge))
+        .layer(idempotency.layer())
+        .with_state(work);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    base
+}
+
+fn configure(store: impl Store) -> Idempotency {
+    Idempotency::builder(store)
+        .lease(Duration::from_secs(2))
+        .build()
+        .unwrap()
+}
+
 fn charge(base: &str, account: &str, key: &str) -> reqwest::RequestBuilder {
     reqwest::Client::new()
         .post(format!("{base}/v1/charges"))
@@ -44,8 +109,8 @@ fn charge(base: &str, account: &str, key: &str) -> reqwest::RequestBuilder {
 async fn inspect_and_delete(database: &str) {
     let account = format!("acct_adm_{}", uuid::Uuid::new_v4().simple());
     let key = uuid::Uuid::new_v4().to_string();
-    let server = start(Bin::Axum, database, &["--commit", "two"]);
-    let first = charge(&server.base, &account, &key).send().await.unwrap();
+    let server = serve(database, Duration::ZERO).await;
+    let first = charge(&server, &account, &key).send().await.unwrap();
     assert_eq!(first.status(), 201);
     let which = ["--scope", account.as_str(), "--key", key.as_str()];
 
@@ -75,20 +140,15 @@ async fn inspect_and_delete(database: &str) {
     assert_eq!((code, gone["deleted"].as_bool()), (0, Some(true)));
     let (code, _, said) = admin(database, &[&["get"][..], &which].concat());
     assert_eq!(code, 2, "{said}");
-    let again = charge(&server.base, &account, &key).send().await.unwrap();
+    let again = charge(&server, &account, &key).send().await.unwrap();
     assert_eq!(again.headers()["idempotent-replayed"], "false");
 
     // In progress. Plain mode: the claim is committed and no transaction is open while the
     // handler runs (a transactional handler on SQLite would hold the write lock the delete
     // waits for).
-    drop(server);
-    let slow = start(
-        Bin::Axum,
-        database,
-        &["--plain", "--work-delay", "6s", "--lease", "2s"],
-    );
+    let slow = serve(database, Duration::from_secs(6)).await;
     let running_key = uuid::Uuid::new_v4().to_string();
-    let pending = tokio::spawn(charge(&slow.base, &account, &running_key).send());
+    let pending = tokio::spawn(charge(&slow, &account, &running_key).send());
     let running = ["--scope", account.as_str(), "--key", running_key.as_str()];
     // Until the claim is there (the handler then runs 6 s).
     for _ in 0..50 {
