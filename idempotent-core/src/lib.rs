@@ -46,17 +46,15 @@
 //!
 //! # Features
 //! - `sqlite`, `postgres`: the SQL stores (sqlx).
-//! - `client`: [`client::IdempotentRetry`], a retry middleware for reqwest that makes one
-//!   `Idempotency-Key` per logical request.
+//!
+//! The client side, a retry middleware for reqwest that makes one `Idempotency-Key` per
+//! logical request, is its own crate, `idempotent-client` (it needs none of this one).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // The workspace denies unsafe code (one test allows it, to count allocations); the published
 // crates forbid it outright.
 #![forbid(unsafe_code)]
 
 pub mod call;
-#[cfg(feature = "client")]
-#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
-pub mod client;
 mod clock;
 mod derive;
 mod duration;

@@ -1,9 +1,9 @@
-//! The client retry middleware (`idempotent_core::client`) against a scripted HTTP server on
+//! The client retry middleware (`idempotent_client`) against a scripted HTTP server on
 //! 127.0.0.1: one key per logical request, kept across retries; what is retried and what is
 //! not; `Retry-After`, attempts and the deadline; lost and truncated responses.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::client::{
+use idempotent_client::{
     DeadlineExceeded, IdempotentRetry, IdempotentRetryBuilder, KeyFormat, UsedKey,
 };
 use std::sync::{Arc, Mutex};
@@ -324,7 +324,7 @@ async fn stored_answers_and_absurd_waits_end_the_retries() {
 /// an attempt again (which would have buffered it all first).
 #[tokio::test]
 async fn buffering_is_bounded_and_a_long_body_arrives_whole() {
-    let big = idempotent_core::client::DEFAULT_MAX_BUFFERED + 1024 * 1024;
+    let big = idempotent_client::DEFAULT_MAX_BUFFERED + 1024 * 1024;
     // Whole, past the default bound: every byte arrives, in one attempt.
     let server = Scripted::start(vec![Act::Long(big, false)]).await;
     let res = client(IdempotentRetry::builder().build())
@@ -356,4 +356,18 @@ async fn buffering_is_bounded_and_a_long_body_arrives_whole() {
         .unwrap();
     assert_eq!(res.bytes().await.unwrap().len(), 100);
     assert_eq!(server.keys.lock().unwrap().len(), 2);
+}
+
+/// The client names the headers as the server side does (the client crate depends on no
+/// server crate, so each defines its own).
+#[test]
+fn the_client_and_the_server_name_the_same_headers() {
+    assert_eq!(
+        idempotent_client::IDEMPOTENCY_KEY.as_str(),
+        idempotent_core::http::IDEMPOTENCY_KEY
+    );
+    assert_eq!(
+        idempotent_client::IDEMPOTENT_REPLAYED,
+        idempotent_core::http::IDEMPOTENT_REPLAYED
+    );
 }

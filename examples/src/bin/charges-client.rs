@@ -1,6 +1,6 @@
 //! Sends N charges to a charges server through a proxy that loses a share of them (requests
 //! before the server, responses after the server wrote them), retrying each with one
-//! `Idempotency-Key` through `idempotent_core::client::IdempotentRetry`; then prints how many
+//! `Idempotency-Key` through `idempotent_client::IdempotentRetry`; then prints how many
 //! charges the account holds, on the last line. With one key per operation it is N, however
 //! many attempts were lost.
 //!
@@ -8,7 +8,7 @@
 
 use clap::Parser;
 use futures_util::StreamExt;
-use idempotent_core::client::IdempotentRetry;
+use idempotent_client::IdempotentRetry;
 use idempotent_examples::proxy::{DroppingProxy, Drops};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::Write;

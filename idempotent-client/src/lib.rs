@@ -1,5 +1,6 @@
-//! The client side (feature `client`): a [`reqwest-middleware`](reqwest_middleware) middleware
-//! that makes one `Idempotency-Key` per logical request and retries with it.
+//! The client side of [idempotent](https://docs.rs/idempotent-core): a
+//! [`reqwest-middleware`](reqwest_middleware) middleware that makes one `Idempotency-Key` per
+//! logical request and retries with it. It depends on neither the server crates nor sqlx.
 //!
 //! A retry loop that makes a fresh key on every attempt defeats the mechanism: the server
 //! cannot tell the retry from a new request and runs it again. [`IdempotentRetry`] adds the key
@@ -31,7 +32,7 @@
 //! for each of its own attempts, and so make a new key for each.
 //!
 //! ```no_run
-//! use idempotent_core::client::IdempotentRetry;
+//! use idempotent_client::IdempotentRetry;
 //! use std::time::Duration;
 //!
 //! # async fn run() -> Result<(), reqwest_middleware::Error> {
@@ -52,7 +53,7 @@
 //!     .send()
 //!     .await?;
 //! // The key it used, for your logs.
-//! let key = charge.extensions().get::<idempotent_core::client::UsedKey>();
+//! let key = charge.extensions().get::<idempotent_client::UsedKey>();
 //! # let _ = key;
 //! # Ok(()) }
 //! ```
@@ -66,6 +67,8 @@
 //! come) is handed on as it streams, whole, and a cut in it past that point is the caller's
 //! error. Turn buffering off with [`IdempotentRetryBuilder::buffer_responses`]; responses to
 //! safe methods are never buffered.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![forbid(unsafe_code)]
 
 use http::Extensions;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
@@ -76,7 +79,14 @@ use retry_policies::{Jitter, RetryDecision, RetryPolicy};
 use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
-const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// The request header the key travels in (the server side names the same header
+/// `idempotent_core::http::IDEMPOTENCY_KEY`; a test in the workspace checks they agree).
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The response header a server of this family sets on a stored answer (`true`): such an
+/// answer is the same on every retry, so it is never retried (the server side's
+/// `idempotent_core::http::IDEMPOTENT_REPLAYED`).
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// The key a request was sent with, in its response's extensions (absent for safe methods).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -438,7 +448,7 @@ impl Middleware for IdempotentRetry {
 /// retry would get it again, unchanged.
 fn is_replay(res: &Response) -> bool {
     res.headers()
-        .get("idempotent-replayed")
+        .get(IDEMPOTENT_REPLAYED)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"))
 }
 
