@@ -8,8 +8,8 @@ use std::time::{Duration, Instant, SystemTime};
 /// Two readings: a **monotonic** one ([`Clock::instant`]), which leases and expiry are
 /// measured on, so a wall clock stepped backwards (by NTP or an operator) never extends a
 /// lease and one stepped forwards never ends it early; and the **wall** time
-/// ([`Clock::now`]), which only dates what records show (`created_at`, `completed_at`, and
-/// the lease end and expiry as they stand now).
+/// ([`Clock::now`]), which only dates what records show (`created_at`, `completed_at`, and,
+/// through the wall time read when the store was built, the lease end and expiry).
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
     /// The current wall-clock time (for display).
     fn now(&self) -> SystemTime;

@@ -85,7 +85,9 @@ const MIB: u64 = 1024 * 1024;
 /// stepped backwards never extends a lease and one stepped forwards never ends it early nor
 /// expires records. Record times shown by [`get`](Store::get) and
 /// [`delete`](Store::delete) are wall-clock times ([`Clock::now`]): `created_at` and
-/// `completed_at` as they were read then, the lease end and expiry as they stand now.
+/// `completed_at` as they were read then; the lease end and expiry (monotonic instants) on the
+/// wall time the store read when it was built plus the monotonic time since, so the same
+/// lease end reads the same every time (a wall clock stepped since then does not move them).
 ///
 /// ```
 /// use idempotent_core::MemoryStore;
@@ -122,6 +124,8 @@ struct Inner {
     max_bytes_per_scope: u64,
     /// When the last purge for room ran (monotonic; `None`: never).
     last_room_purge: Mutex<Option<Instant>>,
+    /// Wall and monotonic time read together when the store was built (see `Now::anchor`).
+    anchor: (SystemTime, Instant),
     clock: Arc<dyn Clock>,
 }
 
@@ -204,6 +208,7 @@ impl MemoryStoreBuilder {
                 max_per_scope: self.max_per_scope,
                 max_bytes_per_scope: self.max_bytes_per_scope,
                 last_room_purge: Mutex::new(None),
+                anchor: (self.clock.now(), self.clock.instant()),
                 clock: self.clock,
             }),
         }
@@ -223,17 +228,19 @@ struct Now {
     wall: SystemTime,
     /// Monotonic time, for leases and expiry.
     mono: Instant,
+    /// The store's one pairing of the two clocks, read when it was built: a monotonic time is
+    /// shown as a wall time through it, so the same lease end reads the same every time.
+    anchor: (SystemTime, Instant),
 }
 
 impl Now {
-    /// The wall-clock time `t` (monotonic) stands for, read now.
+    /// The wall-clock time `t` (monotonic) stands for, on the store's anchor.
     fn wall_of(self, t: Instant) -> SystemTime {
-        if t >= self.mono {
-            wall_later(self.wall, t - self.mono)
+        let (wall, mono) = self.anchor;
+        if t >= mono {
+            wall_later(wall, t - mono)
         } else {
-            self.wall
-                .checked_sub(self.mono - t)
-                .unwrap_or(SystemTime::UNIX_EPOCH)
+            wall.checked_sub(mono - t).unwrap_or(SystemTime::UNIX_EPOCH)
         }
     }
 }
@@ -289,6 +296,7 @@ impl MemoryStore {
         Now {
             wall: self.inner.clock.now(),
             mono: self.inner.clock.instant(),
+            anchor: self.inner.anchor,
         }
     }
 
@@ -503,7 +511,7 @@ impl MemoryStore {
             let locked_until = later(now.mono, req.lease);
             let lease = Lease {
                 token,
-                locked_until: wall_later(now.wall, req.lease),
+                locked_until: now.wall_of(locked_until),
                 took_over,
             };
             let record = Entry {
@@ -649,7 +657,7 @@ impl Entry {
         }
     }
 
-    /// The public form, its lease end and expiry on the wall clock as they stand `now`;
+    /// The public form, its lease end and expiry as wall times on the store's anchor;
     /// `None` if a packed response does not unpack (it always does: this store packed it).
     fn to_record(&self, key: &RecordKey, now: Now) -> Option<Record> {
         Some(Record {
@@ -820,7 +828,7 @@ impl Store for MemoryStore {
                 };
                 rec.expires_at = rec.expires_at.max(until);
             }
-            wall_later(now.wall, lease)
+            now.wall_of(until)
         })
     }
 
