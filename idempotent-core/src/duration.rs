@@ -140,3 +140,37 @@ mod tests {
         }
     }
 }
+
+/// The grammar's cases, shared with the `#[idempotent]` attribute's compile-time parser (its
+/// `args.rs` reads the same table), so the two cannot drift.
+#[cfg(test)]
+mod shared_cases {
+    use super::*;
+
+    #[test]
+    fn parse_duration_agrees_with_the_attribute() {
+        let cases: &[(&str, Result<u64, &str>, &str)] = include!("../../tests/duration_cases.rs");
+        for &(input, parsed, range) in cases {
+            let got = parse_duration(input);
+            match parsed {
+                // The grammar has no range (the runtime configuration checks its bounds
+                // itself): rows the attribute refuses as `short` or `long` parse here.
+                Ok(ms) => {
+                    assert!(matches!(range, "" | "short" | "long"), "{input:?}");
+                    assert_eq!(got, Ok(Duration::from_millis(ms)), "{input:?}");
+                }
+                Err(why) => {
+                    let kind_agrees = match why {
+                        "is not a duration" => matches!(got, Err(DurationError::Malformed { .. })),
+                        "is zero" => matches!(got, Err(DurationError::Zero { .. })),
+                        "is too large" => matches!(got, Err(DurationError::Overflow { .. })),
+                        other => panic!("{input:?}: unknown refusal {other:?} in the table"),
+                    };
+                    assert!(kind_agrees, "{input:?}: {got:?}");
+                    let message = got.map_err(|e| e.to_string()).unwrap_err();
+                    assert!(message.contains(why), "{input:?}: {message}");
+                }
+            }
+        }
+    }
+}

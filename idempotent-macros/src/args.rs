@@ -54,6 +54,15 @@ pub(crate) enum KeyReq {
     Optional,
 }
 
+/// `commit = "single" | "two"`: where a transactional handler's claim commits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Commit {
+    /// In the handler's own transaction: one commit.
+    Single,
+    /// Committed first, before the handler's transaction opens.
+    Two,
+}
+
 /// `scope = "param"` or `"param.field.field"`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ScopePath {
@@ -71,8 +80,7 @@ pub(crate) struct Args {
     pub(crate) key: Option<(KeyReq, Span)>,
     pub(crate) store_server_errors: Option<Span>,
     pub(crate) max_response: Option<(u64, Span)>,
-    /// `commit = "single" | "two"`: `true` for two commits.
-    pub(crate) commit: Option<(bool, Span)>,
+    pub(crate) commit: Option<(Commit, Span)>,
     pub(crate) wait: Option<(u64, Span)>,
     pub(crate) krate: Option<(syn::Path, Span)>,
     /// Function mode: where the key comes from (`param` or `param.field`).
@@ -192,8 +200,8 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
                 )),
             },
             "commit" => match lit.value().as_str() {
-                "single" => set(&mut args.commit, (false, lspan), &name, span, &mut errors),
-                "two" => set(&mut args.commit, (true, lspan), &name, span, &mut errors),
+                "single" => set(&mut args.commit, (Commit::Single, lspan), &name, span, &mut errors),
+                "two" => set(&mut args.commit, (Commit::Two, lspan), &name, span, &mut errors),
                 other => errors.push(syn::Error::new(
                     lspan,
                     format!("`commit = \"{other}\"` is not a commit path; expected `\"single\"` or `\"two\"`"),
@@ -504,6 +512,38 @@ mod tests {
             "duplicate argument `name`"
         );
         assert!(errs(quote!(name = book, unscoped))[0].contains("takes a string literal"));
+    }
+
+    /// The attribute parses durations as core's `parse_duration` does, plus its range: one
+    /// table of cases for both (core's `duration.rs` reads it too).
+    #[test]
+    fn durations_agree_with_core() {
+        let cases: &[(&str, Result<u64, &str>, &str)] = include!("../../tests/duration_cases.rs");
+        for &(input, parsed, range) in cases {
+            let got = parse_duration_ms(input);
+            match (parsed, range) {
+                (Ok(ms), "") => assert_eq!(got, Ok(ms), "{input:?}"),
+                (Ok(_), "short") => assert_eq!(
+                    got,
+                    Err(format!(
+                        "the duration `{input}` is shorter than the minimum of `100ms`"
+                    )),
+                    "{input:?}"
+                ),
+                (Ok(_), "long") => assert_eq!(
+                    got,
+                    Err(format!(
+                        "the duration `{input}` is longer than the maximum of `365d`"
+                    )),
+                    "{input:?}"
+                ),
+                (Err(why), "") => assert!(
+                    got.as_ref().is_err_and(|m| m.contains(why)),
+                    "{input:?}: {got:?}, expected an error containing {why:?}"
+                ),
+                (_, other) => panic!("{input:?}: unknown range {other:?} in the table"),
+            }
+        }
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! through that crate's `#[doc(hidden)] __private` module.
 //!
 //! Stages, one per file: `args` (typed arguments with spans) → `signature` (the handler's
-//! shape and the names its parameters bind) → `expand` (code generation). Everything below
-//! the entry points works on `proc_macro2`, so it unit-tests without a compiler run.
+//! shape and the names its parameters bind) → `validate` (a typed plan per mode, handler or
+//! function, or every error) → `expand` (code generation: `handler`, `function`). Everything
+//! below the entry points works on `proc_macro2`, so it unit-tests without a compiler run.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // The workspace denies unsafe code (one test allows it, to count allocations); the published
 // crates forbid it outright.
@@ -14,8 +15,12 @@ use proc_macro::TokenStream;
 
 mod args;
 mod expand;
-mod function;
+#[cfg(test)]
+mod golden;
 mod signature;
+mod validate;
+
+use validate::Entry;
 
 /// Makes an async handler safe to retry: claim → execute → store → replay per
 /// (scope, `Idempotency-Key`).
@@ -141,7 +146,7 @@ mod signature;
 /// does not stop it, and stores its response.
 #[proc_macro_attribute]
 pub fn idempotent_axum(args: TokenStream, item: TokenStream) -> TokenStream {
-    expand::expand(args.into(), item.into(), expand::Framework::Axum).into()
+    expand::expand(args.into(), item.into(), Entry::Axum).into()
 }
 
 /// `#[idempotent(...)]` for Actix-web handlers, re-exported by `idempotent-actix` as
@@ -161,7 +166,7 @@ pub fn idempotent_axum(args: TokenStream, item: TokenStream) -> TokenStream {
 /// ```
 #[proc_macro_attribute]
 pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
-    expand::expand(args.into(), item.into(), expand::Framework::Actix).into()
+    expand::expand(args.into(), item.into(), Entry::Actix).into()
 }
 
 /// `#[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant", ttl = "7d")]`
@@ -236,5 +241,5 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
 /// [`CallError::InProgress`]: ../idempotent_core/call/enum.CallError.html
 #[proc_macro_attribute]
 pub fn idempotent_fn(args: TokenStream, item: TokenStream) -> TokenStream {
-    expand::expand_function(args.into(), item.into()).into()
+    expand::expand(args.into(), item.into(), Entry::Core).into()
 }

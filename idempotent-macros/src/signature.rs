@@ -1,8 +1,10 @@
-//! The handler's shape (async, no receiver, not const) and the names its parameters bind.
+//! The function's shape (async, no receiver, not const), the parameters the attribute gives a
+//! meaning (transaction, idempotency context, runner), its declared output, and the names its
+//! parameters bind.
 
 use proc_macro2::Span;
 use syn::spanned::Spanned;
-use syn::{FnArg, ItemFn, Pat};
+use syn::{FnArg, ItemFn, Pat, ReturnType, Type};
 
 /// Checks what `#[idempotent]` needs of the function; all problems together.
 pub(crate) fn check(f: &ItemFn) -> Vec<syn::Error> {
@@ -117,6 +119,28 @@ pub(crate) fn runner(f: &ItemFn) -> Option<usize> {
         matches!(&*r.elem, syn::Type::Path(p)
             if p.qself.is_none() && p.path.segments.last().is_some_and(|s| s.ident == "Calls"))
     })
+}
+
+/// `T` and `E` of a declared `-> Result<T, E>` (any path ending in `Result` with two types):
+/// function mode's output.
+pub(crate) fn result_types(output: &ReturnType) -> Option<(Type, Type)> {
+    let ReturnType::Type(_, ty) = output else {
+        return None;
+    };
+    let Type::Path(path) = &**ty else { return None };
+    let last = path.path.segments.last()?;
+    if last.ident != "Result" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    let mut types = args.args.iter().filter_map(|a| match a {
+        syn::GenericArgument::Type(t) => Some(t.clone()),
+        _ => None,
+    });
+    let (ok, err) = (types.next()?, types.next()?);
+    types.next().is_none().then_some((ok, err))
 }
 
 /// The names bound by the function's parameter patterns, in order, walking tuple-struct,

@@ -4,8 +4,8 @@
 #[test]
 fn ui() {
     let t = trybuild::TestCases::new();
-    t.compile_fail("ui/fail/*.rs");
-    t.pass("ui/pass/*.rs");
+    t.compile_fail("ui/axum/fail/*.rs");
+    t.pass("ui/axum/pass/*.rs");
     t.compile_fail("ui/actix/fail/*.rs");
     t.pass("ui/actix/pass/*.rs");
     t.compile_fail("ui/function/fail/*.rs");

@@ -1,0 +1,249 @@
+//! A handler: the hidden `Context` extractor, the route's settings in a `static`, the scope,
+//! then `run` (or `run_tx`) around the body kept as tokens inside `async move { }`.
+
+use super::{bind_context, hidden, opt_ms, scope_expr, split_attrs, take_params};
+use crate::args::{Commit, KeyReq};
+use crate::validate::{Framework, HandlerPlan, Transactional};
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote};
+use syn::{ItemFn, ReturnType, Type};
+
+pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
+    let HandlerPlan {
+        func,
+        framework,
+        root,
+        scope,
+        ttl_ms,
+        lease_ms,
+        key,
+        store_server_errors,
+        max_response,
+        transaction,
+        context,
+    } = plan;
+    let p = quote!(#root::__private);
+    let ItemFn {
+        attrs,
+        vis,
+        sig,
+        block,
+        ..
+    } = func;
+    let (inner, outer) = split_attrs(attrs);
+    let ctx = hidden("__idempotent_ctx");
+    let scope_var = hidden("__idempotent_scope");
+    let route = hidden("__IDEMPOTENT_ROUTE");
+
+    let scope_expr = scope_expr(&p, scope.as_ref());
+    let ttl = opt_ms(&p, ttl_ms);
+    let lease = opt_ms(&p, lease_ms);
+    let required = key == KeyReq::Required;
+    let key = if required {
+        quote!(#p::Key::Required)
+    } else {
+        quote!(#p::Key::Optional)
+    };
+    let max_response = match max_response {
+        Some(n) => {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            quote!(::core::option::Option::Some(#n))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let name = sig.ident.to_string();
+    let anchor = anchor(&sig);
+
+    let mut new_sig = sig;
+    new_sig.output = syn::parse_quote!(-> #p::Output);
+    // Transactional mode: the transaction is no extractor; the runtime opens it (after the
+    // claim) and passes it to the body, which becomes a closure over it. The `Idempotent`
+    // context is no extractor either: it is made from the request's scope and key, which no
+    // extractor sees, and bound at the top of the body.
+    let (tx_param, idem_param) =
+        take_params(&mut new_sig, transaction.as_ref().map(|t| t.param), context);
+    let idem_var = hidden("__idempotent_context");
+    let made = hidden("__idempotent_made");
+    let refused = hidden("__idempotent_refused");
+    let (idem_make, idem_bind) = match &idem_param {
+        None => (quote!(), quote!()),
+        Some(t) => (
+            quote! {
+                let #idem_var = match #p::context(&#ctx, &#route, &#scope_var) {
+                    ::core::result::Result::Ok(#made) => #made,
+                    ::core::result::Result::Err(#refused) => return *#refused,
+                };
+            },
+            bind_context(t, &idem_var),
+        ),
+    };
+    // Axum: the hidden context is the first extractor (axum runs extractors one by one).
+    // Actix polls a handler's extractors together, so there the context is the only one and
+    // runs the handler's own extractors, as one tuple, after its checks.
+    let split = match framework {
+        Framework::Axum => {
+            new_sig
+                .inputs
+                .insert(0, syn::parse_quote!(#ctx: #p::Context<#required>));
+            quote!()
+        }
+        Framework::Actix => {
+            let (pats, tys): (Vec<_>, Vec<_>) = new_sig
+                .inputs
+                .iter()
+                .filter_map(|arg| match arg {
+                    syn::FnArg::Typed(t) => Some((t.pat.clone(), t.ty.clone())),
+                    syn::FnArg::Receiver(_) => None,
+                })
+                .unzip();
+            new_sig.inputs = syn::parse_quote!(#ctx: #p::Context<#required, (#(#tys,)*)>);
+            quote!(let (#ctx, (#(#pats,)*)) = #ctx.split();)
+        }
+    };
+    let stmts = &block.stmts;
+    let body = quote! {
+        async move {
+            #anchor
+            #idem_bind
+            #(#stmts)*
+        }
+    };
+    let route_new =
+        quote!(#p::Route::new(#name, #ttl, #lease, #key, #store_server_errors, #max_response));
+    let (route_new, call) = match (&transaction, &tx_param) {
+        (
+            Some(Transactional {
+                commit, wait_ms, ..
+            }),
+            Some(t),
+        ) => {
+            let commit = match commit {
+                Some(Commit::Two) => quote!(::core::option::Option::Some(#p::Commit::Two)),
+                Some(Commit::Single) => {
+                    quote!(::core::option::Option::Some(#p::Commit::Single))
+                }
+                None => quote!(::core::option::Option::None),
+            };
+            let wait = opt_ms(&p, *wait_ms);
+            let (pat, ty) = (&t.pat, &t.ty);
+            (
+                quote!(#route_new.transactional(#commit, #wait)),
+                quote!(#p::run_tx(#ctx, &#route, #scope_var, move |#pat: #ty| #body)),
+            )
+        }
+        _ => (route_new, quote!(#p::run(#ctx, &#route, #scope_var, #body))),
+    };
+
+    quote! {
+        #(#outer)*
+        #vis #new_sig {
+            #(#inner)*
+            static #route: #p::Route = #route_new;
+            #split
+            let #scope_var = #scope_expr;
+            #idem_make
+            #call.await
+        }
+    }
+}
+
+/// The fake return edge (tracing's): fixes the async block's output type to the declared
+/// return type, so `?` and type errors land in user code. `impl Trait` cannot be written in a
+/// `let`, so it becomes `_` there (`Result<impl IntoResponse, E>` still anchors `E`). With
+/// `impl Trait`, a generic function whose parameters stand for each `impl` checks the trait
+/// bounds as written, so they (and their imports) stay part of the handler.
+fn anchor(sig: &syn::Signature) -> TokenStream {
+    let ReturnType::Type(_, ty) = &sig.output else {
+        return quote!();
+    };
+    let fake = hidden("__idempotent_fake_return");
+    let inferred = map_impl_trait((**ty).clone(), &mut |t| {
+        Type::Infer(syn::TypeInfer {
+            attrs: Vec::new(),
+            underscore_token: syn::Token![_](syn::spanned::Spanned::span(&t)),
+        })
+    });
+    let mut params = Vec::new();
+    let generic = map_impl_trait((**ty).clone(), &mut |t| {
+        let name = format_ident!(
+            "__IdempotentImpl{}",
+            params.len(),
+            span = Span::mixed_site()
+        );
+        let bounds = t.bounds.iter().filter(|b| {
+            matches!(
+                b,
+                syn::TypeParamBound::Trait(_) | syn::TypeParamBound::Lifetime(_)
+            )
+        });
+        params.push(quote!(#name: #(#bounds)+*));
+        syn::parse_quote!(#name)
+    });
+    let bounds_check = if params.is_empty() {
+        quote!()
+    } else {
+        // The handler's own generics too: the return type may name them.
+        let outer = sig.generics.params.iter();
+        let where_clause = &sig.generics.where_clause;
+        let check = hidden("__idempotent_bounds");
+        quote! {
+            fn #check<#(#outer,)* #(#params),*>(_: &#generic) #where_clause {}
+            #check(&#fake);
+        }
+    };
+    quote! {
+        #[allow(unreachable_code, clippy::diverging_sub_expression, clippy::let_unit_value)]
+        if false {
+            let #fake: #inferred = loop {};
+            #bounds_check
+            return #fake;
+        }
+    }
+}
+
+/// Replaces every `impl Trait` in a type with what `f` makes of it (`_` to annotate a `let`,
+/// a generic parameter to check the bounds).
+fn map_impl_trait(ty: Type, f: &mut impl FnMut(syn::TypeImplTrait) -> Type) -> Type {
+    match ty {
+        Type::ImplTrait(t) => f(t),
+        Type::Path(mut t) => {
+            for seg in &mut t.path.segments {
+                if let syn::PathArguments::AngleBracketed(args) = &mut seg.arguments {
+                    for arg in &mut args.args {
+                        if let syn::GenericArgument::Type(inner) = arg {
+                            *inner = map_impl_trait(inner.clone(), f);
+                        }
+                    }
+                }
+            }
+            Type::Path(t)
+        }
+        Type::Tuple(mut t) => {
+            for elem in &mut t.elems {
+                *elem = map_impl_trait(elem.clone(), f);
+            }
+            Type::Tuple(t)
+        }
+        Type::Reference(mut t) => {
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
+            Type::Reference(t)
+        }
+        Type::Array(mut t) => {
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
+            Type::Array(t)
+        }
+        Type::Slice(mut t) => {
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
+            Type::Slice(t)
+        }
+        Type::Paren(mut t) => {
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
+            Type::Paren(t)
+        }
+        Type::Group(mut t) => {
+            *t.elem = map_impl_trait((*t.elem).clone(), f);
+            Type::Group(t)
+        }
+        other => other,
+    }
+}
