@@ -149,12 +149,6 @@
 #![forbid(unsafe_code)]
 
 mod config;
-#[cfg(any(
-    feature = "compress-gzip",
-    feature = "compress-brotli",
-    feature = "compress-zstd"
-))]
-mod decode;
 mod middleware;
 mod private;
 mod response;

@@ -1,28 +1,18 @@
 //! Not a stable API: the code `#[idempotent]` generates calls these, and only these.
 
 use crate::config::Idempotency;
-use crate::response::{ProblemError, finish, problem, reply};
+use crate::response::{Actix, ProblemError, problem};
 use actix_web::dev::Payload;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::web::Bytes;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, Responder};
-use futures_util::StreamExt;
-use idempotent_core::http::{
-    IDEMPOTENCY_KEY, RequestHead, Step, check_content_length, check_key, is_safe_method,
-};
-use idempotent_core::{
-    ExecuteRequest, IdempotencyKey, KeyError, KeyRequirement, Problem, Scope, ScopeError,
-    ScopeValue,
-};
+use idempotent_core::http::RequestHead;
+use idempotent_core::http::driver::{self, Prepared};
+use idempotent_core::{IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use idempotent_core::{Transaction, TxDatabase};
 use std::future::{Future, ready};
 use std::pin::Pin;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-use {
-    idempotent_core::http::{
-        FIRST_EXECUTION, TxReply, TxStep, begin_transactional, finish_transactional,
-    },
-    idempotent_core::{Transaction, TxDatabase},
-};
 
 pub use ::core::time::Duration;
 pub use actix_web::HttpResponse as Output;
@@ -44,7 +34,7 @@ pub struct Context<const REQUIRED: bool, A> {
 
 /// The context without the handler's arguments, for [`run`].
 pub struct Ready {
-    config: Option<Idempotency>,
+    config: Idempotency,
     req: HttpRequest,
     key: Result<IdempotencyKey, KeyError>,
     body: Bytes,
@@ -78,63 +68,47 @@ where
     type Future = ContextFuture<REQUIRED, A>;
 
     fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
-        let mut ready = Ready {
-            config: req.extensions().get::<Idempotency>().cloned(),
-            req: req.clone(),
-            key: Err(KeyError::Missing),
-            body: Bytes::new(),
-        };
-        let Some(config) = ready.config.clone() else {
+        let Some(config) = req.extensions().get::<Idempotency>().cloned() else {
             return refuse(misconfigured(
                 "a handler uses #[idempotent] but its app has no idempotency middleware; add `.wrap(idempotency.middleware())`",
             ));
         };
-        if is_safe_method(req.method().as_str()) {
-            return pass_through(ready, payload);
-        }
-        // Cheap rejections first: the key, then the declared length, before reading a byte.
-        ready.key = IdempotencyKey::from_header_values(
-            req.headers()
-                .get_all(IDEMPOTENCY_KEY)
+        let headers = req.headers();
+        let admitted = driver::admit(
+            &config.config,
+            REQUIRED,
+            req.method().as_str(),
+            headers
+                .get_all(driver::KEY_HEADER)
                 .map(HeaderValue::as_bytes),
-        );
-        let requirement = if REQUIRED {
-            KeyRequirement::Required
-        } else {
-            KeyRequirement::Optional
-        };
-        if let Err(p) = check_key(&ready.key, requirement) {
-            idempotent_core::observe::rejected(req.match_pattern().as_deref());
-            return refuse(ProblemError::new(*p));
-        }
-        if ready.key.is_err() {
-            // No key on an optional route: the request runs unprotected, so its body is left
-            // for the handler (and its own limits) and never fingerprinted.
-            return pass_through(ready, payload);
-        }
-        let limit = config.config.max_request();
-        if let Err(p) = check_content_length(
-            req.headers()
+            headers
                 .get(header::CONTENT_LENGTH)
                 .map(HeaderValue::as_bytes),
-            limit,
-        ) {
-            return refuse(ProblemError::new(*p));
-        }
+            req.match_pattern().as_deref(),
+        );
+        let admitted = match admitted {
+            Ok(admitted) => admitted,
+            Err(p) => return refuse(ProblemError::new(*p)),
+        };
+        let mut ready = Ready {
+            config,
+            req: req.clone(),
+            key: admitted.key,
+            body: Bytes::new(),
+        };
+        let Some((limit, timeout)) = admitted.read else {
+            return pass_through(ready, payload);
+        };
         let original = payload.take();
-        let timeout = config.config.request_body_timeout();
         Box::pin(async move {
-            let read = async {
-                let raw = read_limited(original, limit).await?;
-                let decoded = decoded(&raw, ready.req.headers(), limit).await?;
-                Ok((raw, decoded))
-            };
+            let encoding = ready.req.headers().get(header::CONTENT_ENCODING);
+            let read = driver::within(timeout, async {
+                let raw = driver::read_body(original, limit).await?;
+                let decoded = driver::decoded(&raw, encoding.map(HeaderValue::as_bytes), limit);
+                Ok((raw.clone(), decoded.await?))
+            });
             let raw;
-            (raw, ready.body) = match tokio::time::timeout(timeout, read).await {
-                Ok(Ok(read)) => read,
-                Ok(Err(p)) => return Err(ProblemError::new(p).into()),
-                Err(_) => return Err(ProblemError::new(Problem::request_timeout(timeout)).into()),
-            };
+            (raw, ready.body) = read.await.map_err(|p| ProblemError::new(*p))?;
             // The handler's extractors read the same bytes as sent (they decode them as
             // they would without us), with their own limits.
             let mut replay = Payload::from(raw);
@@ -144,59 +118,6 @@ where
             Ok(Context { ready, args })
         })
     }
-}
-
-/// The whole of `body`, at most `limit` bytes: 413 past it, 400 for a broken stream.
-async fn read_limited<E>(
-    body: impl futures_core::Stream<Item = Result<Bytes, E>>,
-    limit: usize,
-) -> Result<Bytes, Problem> {
-    let mut body = std::pin::pin!(body);
-    let mut read = actix_web::web::BytesMut::new();
-    while let Some(chunk) = body.next().await {
-        let Ok(chunk) = chunk else {
-            return Err(Problem::request_body_invalid());
-        };
-        if read.len() + chunk.len() > limit {
-            return Err(Problem::request_too_large(limit));
-        }
-        read.extend_from_slice(&chunk);
-    }
-    Ok(read.freeze())
-}
-
-/// The body the request means: `raw` decoded by its `Content-Encoding` (gzip, deflate, br,
-/// zstd) as actix-web's own extractors decode it, so a compressor's incidental bytes (a gzip
-/// timestamp) never change the fingerprint. The limit applies to the decoded bytes, and
-/// decoding stops there (a small body that would expand enormously is 413 at the limit, never
-/// decoded whole); a body that does not decode is 400. Unknown encodings, and lists of several,
-/// are left as they are, as actix-web leaves them. Decoded on the blocking pool.
-async fn decoded(
-    raw: &Bytes,
-    headers: &actix_web::http::header::HeaderMap,
-    limit: usize,
-) -> Result<Bytes, Problem> {
-    #[cfg(any(
-        feature = "compress-gzip",
-        feature = "compress-brotli",
-        feature = "compress-zstd"
-    ))]
-    if let Some(encoding) = headers
-        .get(header::CONTENT_ENCODING)
-        .and_then(|v| crate::decode::Encoding::parse(v.as_bytes()))
-    {
-        use crate::decode::{DecodeError, decode};
-        let raw = raw.clone();
-        let decoded = tokio::task::spawn_blocking(move || decode(encoding, &raw, limit)).await;
-        return match decoded {
-            Ok(Ok(body)) => Ok(Bytes::from(body)),
-            Ok(Err(DecodeError::TooLarge)) => Err(Problem::request_too_large(limit)),
-            // Not valid in its encoding (or the decoder's task failed: a runtime shutting down).
-            Ok(Err(DecodeError::Invalid)) | Err(_) => Err(Problem::request_body_invalid()),
-        };
-    }
-    let _ = (headers, limit);
-    Ok(raw.clone())
 }
 
 /// The handler's own extractors on the request's payload, untouched.
@@ -217,16 +138,9 @@ fn refuse<T: 'static>(
     Box::pin(ready(Err(error.into())))
 }
 
-/// The engine's view of the request: scope, key and fingerprint (a large body's off the
-/// async worker).
-async fn execute_request(
-    req: &HttpRequest,
-    key: Result<IdempotencyKey, KeyError>,
-    body: Bytes,
-    scope: Result<Scope, ScopeError>,
-) -> Result<ExecuteRequest, ScopeError> {
-    let scope = scope?;
-    let head = RequestHead {
+/// What identifies a request besides its key and body.
+fn head(req: &HttpRequest) -> RequestHead<'_> {
+    RequestHead {
         method: req.method().as_str(),
         path: req.path(),
         query: req.uri().query(),
@@ -234,12 +148,7 @@ async fn execute_request(
             .headers()
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok()),
-    };
-    Ok(ExecuteRequest {
-        scope,
-        fingerprint: head.fingerprint_async(body).await,
-        key,
-    })
+    }
 }
 
 /// The scope of a handler parameter (type-checks it against [`ScopeValue`]).
@@ -259,11 +168,8 @@ pub fn context(
     route: &Route,
     scope: &Result<Scope, ScopeError>,
 ) -> Result<idempotent_core::Idempotent, Box<HttpResponse>> {
-    let Some(config) = &ctx.config else {
-        return Err(Box::new(problem(&Problem::misconfigured())));
-    };
     idempotent_core::http::idempotent_context(
-        &config.config,
+        &ctx.config.config,
         route,
         ctx.req.method().as_str(),
         &ctx.key,
@@ -292,41 +198,15 @@ where
     F: Future<Output = R> + 'static,
     R: Responder + 'static,
 {
-    let req = ctx.req;
-    let config = match &ctx.config {
-        Some(config) if !is_safe_method(req.method().as_str()) && ctx.key.is_ok() => &config.config,
-        // Safe methods ignore the key; a missing key got here only where it is optional.
-        _ => return handler.await.respond_to(&req).map_into_boxed_body(),
-    };
-    let Ok(resolved) = route.resolve(config) else {
-        // `resolve` logged what does not fit, naming the route.
-        return problem(&Problem::misconfigured());
-    };
-    let request = match execute_request(&req, ctx.key, ctx.body, scope).await {
-        Ok(request) => request,
-        Err(e) => return problem(&Problem::scope(&e)),
-    };
-    let engine = config.engine().clone();
-    let task = actix_rt::spawn(async move {
-        match Step::from(engine.begin(request, &resolved.policy).await) {
-            Step::Respond(r) => reply(r),
-            Step::Unprotected => handler.await.respond_to(&req).map_into_boxed_body(),
-            Step::Execute(mut execution) => {
-                let response = execution
-                    .run(handler)
-                    .await
-                    .map(|out| out.respond_to(&req).map_into_boxed_body());
-                match response {
-                    Ok(response) => finish(execution, response, resolved.max_response).await,
-                    Err(panic) => {
-                        execution.release().await;
-                        std::panic::resume_unwind(panic)
-                    }
-                }
-            }
-        }
-    });
-    joined(task).await
+    let req = ctx.req.clone();
+    let handler = async move { handler.await.respond_to(&req).map_into_boxed_body() };
+    let (config, head) = (&ctx.config.config, head(&ctx.req));
+    let prepared = driver::prepare(config, route, head, ctx.key, ctx.body, scope);
+    match prepared.await {
+        Prepared::Reply(reply) => crate::response::reply(reply),
+        Prepared::Pass => handler.await,
+        Prepared::Run(job) => joined(actix_rt::spawn(job.run::<Actix>(handler))).await,
+    }
 }
 
 /// The response of a spawned execution (a panic in it resumes here).
@@ -354,69 +234,12 @@ where
     Fut: Future<Output = R> + 'static,
     R: Responder + 'static,
 {
-    let req = ctx.req;
-    let Some(config) = &ctx.config else {
-        // The context refuses a request without the middleware before the handler runs.
-        return problem(&Problem::misconfigured());
-    };
-    let config = &config.config;
-    let Ok(resolved) = route.resolve(config) else {
-        return problem(&Problem::misconfigured());
-    };
-    let options = route.tx_options(config, DB::DEFAULT_COMMIT);
-    let engine = config.engine().clone();
-    // Safe methods ignore the key; a missing key got here only where it is optional.
-    let request = if is_safe_method(req.method().as_str()) || ctx.key.is_err() {
-        None
-    } else {
-        match execute_request(&req, ctx.key, ctx.body, scope).await {
-            Ok(request) => Some(request),
-            Err(e) => return problem(&Problem::scope(&e)),
-        }
-    };
-    let task = actix_rt::spawn(async move {
-        let policy = &resolved.policy;
-        let (mut execution, tx) =
-            match begin_transactional::<DB>(&engine, request, policy, &options).await {
-                TxStep::Respond(r) => return reply(r),
-                TxStep::Run(execution, tx) => (execution, tx),
-            };
-        let read = execution
-            .run(async {
-                let response = handler(tx).await.respond_to(&req);
-                let (response, body) = response.into_parts();
-                (response, actix_web::body::to_bytes(body).await)
-            })
-            .await;
-        let (response, body) = match read {
-            Ok((response, Ok(body))) => (response, body),
-            Ok((_, Err(_))) => {
-                execution.abort().await;
-                return problem(&Problem::response_failed());
-            }
-            Err(panic) => {
-                execution.abort().await;
-                std::panic::resume_unwind(panic)
-            }
-        };
-        let headers = response
-            .headers()
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_bytes()));
-        let status = response.status().as_u16();
-        match finish_transactional(execution, status, headers, &body, resolved.max_response).await {
-            TxReply::Respond(r) => reply(r),
-            TxReply::Send { first_execution } => {
-                let mut response = response.set_body(body).map_into_boxed_body();
-                if first_execution {
-                    response.headers_mut().insert(
-                        header::HeaderName::from_static(FIRST_EXECUTION.0),
-                        HeaderValue::from_static(FIRST_EXECUTION.1),
-                    );
-                }
-                response
-            }
-        }
-    });
-    joined(task).await
+    let req = ctx.req.clone();
+    let handler = move |tx| async move { handler(tx).await.respond_to(&req).map_into_boxed_body() };
+    let (config, head) = (&ctx.config.config, head(&ctx.req));
+    let prepared = driver::prepare_tx::<DB>(config, route, head, ctx.key, ctx.body, scope);
+    match prepared.await {
+        Ok(job) => joined(actix_rt::spawn(job.run::<Actix, _, _>(handler))).await,
+        Err(reply) => crate::response::reply(reply),
+    }
 }

@@ -6,8 +6,9 @@ use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::web::Bytes;
 use actix_web::{HttpResponse, ResponseError};
-use idempotent_core::http::{Capture, FIRST_EXECUTION, Recorder, Reply, ResponsePlan};
-use idempotent_core::{Execution, Problem, Recorded, StoredOutcome};
+use idempotent_core::Problem;
+use idempotent_core::http::driver::{Glue, Tee, no_runtime};
+use idempotent_core::http::{FIRST_EXECUTION, Recorder, Reply};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
@@ -68,96 +69,72 @@ impl ResponseError for ProblemError {
     }
 }
 
-/// Finishes a claimed execution with the handler's response and returns what the client gets,
-/// following the core's [`ResponsePlan`]; a streamed body goes through a [`TeeBody`].
-pub(crate) async fn finish(
-    execution: Execution,
-    response: HttpResponse,
-    limit: usize,
-) -> HttpResponse {
-    let (mut response, body) = response.into_parts();
-    let status = response.status().as_u16();
-    let exact = match body.size() {
-        BodySize::None => Some(0),
-        BodySize::Sized(n) => Some(n),
-        BodySize::Stream => None,
-    };
-    let plan = ResponsePlan::new(execution.policy(), status, exact, limit);
-    let capture = |response: &HttpResponse<()>| {
-        Capture::new(
-            status,
-            response
-                .headers()
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_bytes())),
-            limit,
-        )
-    };
-    let body = match plan {
-        ResponsePlan::Release => {
-            execution.release().await;
-            return response.set_body(body);
+/// Actix's side of the request driver.
+pub(crate) struct Actix;
+
+impl Glue for Actix {
+    type Response = HttpResponse;
+    type Head = HttpResponse<()>;
+    type Body = BoxBody;
+    type Error = Box<dyn std::error::Error>;
+
+    fn reply(r: Reply) -> HttpResponse {
+        reply(r)
+    }
+
+    fn split(response: HttpResponse) -> (HttpResponse<()>, BoxBody) {
+        response.into_parts()
+    }
+
+    fn join(head: HttpResponse<()>, body: BoxBody) -> HttpResponse {
+        head.set_body(body)
+    }
+
+    fn status(head: &HttpResponse<()>) -> u16 {
+        head.status().as_u16()
+    }
+
+    fn headers(head: &HttpResponse<()>) -> impl Iterator<Item = (&str, &[u8])> {
+        head.headers()
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_bytes()))
+    }
+
+    fn mark_first_execution(head: &mut HttpResponse<()>) {
+        head.headers_mut().insert(
+            HeaderName::from_static(FIRST_EXECUTION.0),
+            HeaderValue::from_static(FIRST_EXECUTION.1),
+        );
+    }
+
+    fn exact_len(body: &BoxBody) -> Option<u64> {
+        match body.size() {
+            BodySize::None => Some(0),
+            BodySize::Sized(n) => Some(n),
+            BodySize::Stream => None,
         }
-        ResponsePlan::Collect => {
-            let mut recorder = Recorder::new(execution, capture(&response));
-            match recorder.run(actix_web::body::to_bytes(body)).await {
-                Ok(Ok(bytes)) => {
-                    recorder.data(&bytes);
-                    recorder.end().await;
-                    BoxBody::new(bytes)
-                }
-                Ok(Err(error)) => {
-                    let reason = error.to_string();
-                    recorder.fail(&reason).await;
-                    return problem(&Problem::response_failed());
-                }
-                Err(panic) => {
-                    recorder.fail(&"the response body panicked").await;
-                    std::panic::resume_unwind(panic)
-                }
-            }
-        }
-        ResponsePlan::Oversized { size } => {
-            execution
-                .finish(StoredOutcome::Oversized { status, size })
-                .await;
-            body
-        }
-        ResponsePlan::Stream => {
-            let recorder = Recorder::streaming(execution, capture(&response));
-            BoxBody::new(TeeBody {
-                inner: Some(body),
-                state: Tee::Recording(Box::new(recorder)),
-            })
-        }
-    };
-    response.headers_mut().insert(
-        HeaderName::from_static(FIRST_EXECUTION.0),
-        HeaderValue::from_static(FIRST_EXECUTION.1),
-    );
-    response.set_body(body)
+    }
+
+    fn collect(body: BoxBody) -> impl Future<Output = Result<Bytes, Self::Error>> {
+        actix_web::body::to_bytes(body)
+    }
+
+    fn from_bytes(bytes: Bytes) -> BoxBody {
+        BoxBody::new(bytes)
+    }
+
+    fn tee(body: BoxBody, recorder: Recorder) -> BoxBody {
+        BoxBody::new(TeeBody {
+            inner: Some(body),
+            tee: Tee::new(recorder),
+        })
+    }
 }
 
-/// The handler's streamed body on its way to the client, fed to a [`Recorder`] chunk by chunk
-/// (see there for the ends it can take). Work it hands off (storing the marker, releasing,
-/// reading on after the client left) runs on the worker's runtime.
+/// The handler's streamed body on its way to the client, recorded chunk by chunk ([`Tee`]).
 struct TeeBody {
     inner: Option<BoxBody>,
-    state: Tee,
-}
-
-enum Tee {
-    Recording(Box<Recorder>),
-    Finishing(Pin<Box<dyn Future<Output = Recorded>>>),
-    Passthrough,
-}
-
-/// Takes the recorder out of a recording state, leaving the body to pass through.
-fn take_recorder(state: &mut Tee) -> Recorder {
-    match std::mem::replace(state, Tee::Passthrough) {
-        Tee::Recording(recorder) => *recorder,
-        _ => unreachable!("only called while recording"),
-    }
+    tee: Tee,
 }
 
 type BodyError = Box<dyn std::error::Error>;
@@ -179,73 +156,25 @@ impl MessageBody for TeeBody {
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
-        loop {
-            match &mut this.state {
-                Tee::Passthrough => return Pin::new(&mut *inner).poll_next(cx),
-                Tee::Finishing(store) => {
-                    std::task::ready!(store.as_mut().poll(cx));
-                    this.state = Tee::Passthrough;
-                    return Poll::Ready(None);
-                }
-                Tee::Recording(recorder) => {
-                    if recorder.poll_expired(cx).is_ready() {
-                        // Still streaming a lease later: not replayable; the rest goes through.
-                        spawn(take_recorder(&mut this.state).over_limit());
-                        continue;
-                    }
-                    match std::task::ready!(Pin::new(&mut *inner).poll_next(cx)) {
-                        Some(Ok(chunk)) => {
-                            if !recorder.data(&chunk) {
-                                spawn(take_recorder(&mut this.state).over_limit());
-                            }
-                            return Poll::Ready(Some(Ok(chunk)));
-                        }
-                        Some(Err(error)) => {
-                            let recorder = take_recorder(&mut this.state);
-                            let reason = error.to_string();
-                            spawn(async move { recorder.fail(&reason).await });
-                            return Poll::Ready(Some(Err(error)));
-                        }
-                        None => {
-                            // Stored before the end of the stream is passed on.
-                            this.state =
-                                Tee::Finishing(Box::pin(take_recorder(&mut this.state).end()));
-                        }
-                    }
-                }
-            }
-        }
+        this.tee.poll_next(
+            cx,
+            |cx| Pin::new(&mut *inner).poll_next(cx),
+            |chunk| Some(&chunk[..]),
+        )
     }
 }
 
 impl Drop for TeeBody {
     fn drop(&mut self) {
-        match std::mem::replace(&mut self.state, Tee::Passthrough) {
-            Tee::Passthrough => {}
-            // The client has every byte; storing them must not be cut short.
-            Tee::Finishing(store) => spawn(store),
-            // The client went away mid-stream: read on, so the outcome is stored.
-            Tee::Recording(recorder) => {
-                if let Some(mut body) = self.inner.take() {
-                    let rest =
-                        futures_util::stream::poll_fn(move |cx| Pin::new(&mut body).poll_next(cx));
-                    spawn(recorder.abandon(rest));
-                }
+        // The client went away mid-stream: read on, so the outcome is stored. Actix runs
+        // handlers on its worker's local runtime, and this body need not be `Send`.
+        if let (Some(recorder), Some(mut body)) = (self.tee.dropped(), self.inner.take()) {
+            let rest = futures_util::stream::poll_fn(move |cx| Pin::new(&mut body).poll_next(cx));
+            if actix_rt::Arbiter::try_current().is_some() {
+                drop(actix_rt::spawn(recorder.abandon(rest)));
+            } else {
+                no_runtime();
             }
         }
-    }
-}
-
-/// Spawns the rest of an execution's work onto the worker's runtime (actix runs handlers on a
-/// per-worker local runtime, and these futures need not be `Send`); outside one, the record
-/// stays in progress until its lease ends.
-pub(crate) fn spawn(work: impl Future<Output = Recorded> + 'static) {
-    // Actix's worker and system threads run a local task set (where `spawn` may be called).
-    if actix_rt::Arbiter::try_current().is_some() {
-        drop(actix_rt::spawn(work));
-    } else {
-        tracing::warn!(
-            "idempotency: no runtime to finish a response on; its record stays in progress until its lease ends"
-        );
     }
 }

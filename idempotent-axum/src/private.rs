@@ -2,28 +2,17 @@
 
 use crate::config::Idempotency;
 use crate::layer::BodySlot;
-use crate::response::{finish, problem, reply};
+use crate::response::{Axum, problem};
 use axum::body::Bytes;
 use axum::extract::{FromRequestParts, MatchedPath, OriginalUri};
 use axum::http::{HeaderValue, Method, Uri, header, request::Parts};
 use axum::response::{IntoResponse, Response};
-use idempotent_core::http::{
-    IDEMPOTENCY_KEY, RequestHead, Step, check_content_length, check_key, is_safe_method,
-};
-use idempotent_core::{
-    Detached, ExecuteRequest, IdempotencyKey, KeyError, KeyRequirement, Problem, Scope, ScopeError,
-    ScopeValue,
-};
-use std::future::Future;
+use idempotent_core::http::RequestHead;
+use idempotent_core::http::driver::{self, Prepared};
+use idempotent_core::{Detached, IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-use {
-    axum::body::Body,
-    http_body_util::{BodyExt, Collected},
-    idempotent_core::http::{
-        FIRST_EXECUTION, TxReply, TxStep, begin_transactional, finish_transactional,
-    },
-    idempotent_core::{Transaction, TxDatabase},
-};
+use idempotent_core::{Transaction, TxDatabase};
+use std::future::Future;
 
 pub use ::core::time::Duration;
 pub use axum::response::Response as Output;
@@ -36,10 +25,7 @@ pub use idempotent_core::http::Route;
 /// route requires a key, so a missing or malformed key is refused before the body is read.
 pub struct Context<const REQUIRED: bool> {
     config: Idempotency,
-    method: Method,
-    uri: Uri,
-    route: Option<MatchedPath>,
-    content_type: Option<HeaderValue>,
+    head: Head,
     key: Result<IdempotencyKey, KeyError>,
     body: Bytes,
 }
@@ -48,8 +34,8 @@ impl<const REQUIRED: bool> std::fmt::Debug for Context<REQUIRED> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the key or the body: this shows up in `#[tracing::instrument]` fields.
         f.debug_struct("Context")
-            .field("method", &self.method)
-            .field("path", &self.uri.path())
+            .field("method", &self.head.0)
+            .field("path", &self.head.1.path())
             .finish_non_exhaustive()
     }
 }
@@ -67,49 +53,35 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
             .extensions
             .get::<OriginalUri>()
             .map_or_else(|| parts.uri.clone(), |o| o.0.clone());
-        let mut ctx = Context {
-            config,
-            method: parts.method.clone(),
-            uri,
-            route: parts.extensions.get::<MatchedPath>().cloned(),
-            content_type: parts.headers.get(header::CONTENT_TYPE).cloned(),
-            key: Err(KeyError::Missing),
-            body: Bytes::new(),
-        };
-        if is_safe_method(ctx.method.as_str()) {
-            return Ok(ctx);
-        }
-        // Cheap rejections first: the key, then the declared length, before reading a byte.
-        ctx.key = IdempotencyKey::from_header_values(
-            parts
-                .headers
-                .get_all(IDEMPOTENCY_KEY)
+        let route = parts.extensions.get::<MatchedPath>().cloned();
+        let headers = &parts.headers;
+        let admitted = driver::admit(
+            &config.config,
+            REQUIRED,
+            parts.method.as_str(),
+            headers
+                .get_all(driver::KEY_HEADER)
                 .iter()
                 .map(HeaderValue::as_bytes),
-        );
-        let requirement = if REQUIRED {
-            KeyRequirement::Required
-        } else {
-            KeyRequirement::Optional
-        };
-        check_key(&ctx.key, requirement).map_err(|p| {
-            idempotent_core::observe::rejected(ctx.route.as_ref().map(MatchedPath::as_str));
-            problem(&p)
-        })?;
-        if ctx.key.is_err() {
-            // No key on an optional route: the request runs unprotected, so its body is left
-            // for the handler (and its own limits) and never fingerprinted.
-            return Ok(ctx);
-        }
-        let limit = ctx.config.config.max_request();
-        check_content_length(
-            parts
-                .headers
+            headers
                 .get(header::CONTENT_LENGTH)
                 .map(HeaderValue::as_bytes),
-            limit,
+            route.as_ref().map(MatchedPath::as_str),
         )
         .map_err(|p| problem(&p))?;
+        let mut ctx = Context {
+            config,
+            head: Head(
+                parts.method.clone(),
+                uri,
+                headers.get(header::CONTENT_TYPE).cloned(),
+            ),
+            key: admitted.key,
+            body: Bytes::new(),
+        };
+        let Some((limit, timeout)) = admitted.read else {
+            return Ok(ctx);
+        };
         let Some(slot) = parts.extensions.get::<BodySlot>().cloned() else {
             return Err(misconfigured(
                 "the idempotency layer must wrap the route: add `.layer(idempotency.layer())` to its router",
@@ -120,48 +92,24 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
                 "the request body was read before the idempotency context (is the context extracted twice?)",
             ));
         };
-        let timeout = ctx.config.config.request_body_timeout();
-        let Ok(read) = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await
-        else {
-            slot.put_read(Bytes::new());
-            return Err(problem(&Problem::request_timeout(timeout)));
-        };
-        match read {
-            Ok(bytes) => {
-                slot.put_read(bytes.clone());
-                ctx.body = bytes;
-                Ok(ctx)
-            }
-            Err(error) => {
-                slot.put_read(Bytes::new());
-                let too_large = std::error::Error::source(&error)
-                    .is_some_and(|e| e.is::<http_body_util::LengthLimitError>());
-                Err(problem(&if too_large {
-                    Problem::request_too_large(limit)
-                } else {
-                    Problem::request_body_invalid()
-                }))
-            }
-        }
+        let read = driver::within(timeout, driver::read_body(body.into_data_stream(), limit)).await;
+        slot.put_read(read.as_ref().map_or_else(|_| Bytes::new(), Bytes::clone));
+        ctx.body = read.map_err(|p| problem(&p))?;
+        Ok(ctx)
     }
 }
 
-impl<const REQUIRED: bool> Context<REQUIRED> {
-    /// The engine's view of the request: scope, key and fingerprint (a large body's off the
-    /// async worker).
-    async fn request(self, scope: Result<Scope, ScopeError>) -> Result<ExecuteRequest, ScopeError> {
-        let scope = scope?;
-        let head = RequestHead {
-            method: self.method.as_str(),
-            path: self.uri.path(),
-            query: self.uri.query(),
-            content_type: self.content_type.as_ref().and_then(|v| v.to_str().ok()),
-        };
-        Ok(ExecuteRequest {
-            scope,
-            fingerprint: head.fingerprint_async(self.body.clone()).await,
-            key: self.key,
-        })
+/// What identifies a request besides its key and body.
+struct Head(Method, Uri, Option<HeaderValue>);
+
+impl Head {
+    fn get(&self) -> RequestHead<'_> {
+        RequestHead {
+            method: self.0.as_str(),
+            path: self.1.path(),
+            query: self.1.query(),
+            content_type: self.2.as_ref().and_then(|v| v.to_str().ok()),
+        }
     }
 }
 
@@ -185,7 +133,7 @@ pub fn context<const REQUIRED: bool>(
     idempotent_core::http::idempotent_context(
         &ctx.config.config,
         route,
-        ctx.method.as_str(),
+        ctx.head.0.as_str(),
         &ctx.key,
         scope,
     )
@@ -211,41 +159,18 @@ where
     F: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    if is_safe_method(ctx.method.as_str()) || ctx.key.is_err() {
-        // Safe methods ignore the key; a missing key got here only where it is optional.
-        return handler.await.into_response();
+    let handler = async move { handler.await.into_response() };
+    let Context {
+        config,
+        head,
+        key,
+        body,
+    } = ctx;
+    match driver::prepare(&config.config, route, head.get(), key, body, scope).await {
+        Prepared::Reply(reply) => crate::response::reply(reply),
+        Prepared::Pass => handler.await,
+        Prepared::Run(job) => Detached::new(job.run::<Axum>(handler)).await,
     }
-    let config = &ctx.config.config;
-    let Ok(resolved) = route.resolve(config) else {
-        // `resolve` logged what does not fit, naming the route.
-        return problem(&Problem::misconfigured());
-    };
-    let engine = config.engine().clone();
-    let max_response = resolved.max_response;
-    let request = match ctx.request(scope).await {
-        Ok(request) => request,
-        Err(e) => return problem(&Problem::scope(&e)),
-    };
-    Detached::new(async move {
-        match Step::from(engine.begin(request, &resolved.policy).await) {
-            Step::Respond(r) => reply(r),
-            Step::Unprotected => handler.await.into_response(),
-            Step::Execute(mut execution) => {
-                let response = execution
-                    .run(handler)
-                    .await
-                    .map(IntoResponse::into_response);
-                match response {
-                    Ok(response) => finish(execution, response, max_response).await,
-                    Err(panic) => {
-                        execution.release().await;
-                        std::panic::resume_unwind(panic)
-                    }
-                }
-            }
-        }
-    })
-    .await
 }
 
 /// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
@@ -264,70 +189,15 @@ where
     Fut: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    let config = &ctx.config.config;
-    let Ok(resolved) = route.resolve(config) else {
-        return problem(&Problem::misconfigured());
-    };
-    let options = route.tx_options(config, DB::DEFAULT_COMMIT);
-    let engine = config.engine().clone();
-    let (policy, max_response) = (resolved.policy, resolved.max_response);
-    // Safe methods ignore the key; a missing key got here only where it is optional.
-    let request = if is_safe_method(ctx.method.as_str()) || ctx.key.is_err() {
-        None
-    } else {
-        match ctx.request(scope).await {
-            Ok(request) => Some(request),
-            Err(e) => return problem(&Problem::scope(&e)),
-        }
-    };
-    Detached::new(async move {
-        let policy = &policy;
-        let (mut execution, tx) =
-            match begin_transactional::<DB>(&engine, request, policy, &options).await {
-                TxStep::Respond(r) => return reply(r),
-                TxStep::Run(execution, tx) => (execution, tx),
-            };
-        let read = execution
-            .run(async move {
-                let (parts, body) = handler(tx).await.into_response().into_parts();
-                (parts, body.collect().await.map(Collected::to_bytes))
-            })
-            .await;
-        let (mut parts, body) = match read {
-            Ok((parts, Ok(body))) => (parts, body),
-            Ok((_, Err(_))) => {
-                execution.abort().await;
-                return problem(&Problem::response_failed());
-            }
-            Err(panic) => {
-                execution.abort().await;
-                std::panic::resume_unwind(panic)
-            }
-        };
-        let headers = parts
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_bytes()));
-        match finish_transactional(
-            execution,
-            parts.status.as_u16(),
-            headers,
-            &body,
-            max_response,
-        )
-        .await
-        {
-            TxReply::Respond(r) => reply(r),
-            TxReply::Send { first_execution } => {
-                if first_execution {
-                    parts.headers.insert(
-                        FIRST_EXECUTION.0,
-                        HeaderValue::from_static(FIRST_EXECUTION.1),
-                    );
-                }
-                Response::from_parts(parts, Body::from(body))
-            }
-        }
-    })
-    .await
+    let handler = move |tx| async move { handler(tx).await.into_response() };
+    let Context {
+        config,
+        head,
+        key,
+        body,
+    } = ctx;
+    match driver::prepare_tx::<DB>(&config.config, route, head.get(), key, body, scope).await {
+        Ok(job) => Detached::new(job.run::<Axum, _, _>(handler)).await,
+        Err(reply) => crate::response::reply(reply),
+    }
 }

@@ -2,13 +2,13 @@
 //! to the client while a bounded copy of it is stored.
 
 use axum::body::{Body, Bytes, HttpBody};
-use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderName, HeaderValue, StatusCode, response::Parts};
 use axum::response::Response;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
-use idempotent_core::http::{Capture, FIRST_EXECUTION, Recorder, Reply, ResponsePlan};
-use idempotent_core::{Execution, Problem, Recorded, StoredOutcome};
-use std::future::Future;
+use idempotent_core::Problem;
+use idempotent_core::http::driver::{self, Glue, Tee};
+use idempotent_core::http::{FIRST_EXECUTION, Recorder, Reply};
 use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
 
@@ -43,84 +43,64 @@ pub(crate) fn reply(r: Reply) -> Response {
     res
 }
 
-/// Finishes a claimed execution with the handler's response and returns what the client gets,
-/// following the core's [`ResponsePlan`]; a streamed body goes through a [`TeeBody`].
-pub(crate) async fn finish(execution: Execution, response: Response, limit: usize) -> Response {
-    let (mut parts, body) = response.into_parts();
-    let status = parts.status.as_u16();
-    let plan = ResponsePlan::new(execution.policy(), status, body.size_hint().exact(), limit);
-    let capture = || {
-        Capture::new(
-            status,
-            parts
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_bytes())),
-            limit,
-        )
-    };
-    let body = match plan {
-        ResponsePlan::Release => {
-            execution.release().await;
-            return Response::from_parts(parts, body);
-        }
-        ResponsePlan::Collect => {
-            let mut recorder = Recorder::new(execution, capture());
-            match recorder.run(body.collect()).await {
-                Ok(Ok(collected)) => {
-                    let bytes = collected.to_bytes();
-                    recorder.data(&bytes);
-                    recorder.end().await;
-                    Body::from(bytes)
-                }
-                Ok(Err(error)) => {
-                    recorder.fail(&error).await;
-                    return problem(&Problem::response_failed());
-                }
-                Err(panic) => {
-                    recorder.fail(&"the response body panicked").await;
-                    std::panic::resume_unwind(panic)
-                }
-            }
-        }
-        ResponsePlan::Oversized { size } => {
-            execution
-                .finish(StoredOutcome::Oversized { status, size })
-                .await;
-            body
-        }
-        ResponsePlan::Stream => Body::new(TeeBody {
-            inner: body,
-            state: Tee::Recording(Box::new(Recorder::streaming(execution, capture()))),
-        }),
-    };
-    parts.headers.insert(
-        FIRST_EXECUTION.0,
-        HeaderValue::from_static(FIRST_EXECUTION.1),
-    );
-    Response::from_parts(parts, body)
-}
+/// Axum's side of the request driver.
+pub(crate) struct Axum;
 
-/// The handler's streamed body on its way to the client, fed to a [`Recorder`] frame by frame
-/// (see there for the ends it can take). Spawned work (storing the marker, releasing, reading
-/// on after the client left) runs on the current runtime.
-pub(crate) struct TeeBody {
-    inner: Body,
-    state: Tee,
-}
+impl Glue for Axum {
+    type Response = Response;
+    type Head = Parts;
+    type Body = Body;
+    type Error = axum::Error;
 
-enum Tee {
-    Recording(Box<Recorder>),
-    Finishing(Pin<Box<dyn Future<Output = Recorded> + Send>>),
-    Passthrough,
-}
-
-/// Takes the recorder out of a recording state, leaving the body to pass through.
-fn take_recorder(state: &mut Tee) -> Recorder {
-    match std::mem::replace(state, Tee::Passthrough) {
-        Tee::Recording(recorder) => *recorder,
-        _ => unreachable!("only called while recording"),
+    fn reply(r: Reply) -> Response {
+        reply(r)
     }
+
+    fn split(response: Response) -> (Parts, Body) {
+        response.into_parts()
+    }
+
+    fn join(head: Parts, body: Body) -> Response {
+        Response::from_parts(head, body)
+    }
+
+    fn status(head: &Parts) -> u16 {
+        head.status.as_u16()
+    }
+
+    fn headers(head: &Parts) -> impl Iterator<Item = (&str, &[u8])> {
+        head.headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes()))
+    }
+
+    fn mark_first_execution(head: &mut Parts) {
+        let value = HeaderValue::from_static(FIRST_EXECUTION.1);
+        head.headers.insert(FIRST_EXECUTION.0, value);
+    }
+
+    fn exact_len(body: &Body) -> Option<u64> {
+        body.size_hint().exact()
+    }
+
+    async fn collect(body: Body) -> Result<Bytes, axum::Error> {
+        Ok(body.collect().await?.to_bytes())
+    }
+
+    fn from_bytes(bytes: Bytes) -> Body {
+        Body::from(bytes)
+    }
+
+    fn tee(body: Body, recorder: Recorder) -> Body {
+        Body::new(TeeBody {
+            inner: body,
+            tee: Tee::new(recorder),
+        })
+    }
+}
+
+/// The handler's streamed body on its way to the client, recorded frame by frame ([`Tee`]).
+struct TeeBody {
+    inner: Body,
+    tee: Tee,
 }
 
 impl HttpBody for TeeBody {
@@ -132,47 +112,16 @@ impl HttpBody for TeeBody {
         cx: &mut TaskContext<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         let this = self.get_mut();
-        loop {
-            match &mut this.state {
-                Tee::Passthrough => return Pin::new(&mut this.inner).poll_frame(cx),
-                Tee::Finishing(store) => {
-                    std::task::ready!(store.as_mut().poll(cx));
-                    this.state = Tee::Passthrough;
-                    return Poll::Ready(None);
-                }
-                Tee::Recording(recorder) => {
-                    if recorder.poll_expired(cx).is_ready() {
-                        // Still streaming a lease later: not replayable; the rest goes through.
-                        spawn(take_recorder(&mut this.state).over_limit());
-                        continue;
-                    }
-                    match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
-                        Some(Ok(frame)) => {
-                            let within = frame.data_ref().is_none_or(|data| recorder.data(data));
-                            if !within {
-                                spawn(take_recorder(&mut this.state).over_limit());
-                            }
-                            return Poll::Ready(Some(Ok(frame)));
-                        }
-                        Some(Err(error)) => {
-                            let recorder = take_recorder(&mut this.state);
-                            let reason = error.to_string();
-                            spawn(async move { recorder.fail(&reason).await });
-                            return Poll::Ready(Some(Err(error)));
-                        }
-                        None => {
-                            // Stored before the end of the stream is passed on.
-                            this.state =
-                                Tee::Finishing(Box::pin(take_recorder(&mut this.state).end()));
-                        }
-                    }
-                }
-            }
-        }
+        let inner = &mut this.inner;
+        this.tee.poll_next(
+            cx,
+            |cx| Pin::new(&mut *inner).poll_frame(cx),
+            |frame| frame.data_ref().map(|data| &data[..]),
+        )
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(self.state, Tee::Passthrough) && self.inner.is_end_stream()
+        self.tee.is_passthrough() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -182,27 +131,11 @@ impl HttpBody for TeeBody {
 
 impl Drop for TeeBody {
     fn drop(&mut self) {
-        match std::mem::replace(&mut self.state, Tee::Passthrough) {
-            Tee::Passthrough => {}
-            // The client has every byte; storing them must not be cut short.
-            Tee::Finishing(store) => spawn(store),
-            // The client went away mid-stream: read on, so the outcome is stored.
-            Tee::Recording(recorder) => {
-                let rest = std::mem::take(&mut self.inner).into_data_stream();
-                spawn(recorder.abandon(rest));
-            }
+        // The client went away mid-stream: read on, so the outcome is stored.
+        if let Some(recorder) = self.tee.dropped() {
+            let rest = std::mem::take(&mut self.inner).into_data_stream();
+            driver::spawn(recorder.abandon(rest));
         }
-    }
-}
-
-/// Spawns the rest of an execution's work onto the current runtime; outside one (a runtime
-/// shutting down) the record stays in progress until its lease ends.
-fn spawn(work: impl Future<Output = Recorded> + Send + 'static) {
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => drop(runtime.spawn(work)),
-        Err(_) => tracing::warn!(
-            "idempotency: no runtime to finish a response on; its record stays in progress until its lease ends"
-        ),
     }
 }
 
@@ -212,7 +145,7 @@ mod tests {
     use futures_util::StreamExt;
     use idempotent_core::{
         Begin, Engine, ExecuteRequest, Fingerprint, FingerprintInput, IdempotencyKey, MemoryStore,
-        Policy, RecordKey, RecordState, Scope, Store,
+        Policy, RecordKey, RecordState, Scope, Store, StoredOutcome,
     };
     use std::sync::Arc;
     use std::time::Duration;
@@ -248,7 +181,8 @@ mod tests {
                 Ok("second")
             }),
         );
-        let response = finish(execution, Response::new(Body::from_stream(stream)), 1024).await;
+        let response = Response::new(Body::from_stream(stream));
+        let response = driver::finish::<Axum>(execution, response, 1024).await;
         assert_eq!(response.headers()["idempotent-replayed"], "false");
         let mut body = response.into_body();
         let first = body.frame().await.expect("a frame").expect("data");

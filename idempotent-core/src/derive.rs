@@ -29,7 +29,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use crate::{IdempotencyKey, Scope};
+use crate::key::IdempotencyKey;
+use crate::scope::Scope;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::fmt;

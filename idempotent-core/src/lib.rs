@@ -63,15 +63,10 @@ mod fingerprint;
 pub mod http;
 mod jcs;
 mod key;
-mod memory;
 pub mod observe;
 mod problem;
-mod record;
 mod scope;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-mod sql;
 mod store;
-mod sweeper;
 pub mod tx;
 
 pub use clock::{Clock, ManualClock, SkewedClock, SystemClock};
@@ -84,27 +79,27 @@ pub use engine::{
 };
 pub use fingerprint::{BodyKind, Fingerprint, FingerprintInput, canonical_form, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use problem::{PROBLEM_BASE, Problem};
-pub use record::{
-    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
-    retry_after_secs,
-};
 pub use scope::{Scope, ScopeError, ScopeValue};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
-pub use sql::SetupError;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use sql::postgres::{PostgresStore, PostgresStoreBuilder};
-#[cfg(feature = "sqlite")]
-#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
-pub use sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
+pub use sqlx;
+pub use store::memory::{MemoryStore, MemoryStoreBuilder};
+pub use store::record::{
+    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
+    retry_after_secs,
+};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
-pub use sqlx;
+pub use store::sql::SetupError;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use store::sql::postgres::{PostgresStore, PostgresStoreBuilder};
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use store::sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
+pub use store::sweeper::Sweeper;
 pub use store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
-pub use sweeper::Sweeper;
 pub use tx::{CommitPath, TxOptions};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
@@ -129,13 +124,13 @@ pub mod __private {
         /// The scope of a parameter (type-checks it against [`ScopeValue`]).
         pub fn scope_of<T: ScopeValue + ?Sized>(
             value: &T,
-        ) -> Result<crate::Scope, crate::ScopeError> {
+        ) -> Result<crate::scope::Scope, crate::scope::ScopeError> {
             value.to_scope()
         }
 
         /// The unscoped namespace.
-        pub fn unscoped() -> Result<crate::Scope, crate::ScopeError> {
-            Ok(crate::Scope::unscoped())
+        pub fn unscoped() -> Result<crate::scope::Scope, crate::scope::ScopeError> {
+            Ok(crate::scope::Scope::unscoped())
         }
     }
 }

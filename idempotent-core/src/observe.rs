@@ -42,9 +42,13 @@
 //! assert!(idempotent_core::observe::OUTCOMES.contains(&"replayed"));
 //! ```
 
+// What is counted and logged, on plain values: the engine, the transactional paths and the
+// sweeper say which (`RequestOutcome`, `Settled`, an operation's name); this module depends
+// on none of them.
+
 use crate::derive::DeriveSecret;
-use crate::engine::{Begin, Recorded, Unprotected};
-use crate::{RecordKey, StoreError};
+use crate::key::IdempotencyKey;
+use crate::scope::Scope;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::sync::OnceLock;
@@ -108,9 +112,9 @@ impl LogKey {
     }
 
     /// 16 hex characters of HMAC(scope, key), length-prefixed.
-    pub(crate) fn hash(&self, key: &RecordKey) -> String {
+    pub(crate) fn hash(&self, scope: &Scope, key: &IdempotencyKey) -> String {
         let mut mac = self.get().clone();
-        for field in [key.scope.as_str().as_bytes(), key.key.as_str().as_bytes()] {
+        for field in [scope.as_str().as_bytes(), key.as_str().as_bytes()] {
             mac.update(&(field.len() as u64).to_be_bytes());
             mac.update(field);
         }
@@ -139,18 +143,25 @@ pub(crate) fn span(route: &'static str) -> tracing::Span {
     )
 }
 
-/// The `outcome` label of what a claim found.
-pub(crate) fn begin_outcome(begin: &Begin) -> &'static str {
-    match begin {
-        Begin::Claimed(_) => "executed",
-        Begin::Replay(_) => "replayed",
-        Begin::InProgress { .. } => "in_progress",
-        Begin::Mismatch { .. } => "mismatch",
-        Begin::KeyRejected(_) => "rejected",
-        Begin::StoreUnavailable(_) => "store_unavailable",
-        Begin::Unprotected(Unprotected::NoKey | Unprotected::FailedOpen(_)) => "unprotected",
-        Begin::Draining => "draining",
-        Begin::Misconfigured(_) => "misconfigured",
+/// A request's outcome, as counted: one of [`OUTCOMES`], in its order (the engine maps what
+/// it found to these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RequestOutcome {
+    Executed,
+    Replayed,
+    InProgress,
+    Mismatch,
+    Rejected,
+    StoreUnavailable,
+    Unprotected,
+    Draining,
+    Misconfigured,
+}
+
+impl RequestOutcome {
+    /// The `outcome` label and span field.
+    pub(crate) const fn label(self) -> &'static str {
+        OUTCOMES[self as usize]
     }
 }
 
@@ -158,9 +169,10 @@ pub(crate) fn begin_outcome(begin: &Begin) -> &'static str {
 pub(crate) fn outcome(
     span: &tracing::Span,
     route: &'static str,
-    outcome: &'static str,
+    outcome: RequestOutcome,
     store: Option<Duration>,
 ) {
+    let outcome = outcome.label();
     metrics::counter!(REQUESTS_TOTAL, "route" => route, "outcome" => outcome).increment(1);
     span.record("outcome", outcome);
     if let Some(store) = store {
@@ -208,17 +220,6 @@ pub(crate) enum Settled {
     ReleaseFailed,
 }
 
-impl From<&Recorded> for Settled {
-    fn from(recorded: &Recorded) -> Self {
-        match recorded {
-            Recorded::Stored => Settled::Stored,
-            Recorded::Released => Settled::Released,
-            Recorded::Failed(StoreError::StaleLease) => Settled::FenceRefused,
-            Recorded::Failed(_) => Settled::Failed,
-        }
-    }
-}
-
 /// Counts what became of an execution's record and records it on its span.
 pub(crate) fn settled(span: &tracing::Span, route: &'static str, settled: Settled) {
     let what = match settled {
@@ -247,4 +248,28 @@ pub(crate) fn settled(span: &tracing::Span, route: &'static str, settled: Settle
 /// One more request in flight.
 pub(crate) fn in_flight(delta: f64) {
     metrics::gauge!(IN_FLIGHT).increment(delta);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_outcome_has_its_label() {
+        use RequestOutcome::*;
+        let all = [
+            Executed,
+            Replayed,
+            InProgress,
+            Mismatch,
+            Rejected,
+            StoreUnavailable,
+            Unprotected,
+            Draining,
+            Misconfigured,
+        ];
+        assert_eq!(all.map(RequestOutcome::label), OUTCOMES);
+        assert_eq!(InProgress.label(), "in_progress");
+        assert_eq!(StoreUnavailable.label(), "store_unavailable");
+    }
 }

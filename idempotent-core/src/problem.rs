@@ -3,7 +3,10 @@
 //! Problem bodies describe what the client can do about a failure and never carry internals
 //! (database errors, table names, SQL): those go to the log (`tracing`) where they happen.
 
-use crate::KeyError;
+use crate::duration::format_duration;
+use crate::key::KeyError;
+use crate::scope::ScopeError;
+use crate::store::record::retry_after_secs;
 use problem_details::ProblemDetails;
 use std::time::Duration;
 
@@ -61,7 +64,7 @@ impl Problem {
     }
 
     /// 400: the caller's scope value cannot identify a caller.
-    pub fn scope(error: &crate::ScopeError) -> Self {
+    pub fn scope(error: &ScopeError) -> Self {
         Self::new(
             "idempotency-scope-invalid",
             400,
@@ -72,7 +75,7 @@ impl Problem {
 
     /// 409: the first attempt is still running.
     pub fn in_progress(retry_after: Duration) -> Self {
-        let secs = crate::retry_after_secs(retry_after);
+        let secs = retry_after_secs(retry_after);
         let mut p = Self::new(
             "idempotency-key-in-progress",
             409,
@@ -171,7 +174,7 @@ impl Problem {
             "Request body too slow",
             format!(
                 "the request body did not arrive within {}; send it again with the same key",
-                crate::format_duration(timeout)
+                format_duration(timeout)
             ),
         )
     }

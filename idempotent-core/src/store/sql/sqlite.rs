@@ -3,8 +3,9 @@
 use super::{
     Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, identifier, q,
 };
-use crate::LeaseToken;
+use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
+use crate::tx::{CommitPath, TxDatabase};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
@@ -188,7 +189,7 @@ impl SqliteStore {
     /// # Errors
     /// [`SetupError::Migrate`].
     pub async fn migrate(&self) -> Result<(), SetupError> {
-        let sql = include_str!("../../migrations/sqlite/0001_create_records.sql")
+        let sql = include_str!("../../../migrations/sqlite/0001_create_records.sql")
             .replace("{table}", &self.sql.table);
         let mut migrator = Migrator::with_migrations(vec![Migration::new(
             1,
@@ -246,10 +247,10 @@ impl SqliteStore {
     }
 }
 
-impl crate::tx::TxDatabase for sqlx::Sqlite {
+impl TxDatabase for sqlx::Sqlite {
     type Store = SqliteStore;
     const LABEL: &'static str = "SQLite";
-    const DEFAULT_COMMIT: crate::CommitPath = crate::CommitPath::Single;
+    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
     /// A claim inside a transaction takes SQLite's one write lock: replays must not.
     const ALWAYS_READ_FIRST: bool = true;
 
@@ -297,9 +298,9 @@ impl crate::tx::TxDatabase for sqlx::Sqlite {
     async fn complete_in(
         store: &SqliteStore,
         conn: &mut SqliteConnection,
-        key: &crate::RecordKey,
+        key: &RecordKey,
         token: LeaseToken,
-        outcome: &crate::StoredOutcome,
+        outcome: &StoredOutcome,
         ttl: Duration,
         _idle: Duration,
     ) -> Result<(), StoreError> {

@@ -11,12 +11,14 @@ macro_rules! sql_store_common {
         const _: () = {
             use std::sync::Arc;
             use std::time::{Duration, SystemTime};
-            use $crate::sql::{
+            use $crate::store::record::{
+                LeaseToken, Record, RecordKey, RecordState, StoredOutcome,
+            };
+            use $crate::store::sql::{
                 build_record, db_error, existing_row, from_millis, millis, outcome_columns, q,
                 record_columns,
             };
             use $crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
-            use $crate::{LeaseToken, Record, RecordKey, RecordState, StoredOutcome};
 
             impl $store {
                 /// The pool.
@@ -65,8 +67,11 @@ macro_rules! sql_store_common {
                 fn decide_row(
                     row: &<$db as sqlx::Database>::Row,
                     req: &ClaimRequest<'_>,
-                ) -> Result<$crate::sql::Decision, StoreError> {
-                    $crate::sql::decide(existing_row(row).map_err(db_error)?, req.fingerprint)
+                ) -> Result<$crate::store::sql::Decision, StoreError> {
+                    $crate::store::sql::decide(
+                        existing_row(row).map_err(db_error)?,
+                        req.fingerprint,
+                    )
                 }
 
                 /// [`Store::complete`] on a connection or transaction you provide.
@@ -96,8 +101,9 @@ macro_rules! sql_store_common {
                             .map_err(db_error);
                         match done {
                             Err(e)
-                                if $crate::sql::again_after_conflict(&e, &mut conflicts).await => {}
-                            done => return $crate::sql::fenced(done?.rows_affected()),
+                                if $crate::store::sql::again_after_conflict(&e, &mut conflicts)
+                                    .await => {}
+                            done => return $crate::store::sql::fenced(done?.rows_affected()),
                         }
                     }
                 }
@@ -144,8 +150,8 @@ macro_rules! sql_store_common {
                     match row {
                         None => Ok(None),
                         Some(row) => match Self::decide_row(&row, req)? {
-                            $crate::sql::Decision::Report(outcome) => Ok(Some(outcome)),
-                            $crate::sql::Decision::TakeOver(_) => Ok(None),
+                            $crate::store::sql::Decision::Report(outcome) => Ok(Some(outcome)),
+                            $crate::store::sql::Decision::TakeOver(_) => Ok(None),
                         },
                     }
                 }
@@ -190,8 +196,9 @@ macro_rules! sql_store_common {
                             .map_err(db_error);
                         match done {
                             Err(e)
-                                if $crate::sql::again_after_conflict(&e, &mut conflicts).await => {}
-                            done => return $crate::sql::fenced(done?.rows_affected()),
+                                if $crate::store::sql::again_after_conflict(&e, &mut conflicts)
+                                    .await => {}
+                            done => return $crate::store::sql::fenced(done?.rows_affected()),
                         }
                     }
                 }
@@ -215,7 +222,8 @@ macro_rules! sql_store_common {
                             .map_err(db_error);
                         match until {
                             Err(e)
-                                if $crate::sql::again_after_conflict(&e, &mut conflicts).await => {}
+                                if $crate::store::sql::again_after_conflict(&e, &mut conflicts)
+                                    .await => {}
                             until => return until?.map(from_millis).ok_or(StoreError::StaleLease),
                         }
                     }
@@ -296,10 +304,11 @@ pub(crate) mod postgres;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
 
-use crate::store::{ClaimOutcome, StoreError};
-use crate::{
-    Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
+use crate::fingerprint::Fingerprint;
+use crate::store::record::{
+    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
 };
+use crate::store::{ClaimOutcome, StoreError};
 use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Row, SqlSafeStr, Type};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

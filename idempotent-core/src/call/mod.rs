@@ -83,11 +83,16 @@
 //! default: nack and let the broker redeliver later), or waits, bounded, for the first to
 //! finish and returns its output ([`Concurrent::Wait`]; it polls the store).
 
-use crate::{
-    Begin, ConfigError, DEFAULT_LEASE, DEFAULT_TTL, DeriveSecret, Engine, Fingerprint,
-    FingerprintInput, IdempotencyKey, Idempotent, Policy, Scope, StoreError, StoredOutcome,
-    StoredResponse,
+use crate::derive::{DeriveSecret, Idempotent};
+use crate::engine::{
+    Begin, ConfigError, DEFAULT_LEASE, DEFAULT_TTL, Engine, ExecuteRequest, Policy,
 };
+use crate::fingerprint::{Fingerprint, FingerprintInput};
+use crate::key::{IdempotencyKey, KeyError};
+use crate::scope::{Scope, ScopeError};
+use crate::store::StoreError;
+use crate::store::record::{StoredOutcome, StoredResponse};
+use crate::tx::CommitPath;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -272,7 +277,7 @@ pub enum InvalidCall {
     Encode(serde_json::Error),
     /// The scope, within the function's name, is not a valid scope (too long).
     #[error("invalid scope: {0}")]
-    Scope(crate::ScopeError),
+    Scope(ScopeError),
 }
 
 /// An error type that opts into being stored by [`Calls::run_storing`]: an error for which
@@ -324,10 +329,10 @@ pub enum CallError<E> {
     /// The key given to the call is not a valid idempotency key (empty, longer than 255
     /// characters, not visible ASCII); nothing ran.
     #[error("invalid key: {0}")]
-    InvalidKey(crate::KeyError),
+    InvalidKey(KeyError),
     /// The scope given to the call is not a valid scope; nothing ran.
     #[error("invalid scope: {0}")]
-    InvalidScope(crate::ScopeError),
+    InvalidScope(ScopeError),
     /// The arguments could not be serialized for the fingerprint; nothing ran.
     #[error("the arguments cannot be serialized: {0}")]
     Encode(serde_json::Error),
@@ -352,7 +357,7 @@ pub struct Calls {
     lease: Duration,
     concurrent: Concurrent,
     secret: Option<DeriveSecret>,
-    commit: Option<crate::CommitPath>,
+    commit: Option<CommitPath>,
 }
 
 impl Calls {
@@ -400,7 +405,7 @@ impl Calls {
 
     /// The commit path of [`Calls::run_tx`] (default: each database's, [`crate::tx`]).
     #[must_use]
-    pub fn commit_path(mut self, commit: crate::CommitPath) -> Self {
+    pub fn commit_path(mut self, commit: CommitPath) -> Self {
         self.commit = Some(commit);
         self
     }
@@ -465,8 +470,8 @@ impl Calls {
         }
     }
 
-    fn request(call: &Call) -> crate::ExecuteRequest {
-        crate::ExecuteRequest {
+    fn request(call: &Call) -> ExecuteRequest {
+        ExecuteRequest {
             scope: call.scope.clone(),
             key: Ok(call.key.clone()),
             fingerprint: call.fingerprint,
@@ -533,8 +538,10 @@ impl Calls {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod transactional {
     use super::*;
-    use crate::tx::{DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT};
-    use crate::{Transaction, TxBegin, TxDatabase, TxFinished, TxOptions};
+    use crate::tx::{
+        DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, Transaction, TxBegin, TxDatabase, TxFinished,
+        TxOptions,
+    };
 
     impl Calls {
         /// [`Calls::run`] in transactional mode: `f` gets the transaction; an `Ok` commits its
@@ -781,29 +788,29 @@ pub trait CallKey {
     ///
     /// # Errors
     /// When it is not a valid key (empty, over 255 characters, not visible ASCII).
-    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError>;
+    fn to_key(&self) -> Result<IdempotencyKey, KeyError>;
 }
 
 impl CallKey for str {
-    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+    fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
         IdempotencyKey::parse(self.as_bytes())
     }
 }
 
 impl CallKey for String {
-    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+    fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
         self.as_str().to_key()
     }
 }
 
 impl<T: CallKey + ?Sized> CallKey for &T {
-    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+    fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
         (**self).to_key()
     }
 }
 
 impl CallKey for uuid::Uuid {
-    fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+    fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
         self.hyphenated().to_string().to_key()
     }
 }
@@ -811,7 +818,7 @@ impl CallKey for uuid::Uuid {
 macro_rules! integer_keys {
     ($($t:ty),*) => {$(
         impl CallKey for $t {
-            fn to_key(&self) -> Result<IdempotencyKey, crate::KeyError> {
+            fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
                 self.to_string().to_key()
             }
         }
@@ -854,7 +861,7 @@ impl Function {
     /// [`CallError::InvalidScope`], [`CallError::InvalidKey`], [`CallError::Encode`].
     pub fn call<K: CallKey + ?Sized, A: Serialize + ?Sized, E>(
         &self,
-        scope: Result<Scope, crate::ScopeError>,
+        scope: Result<Scope, ScopeError>,
         key: &K,
         args: &A,
     ) -> Result<Call, CallError<E>> {

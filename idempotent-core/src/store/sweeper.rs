@@ -1,6 +1,7 @@
 //! A background task that deletes expired records.
 
-use crate::Store;
+use crate::observe;
+use crate::store::Store;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,7 +40,7 @@ impl Sweeper {
                 tick.tick().await;
                 // Bounded: at most 100 batches per tick, then yield to the next tick.
                 for _ in 0..100 {
-                    match crate::observe::timed("purge", store.purge_expired(batch)).await {
+                    match observe::timed("purge", store.purge_expired(batch)).await {
                         Ok(n) if n as usize >= batch => tokio::task::yield_now().await,
                         _ => break,
                     }

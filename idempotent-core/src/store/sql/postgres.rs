@@ -4,8 +4,9 @@ use super::{
     Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, fenced,
     has_sqlstate, identifier, millis, q,
 };
-use crate::LeaseToken;
+use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
+use crate::tx::{CommitPath, TxDatabase};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
@@ -292,10 +293,10 @@ impl PostgresStore {
     /// # Errors
     /// [`SetupError::Database`] or [`SetupError::Migrate`].
     pub async fn migrate(&self) -> Result<(), SetupError> {
-        let sql = include_str!("../../migrations/postgres/0001_create_records.sql")
+        let sql = include_str!("../../../migrations/postgres/0001_create_records.sql")
             .replace("{table}", &self.sql.table)
             .replace("{name}", &self.sql.name);
-        let fillfactor = include_str!("../../migrations/postgres/0002_fillfactor.sql")
+        let fillfactor = include_str!("../../../migrations/postgres/0002_fillfactor.sql")
             .replace("{table}", &self.sql.table);
         let mut migrator = Migrator::with_migrations(vec![
             Migration::new(
@@ -460,7 +461,7 @@ fn claim_query<'q>(
 /// The advisory lock that stands for a key's uncommitted claim: 64 bits of SHA-256 over the
 /// table and the length-prefixed (scope, key), so keys never share a lock by concatenation and
 /// stores on other tables never collide with this one.
-fn lock_id(table: &str, key: &crate::RecordKey) -> i64 {
+fn lock_id(table: &str, key: &RecordKey) -> i64 {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for part in [table, key.scope.as_str(), key.key.as_str()] {
@@ -473,10 +474,10 @@ fn lock_id(table: &str, key: &crate::RecordKey) -> i64 {
     i64::from_be_bytes(first)
 }
 
-impl crate::tx::TxDatabase for sqlx::Postgres {
+impl TxDatabase for sqlx::Postgres {
     type Store = PostgresStore;
     const LABEL: &'static str = "PostgreSQL";
-    const DEFAULT_COMMIT: crate::CommitPath = crate::CommitPath::Single;
+    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
 
     const ALWAYS_READ_FIRST: bool = false;
 
@@ -573,9 +574,9 @@ impl crate::tx::TxDatabase for sqlx::Postgres {
     async fn complete_in(
         store: &PostgresStore,
         conn: &mut PgConnection,
-        key: &crate::RecordKey,
+        key: &RecordKey,
         token: LeaseToken,
-        outcome: &crate::StoredOutcome,
+        outcome: &StoredOutcome,
         ttl: std::time::Duration,
         idle: std::time::Duration,
     ) -> Result<(), StoreError> {

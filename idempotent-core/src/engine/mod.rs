@@ -1,15 +1,28 @@
 //! The engine: claim → execute → complete/release → replay, and the executions it owns.
+//!
+//! - this file: the settings ([`Policy`], the duration bounds), what [`Engine::begin`] and
+//!   [`Engine::execute`] answer, and the [`Engine`] itself;
+//! - `execution`: one claimed [`Execution`]: its lease, heartbeat and fenced writes;
+//! - `flight`: what [`Engine::drain`] counts, and the automatic sweeper it stops;
+//! - `detached`: [`Detached`], the future that outlives its caller.
 
-use crate::observe;
+mod detached;
+mod execution;
+mod flight;
+
+pub use detached::Detached;
+pub use execution::{Execution, PanicPayload};
+pub(crate) use flight::{AutoSweep, InFlight};
+
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, KeyError};
+use crate::observe::{self, RequestOutcome, Settled};
+use crate::scope::Scope;
+use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
-use crate::{Fingerprint, IdempotencyKey, KeyError, LeaseToken, RecordKey, Scope, StoredOutcome};
-use futures_util::FutureExt;
-use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
+use flight::Flight;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -197,6 +210,18 @@ pub enum Recorded {
     Failed(StoreError),
 }
 
+/// What [`crate::observe`] reports for a record.
+impl From<&Recorded> for Settled {
+    fn from(recorded: &Recorded) -> Self {
+        match recorded {
+            Recorded::Stored => Settled::Stored,
+            Recorded::Released => Settled::Released,
+            Recorded::Failed(StoreError::StaleLease) => Settled::FenceRefused,
+            Recorded::Failed(_) => Settled::Failed,
+        }
+    }
+}
+
 /// Why a request ran without a record.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -236,6 +261,25 @@ pub enum Begin {
     Draining,
     /// The policy's ttl or lease is out of bounds ([`Policy::check`]); nothing was claimed.
     Misconfigured(ConfigError),
+}
+
+impl Begin {
+    /// The `outcome` [`crate::observe`] counts for what a claim found.
+    pub(crate) fn observed_outcome(&self) -> RequestOutcome {
+        match self {
+            Begin::Claimed(_) => RequestOutcome::Executed,
+            Begin::Replay(_) => RequestOutcome::Replayed,
+            Begin::InProgress { .. } => RequestOutcome::InProgress,
+            Begin::Mismatch { .. } => RequestOutcome::Mismatch,
+            Begin::KeyRejected(_) => RequestOutcome::Rejected,
+            Begin::StoreUnavailable(_) => RequestOutcome::StoreUnavailable,
+            Begin::Unprotected(Unprotected::NoKey | Unprotected::FailedOpen(_)) => {
+                RequestOutcome::Unprotected
+            }
+            Begin::Draining => RequestOutcome::Draining,
+            Begin::Misconfigured(_) => RequestOutcome::Misconfigured,
+        }
+    }
 }
 
 /// The result of [`Engine::execute`].
@@ -326,16 +370,6 @@ pub(crate) struct Inner {
     /// Requests waiting for another transaction on their key, per key (transactional mode).
     #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     pub(crate) waiters: std::sync::Mutex<std::collections::HashMap<RecordKey, usize>>,
-}
-
-/// Executions in flight, for [`Engine::drain`].
-#[derive(Default)]
-struct Flight {
-    running: AtomicUsize,
-    draining: AtomicBool,
-    idle: tokio::sync::Notify,
-    /// Executions dropped before they finished (their records stay in progress).
-    dropped: AtomicUsize,
 }
 
 impl std::fmt::Debug for Engine {
@@ -463,15 +497,14 @@ impl Engine {
             .begin_untraced(req, policy)
             .instrument(span.clone())
             .await;
-        let outcome = observe::begin_outcome(&begin);
+        let outcome = begin.observed_outcome();
         let store = touched_store(&begin).then(|| start.elapsed());
         if let Some(took) = store {
             observe::store_time("claim", took);
         }
         observe::outcome(&span, policy.route, outcome, store);
         if let Begin::Claimed(execution) = &mut begin {
-            execution.span = span;
-            execution.observed = true;
+            execution.observe(span);
         }
         begin
     }
@@ -483,10 +516,7 @@ impl Engine {
         if !span.is_disabled()
             && let Ok(key) = &req.key
         {
-            let hash = self
-                .inner
-                .log_key
-                .hash(&RecordKey::new(req.scope.clone(), key.clone()));
+            let hash = self.inner.log_key.hash(&req.scope, key);
             span.record("key", hash.as_str());
         }
         span
@@ -533,17 +563,7 @@ impl Engine {
                         "idempotency: took over a record whose lease or ttl had run out"
                     );
                 }
-                Begin::Claimed(Execution {
-                    span: tracing::Span::none(),
-                    observed: false,
-                    slot,
-                    claimed_at: sent,
-                    key,
-                    token: lease.token,
-                    policy: *policy,
-                    heartbeat: Heartbeat::default(),
-                    finished: false,
-                })
+                Begin::Claimed(Execution::claimed(slot, sent, key, lease.token, *policy))
             }
             Ok(ClaimOutcome::Replay(outcome)) => Begin::Replay(outcome),
             Ok(ClaimOutcome::InProgress { retry_after }) => Begin::InProgress { retry_after },
@@ -608,72 +628,6 @@ impl Engine {
     }
 }
 
-/// The sweeper an adapter's configuration asks for ([`crate::http::ConfigBuilder::sweep_every`]):
-/// started on the current tokio runtime by the engine's first request, once per engine however
-/// many workers share it, and stopped by [`Engine::drain`].
-#[derive(Default)]
-pub(crate) struct AutoSweep {
-    /// The interval in milliseconds; 0: no automatic sweeper.
-    interval_ms: std::sync::atomic::AtomicU64,
-    started: AtomicBool,
-    task: std::sync::Mutex<Option<crate::Sweeper>>,
-}
-
-impl AutoSweep {
-    /// Records expired rows deleted per batch.
-    const BATCH: usize = 1_000;
-
-    pub(crate) fn configure(&self, every: Option<Duration>) {
-        let ms = every.map_or(0, |d| {
-            u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-        });
-        self.interval_ms.store(ms, Ordering::SeqCst);
-    }
-
-    /// Starts the sweeper if one is configured and none was started (cheap after the first
-    /// call: one atomic load). The flag is set and the task stored under one lock, so a drain
-    /// racing the first request either stops the sweeper or keeps it from starting.
-    pub(crate) fn ensure(&self, store: &Arc<dyn Store>) {
-        if self.started.load(Ordering::Acquire) {
-            return;
-        }
-        let ms = self.interval_ms.load(Ordering::Acquire);
-        if ms == 0 || tokio::runtime::Handle::try_current().is_err() {
-            return;
-        }
-        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
-        if self.started.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        *task = Some(crate::Sweeper::spawn(
-            Arc::clone(store),
-            Duration::from_millis(ms),
-            Self::BATCH,
-        ));
-    }
-
-    /// Whether the sweeper's task is alive (not when its runtime went away).
-    pub(crate) fn is_running(&self) -> bool {
-        self.task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .is_some_and(crate::Sweeper::is_running)
-    }
-
-    /// Stops the sweeper (for good: a drained engine starts no other).
-    pub(crate) async fn stop(&self) {
-        let sweeper = {
-            let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
-            self.started.store(true, Ordering::SeqCst);
-            task.take()
-        };
-        if let Some(sweeper) = sweeper {
-            sweeper.shutdown().await;
-        }
-    }
-}
-
 /// Whether answering `begin` took a store call (for the claim latency).
 fn touched_store(begin: &Begin) -> bool {
     !matches!(
@@ -685,495 +639,12 @@ fn touched_store(begin: &Begin) -> bool {
     )
 }
 
-/// The payload of a caught panic.
-pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
-
-/// One claimed execution: holds the record's lease until the outcome is stored or the key
-/// released, extends the lease while it runs (a heartbeat after half the lease), and counts
-/// towards [`Engine::drain`].
-///
-/// Finish it with [`Execution::finish`] or [`Execution::release`]. Dropping it unfinished
-/// stops its heartbeat and leaves the record in progress until the lease runs out (logged):
-/// that is what a crash does too, and it never lets a retry run while the work may be done.
-pub struct Execution {
-    /// The request's span ([`crate::observe`]).
-    span: tracing::Span,
-    /// Whether this execution counts its own outcome (not when a transactional execution,
-    /// which counts it, holds it).
-    observed: bool,
-    slot: InFlight,
-    /// When the claim was sent (local clock), no later than the store started the lease: the
-    /// lease's first half ends at most half a lease after it.
-    claimed_at: tokio::time::Instant,
-    key: RecordKey,
-    token: LeaseToken,
-    policy: Policy,
-    heartbeat: Heartbeat,
-    finished: bool,
-}
-
-impl std::fmt::Debug for Execution {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Execution")
-            .field("token", &self.token)
-            .field("policy", &self.policy)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Execution {
-    /// The route's policy this execution runs under.
-    pub fn policy(&self) -> &Policy {
-        &self.policy
-    }
-
-    /// The record's (scope, key).
-    pub fn key(&self) -> &RecordKey {
-        &self.key
-    }
-
-    /// The lease token this execution holds.
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
-    pub(crate) fn token(&self) -> LeaseToken {
-        self.token
-    }
-
-    /// Runs `fut` to completion while keeping the lease alive; a panic in it is caught and
-    /// returned (finish with [`Execution::release`], then resume it).
-    ///
-    /// # Errors
-    /// The panic's payload, if `fut` panicked.
-    pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
-        let fut = fut.instrument(self.span.clone());
-        let mut fut = std::pin::pin!(AssertUnwindSafe(fut).catch_unwind());
-        std::future::poll_fn(|cx| {
-            if let Poll::Ready(out) = fut.as_mut().poll(cx) {
-                return Poll::Ready(out);
-            }
-            self.poll_heartbeat(cx);
-            Poll::Pending
-        })
-        .await
-    }
-
-    /// Keeps the lease alive from a `poll` function (a response body the adapter streams):
-    /// after half the lease it starts the heartbeat task, which then extends the lease every
-    /// half lease until this execution is finished or dropped. Registers a wake-up with `cx`
-    /// until then. Needs a tokio runtime with timers.
-    pub fn poll_heartbeat(&mut self, cx: &mut Context<'_>) {
-        if self.heartbeat.task.is_some() || self.finished {
-            return;
-        }
-        let first = self.first_extension();
-        let timer = self
-            .heartbeat
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(first)));
-        if timer.as_mut().poll(cx).is_ready() {
-            self.start_heartbeat(Duration::ZERO);
-        }
-    }
-
-    /// Starts the heartbeat task now (its first extension after half the lease), for work
-    /// whose progress does not depend on this execution being polled: a response body the
-    /// client may stop reading for a while. No-op if it runs already.
-    pub fn keep_alive(&mut self) {
-        let first_after = self
-            .first_extension()
-            .saturating_duration_since(tokio::time::Instant::now());
-        self.start_heartbeat(first_after);
-    }
-
-    /// When the first extension is due: half a lease after the claim was sent.
-    fn first_extension(&self) -> tokio::time::Instant {
-        self.claimed_at + self.policy.lease / 2
-    }
-
-    fn start_heartbeat(&mut self, first_after: Duration) {
-        start_heartbeat(
-            &mut self.heartbeat,
-            self.finished,
-            &self.slot.engine.store,
-            &self.key,
-            self.token,
-            &self.policy,
-            first_after,
-        );
-    }
-
-    /// Finishes with the handler's outcome: stores it if the policy stores its status, else
-    /// releases the key. Store errors are retried (bounded, within the lease); if it still
-    /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
-    pub async fn finish(mut self, outcome: StoredOutcome) -> Recorded {
-        let stores = self.policy.stores(outcome.status());
-        let span = self.span.clone();
-        let recorded = self
-            .write(stores.then_some(&outcome))
-            .instrument(span.clone())
-            .await;
-        if self.observed {
-            observe::settled(&span, self.policy.route, (&recorded).into());
-        }
-        self.done();
-        recorded
-    }
-
-    /// Finishes without an outcome to store (a panic, a response body that failed before it
-    /// could be stored): releases the key so a retry runs again. Failures are retried and
-    /// logged like [`Execution::finish`]'s.
-    pub async fn release(mut self) -> Recorded {
-        let span = self.span.clone();
-        let recorded = self.write(None).instrument(span.clone()).await;
-        if self.observed {
-            let settled = match &recorded {
-                Recorded::Failed(StoreError::StaleLease) => observe::Settled::FenceRefused,
-                Recorded::Failed(_) => observe::Settled::ReleaseFailed,
-                other => other.into(),
-            };
-            observe::settled(&span, self.policy.route, settled);
-        }
-        self.done();
-        recorded
-    }
-
-    /// Stores `outcome` (`Some`) or releases the key (`None`), fenced, retried within the
-    /// lease; a final failure is logged and leaves the record in progress until its lease ends.
-    async fn write(&mut self, outcome: Option<&StoredOutcome>) -> Recorded {
-        let Execution {
-            slot,
-            key,
-            token,
-            policy,
-            heartbeat,
-            finished,
-            ..
-        } = self;
-        let store = &slot.engine.store;
-        let result = fenced_write(
-            policy,
-            || async {
-                match outcome {
-                    Some(outcome) => {
-                        let complete = store.complete(key, *token, outcome, policy.ttl);
-                        observe::timed("complete", complete).await
-                    }
-                    None => observe::timed("release", store.release(key, *token)).await,
-                }
-            },
-            || {
-                start_heartbeat(
-                    heartbeat,
-                    *finished,
-                    store,
-                    key,
-                    *token,
-                    policy,
-                    Duration::ZERO,
-                )
-            },
-        )
-        .await;
-        match (result, outcome) {
-            (Ok(()), Some(_)) => Recorded::Stored,
-            (Ok(()), None) => Recorded::Released,
-            (Err(StoreError::StaleLease), _) => {
-                // Logged by `fenced_write` when an earlier attempt may have been applied.
-                tracing::warn!(
-                    route = policy.route,
-                    "idempotency: the fence refused this execution's write: its lease was taken over"
-                );
-                Recorded::Failed(StoreError::StaleLease)
-            }
-            (Err(error), Some(outcome)) => {
-                tracing::error!(
-                    route = policy.route,
-                    error = %error,
-                    status = outcome.status(),
-                    "idempotency: the outcome could not be stored; the record stays in progress until its lease ends, then a retry runs the handler again"
-                );
-                Recorded::Failed(error)
-            }
-            (Err(error), None) => {
-                tracing::error!(
-                    route = policy.route,
-                    error = %error,
-                    "idempotency: the key could not be released; the record stays in progress until its lease ends"
-                );
-                Recorded::Failed(error)
-            }
-        }
-    }
-
-    fn done(&mut self) {
-        self.finished = true;
-        self.heartbeat = Heartbeat::default();
-    }
-
-    /// Ends this execution without a write of its own: the caller settled the record (a
-    /// transaction that completed it committed, or a write whose fate is unknown was logged).
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
-    pub(crate) fn settle(mut self) {
-        self.done();
-    }
-}
-
-impl Drop for Execution {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.slot
-                .engine
-                .flight
-                .dropped
-                .fetch_add(1, Ordering::SeqCst);
-            tracing::warn!(
-                route = self.policy.route,
-                "idempotency: an execution was dropped before its outcome was stored; its record stays in progress until its lease ends"
-            );
-        }
-    }
-}
-
-/// Starts an execution's heartbeat task, unless it runs already or the execution finished.
-fn start_heartbeat(
-    state: &mut Heartbeat,
-    finished: bool,
-    store: &Arc<dyn Store>,
-    key: &RecordKey,
-    token: LeaseToken,
-    policy: &Policy,
-    first_after: Duration,
-) {
-    if state.task.is_some() || finished {
-        return;
-    }
-    state.timer = None;
-    let task = tokio::spawn(heartbeat(
-        Arc::clone(store),
-        key.clone(),
-        token,
-        policy.lease,
-        first_after,
-        policy.route,
-    ));
-    state.task = Some(AbortOnDrop(task));
-}
-
-/// Runs a fenced store write, retrying transient failures with exponential backoff for at
-/// most half the lease (the other half is the margin before a retry could take over);
-/// `keep_alive` runs at the first failure (it starts the heartbeat), so the lease does not
-/// lapse while it retries. A stale lease is final.
-async fn fenced_write<F, Fut>(
-    policy: &Policy,
-    mut call: F,
-    mut keep_alive: impl FnMut(),
-) -> Result<(), StoreError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), StoreError>>,
-{
-    let mut attempts = 0_u32;
-    let mut retry: Option<(tokio::time::Instant, Duration)> = None;
-    loop {
-        attempts += 1;
-        match call().await {
-            Ok(()) => return Ok(()),
-            Err(StoreError::StaleLease) if attempts > 1 => {
-                tracing::warn!(
-                    route = policy.route,
-                    attempts,
-                    "idempotency: fence refused a retried write: the lease was taken over, or an earlier attempt was applied before its answer was lost"
-                );
-                return Err(StoreError::StaleLease);
-            }
-            Err(e @ StoreError::StaleLease) => return Err(e),
-            Err(e) => {
-                // The clock is read only once something failed.
-                let (deadline, backoff) = retry.get_or_insert_with(|| {
-                    let now = tokio::time::Instant::now();
-                    (
-                        now.checked_add(policy.lease / 2).unwrap_or(now),
-                        Duration::from_millis(10),
-                    )
-                });
-                if tokio::time::Instant::now() + *backoff >= *deadline {
-                    return Err(e);
-                }
-                keep_alive();
-                tracing::warn!(route = policy.route, error = %e, attempts, "idempotency: store write failed; retrying");
-                tokio::time::sleep(*backoff).await;
-                *backoff = (*backoff * 2).min(Duration::from_secs(1));
-            }
-        }
-    }
-}
-
-/// One request counted towards [`Engine::drain`] from before its claim until its execution
-/// finishes (or the claim found nothing to run).
-pub(crate) struct InFlight {
-    engine: Arc<Inner>,
-}
-
-impl InFlight {
-    pub(crate) fn enter(engine: Arc<Inner>) -> Self {
-        engine.flight.running.fetch_add(1, Ordering::SeqCst);
-        observe::in_flight(1.0);
-        InFlight { engine }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        observe::in_flight(-1.0);
-        let flight = &self.engine.flight;
-        // Only a drain waits for the count; both sides use SeqCst, so either the drain sees
-        // this decrement when it reads the count, or this sees the drain's flag and wakes it.
-        if flight.running.fetch_sub(1, Ordering::SeqCst) == 1
-            && flight.draining.load(Ordering::SeqCst)
-        {
-            flight.idle.notify_waiters();
-        }
-    }
-}
-
-/// The lazily started heartbeat of an execution.
-#[derive(Default)]
-struct Heartbeat {
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    task: Option<AbortOnDrop>,
-}
-
-/// A task that is aborted when this handle is dropped, so it never outlives its owner.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-async fn heartbeat(
-    store: Arc<dyn Store>,
-    key: RecordKey,
-    token: LeaseToken,
-    lease: Duration,
-    first_after: Duration,
-    route: &'static str,
-) {
-    let half = lease / 2;
-    tokio::time::sleep(first_after).await;
-    loop {
-        match observe::timed("extend", store.extend(&key, token, lease)).await {
-            Ok(_) => tokio::time::sleep(half).await,
-            // Someone took over: stop; `complete` will report the stale lease.
-            Err(StoreError::StaleLease) => {
-                tracing::warn!(
-                    route,
-                    "idempotency: the lease was taken over while the handler ran"
-                );
-                return;
-            }
-            // A passing store error: try again sooner, the lease still has half to run.
-            Err(error) => {
-                tracing::warn!(route, error = %error, "idempotency: heartbeat failed; retrying");
-                tokio::time::sleep(half / 4).await;
-            }
-        }
-    }
-}
-
-/// A future that keeps running when it is dropped: if it is dropped before it finished (a
-/// client that went away), the rest of it is spawned onto the current tokio runtime and runs
-/// to completion there. Polled in place until then, so the common path costs no spawn. A
-/// future that panics is dropped as the panic leaves it, never spawned again: the panic is
-/// reported once.
-///
-/// This is how an HTTP adapter makes "client gone" different from "cancelled": the claimed
-/// execution, its handler and the storing of its outcome live in the detached future.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use idempotent_core::Detached;
-/// let (tx, rx) = tokio::sync::oneshot::channel();
-/// let work = Detached::new(async move {
-///     tokio::task::yield_now().await;
-///     let _ = tx.send("done");
-/// });
-/// // The caller gives up after the first poll ...
-/// let _ = tokio::time::timeout(std::time::Duration::ZERO, work).await;
-/// // ... and the work still finishes.
-/// assert_eq!(rx.await, Ok("done"));
-/// # }
-/// ```
-#[must_use = "futures do nothing unless polled"]
-pub struct Detached<F: Future + Send + 'static>
-where
-    F::Output: Send,
-{
-    fut: Option<Pin<Box<F>>>,
-}
-
-impl<F: Future + Send + 'static> Detached<F>
-where
-    F::Output: Send,
-{
-    /// Wraps `fut`.
-    pub fn new(fut: F) -> Self {
-        Detached {
-            fut: Some(Box::pin(fut)),
-        }
-    }
-}
-
-impl<F: Future + Send + 'static> Future for Detached<F>
-where
-    F::Output: Send,
-{
-    type Output = F::Output;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let Some(fut) = self.fut.as_mut() else {
-            // Polled after completion (or after it panicked): never ready again (as a fused
-            // future would be).
-            return Poll::Pending;
-        };
-        // A future that panicked is spent: it is dropped here, so the drop that the unwind
-        // brings does not spawn it again (polled again it would only panic a second time).
-        let out = match std::panic::catch_unwind(AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
-            Ok(Poll::Pending) => return Poll::Pending,
-            Ok(Poll::Ready(out)) => out,
-            Err(panic) => {
-                self.fut = None;
-                std::panic::resume_unwind(panic)
-            }
-        };
-        self.fut = None;
-        Poll::Ready(out)
-    }
-}
-
-impl<F: Future + Send + 'static> Drop for Detached<F>
-where
-    F::Output: Send,
-{
-    fn drop(&mut self) {
-        let Some(fut) = self.fut.take() else { return };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                drop(rt.spawn(async move {
-                    let _ = fut.await;
-                }));
-            }
-            Err(_) => tracing::warn!(
-                "idempotency: unfinished work dropped outside a tokio runtime; its record stays in progress until its lease ends"
-            ),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{FingerprintInput, MemoryStore, RecordState, StoredResponse};
+    use crate::fingerprint::FingerprintInput;
+    use crate::store::memory::MemoryStore;
+    use crate::store::record::{Record, RecordState, StoredResponse};
 
     fn request(key: &str) -> ExecuteRequest {
         ExecuteRequest {
@@ -1210,7 +681,7 @@ mod tests {
         )
         .await;
         let key = execution.key().clone();
-        let lease_end = |r: Option<crate::Record>| match r.map(|r| r.state) {
+        let lease_end = |r: Option<Record>| match r.map(|r| r.state) {
             Some(RecordState::InProgress { locked_until, .. }) => locked_until,
             other => panic!("{other:?}"),
         };

@@ -1,6 +1,14 @@
-//! The `Store` trait: what every store (memory, SQLite, PostgreSQL) promises.
+//! The `Store` trait: what every store (memory, SQLite, PostgreSQL) promises, the records
+//! stores keep, the stores themselves and the sweeper that purges them.
 
-use crate::{Fingerprint, Lease, LeaseToken, Record, RecordKey, StoredOutcome};
+pub(crate) mod memory;
+pub(crate) mod record;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) mod sql;
+pub(crate) mod sweeper;
+
+use crate::fingerprint::Fingerprint;
+use record::{Lease, LeaseToken, Record, RecordKey, StoredOutcome};
 use std::time::Duration;
 
 /// A request to claim a record.

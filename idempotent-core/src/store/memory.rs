@@ -1,10 +1,12 @@
 //! The in-memory store: the embedded default for one process.
 
-use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
-use crate::{
-    Clock, Fingerprint, Lease, LeaseToken, Record, RecordKey, RecordState, Scope, StoredOutcome,
-    StoredResponse, SystemClock,
+use crate::clock::{Clock, SystemClock};
+use crate::fingerprint::Fingerprint;
+use crate::scope::Scope;
+use crate::store::record::{
+    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
 };
+use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -1,6 +1,8 @@
 //! Records, leases and stored responses.
 
-use crate::{Fingerprint, IdempotencyKey, Scope};
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::scope::Scope;
 use std::fmt;
 use std::time::{Duration, SystemTime};
 

@@ -1,0 +1,413 @@
+//! One claimed execution: its lease, the heartbeat that extends it, and the fenced writes
+//! that finish it.
+
+use super::flight::InFlight;
+use super::{Policy, Recorded};
+use crate::observe::{self, Settled};
+use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
+use crate::store::{Store, StoreError};
+use futures_util::FutureExt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tracing::Instrument;
+
+/// The payload of a caught panic.
+pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
+
+/// One claimed execution: holds the record's lease until the outcome is stored or the key
+/// released, extends the lease while it runs (a heartbeat after half the lease), and counts
+/// towards [`Engine::drain`](super::Engine::drain).
+///
+/// Finish it with [`Execution::finish`] or [`Execution::release`]. Dropping it unfinished
+/// stops its heartbeat and leaves the record in progress until the lease runs out (logged):
+/// that is what a crash does too, and it never lets a retry run while the work may be done.
+pub struct Execution {
+    /// The request's span ([`crate::observe`]).
+    span: tracing::Span,
+    /// Whether this execution counts its own outcome (not when a transactional execution,
+    /// which counts it, holds it).
+    observed: bool,
+    slot: InFlight,
+    /// When the claim was sent (local clock), no later than the store started the lease: the
+    /// lease's first half ends at most half a lease after it.
+    claimed_at: tokio::time::Instant,
+    key: RecordKey,
+    token: LeaseToken,
+    policy: Policy,
+    heartbeat: Heartbeat,
+    finished: bool,
+}
+
+impl std::fmt::Debug for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("token", &self.token)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Execution {
+    /// The execution of a claim that `slot` counted, sent at `claimed_at`; not observed until
+    /// [`Execution::observe`] gives it its span.
+    pub(super) fn claimed(
+        slot: InFlight,
+        claimed_at: tokio::time::Instant,
+        key: RecordKey,
+        token: LeaseToken,
+        policy: Policy,
+    ) -> Self {
+        Execution {
+            span: tracing::Span::none(),
+            observed: false,
+            slot,
+            claimed_at,
+            key,
+            token,
+            policy,
+            heartbeat: Heartbeat::default(),
+            finished: false,
+        }
+    }
+
+    /// Runs under the request's `span` and counts its own outcome ([`crate::observe`]).
+    pub(super) fn observe(&mut self, span: tracing::Span) {
+        self.span = span;
+        self.observed = true;
+    }
+
+    /// The route's policy this execution runs under.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The record's (scope, key).
+    pub fn key(&self) -> &RecordKey {
+        &self.key
+    }
+
+    /// The lease token this execution holds.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn token(&self) -> LeaseToken {
+        self.token
+    }
+
+    /// Runs `fut` to completion while keeping the lease alive; a panic in it is caught and
+    /// returned (finish with [`Execution::release`], then resume it).
+    ///
+    /// # Errors
+    /// The panic's payload, if `fut` panicked.
+    pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
+        let fut = fut.instrument(self.span.clone());
+        let mut fut = std::pin::pin!(AssertUnwindSafe(fut).catch_unwind());
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+                return Poll::Ready(out);
+            }
+            self.poll_heartbeat(cx);
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Keeps the lease alive from a `poll` function (a response body the adapter streams):
+    /// after half the lease it starts the heartbeat task, which then extends the lease every
+    /// half lease until this execution is finished or dropped. Registers a wake-up with `cx`
+    /// until then. Needs a tokio runtime with timers.
+    pub fn poll_heartbeat(&mut self, cx: &mut Context<'_>) {
+        if self.heartbeat.task.is_some() || self.finished {
+            return;
+        }
+        let first = self.first_extension();
+        let timer = self
+            .heartbeat
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(first)));
+        if timer.as_mut().poll(cx).is_ready() {
+            self.start_heartbeat(Duration::ZERO);
+        }
+    }
+
+    /// Starts the heartbeat task now (its first extension after half the lease), for work
+    /// whose progress does not depend on this execution being polled: a response body the
+    /// client may stop reading for a while. No-op if it runs already.
+    pub fn keep_alive(&mut self) {
+        let first_after = self
+            .first_extension()
+            .saturating_duration_since(tokio::time::Instant::now());
+        self.start_heartbeat(first_after);
+    }
+
+    /// When the first extension is due: half a lease after the claim was sent.
+    fn first_extension(&self) -> tokio::time::Instant {
+        self.claimed_at + self.policy.lease / 2
+    }
+
+    fn start_heartbeat(&mut self, first_after: Duration) {
+        start_heartbeat(
+            &mut self.heartbeat,
+            self.finished,
+            &self.slot.engine.store,
+            &self.key,
+            self.token,
+            &self.policy,
+            first_after,
+        );
+    }
+
+    /// Finishes with the handler's outcome: stores it if the policy stores its status, else
+    /// releases the key. Store errors are retried (bounded, within the lease); if it still
+    /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
+    pub async fn finish(mut self, outcome: StoredOutcome) -> Recorded {
+        let stores = self.policy.stores(outcome.status());
+        let span = self.span.clone();
+        let recorded = self
+            .write(stores.then_some(&outcome))
+            .instrument(span.clone())
+            .await;
+        if self.observed {
+            observe::settled(&span, self.policy.route, (&recorded).into());
+        }
+        self.done();
+        recorded
+    }
+
+    /// Finishes without an outcome to store (a panic, a response body that failed before it
+    /// could be stored): releases the key so a retry runs again. Failures are retried and
+    /// logged like [`Execution::finish`]'s.
+    pub async fn release(mut self) -> Recorded {
+        let span = self.span.clone();
+        let recorded = self.write(None).instrument(span.clone()).await;
+        if self.observed {
+            let settled = match &recorded {
+                Recorded::Failed(StoreError::StaleLease) => Settled::FenceRefused,
+                Recorded::Failed(_) => Settled::ReleaseFailed,
+                other => other.into(),
+            };
+            observe::settled(&span, self.policy.route, settled);
+        }
+        self.done();
+        recorded
+    }
+
+    /// Stores `outcome` (`Some`) or releases the key (`None`), fenced, retried within the
+    /// lease; a final failure is logged and leaves the record in progress until its lease ends.
+    async fn write(&mut self, outcome: Option<&StoredOutcome>) -> Recorded {
+        let Execution {
+            slot,
+            key,
+            token,
+            policy,
+            heartbeat,
+            finished,
+            ..
+        } = self;
+        let store = &slot.engine.store;
+        let result = fenced_write(
+            policy,
+            || async {
+                match outcome {
+                    Some(outcome) => {
+                        let complete = store.complete(key, *token, outcome, policy.ttl);
+                        observe::timed("complete", complete).await
+                    }
+                    None => observe::timed("release", store.release(key, *token)).await,
+                }
+            },
+            || {
+                start_heartbeat(
+                    heartbeat,
+                    *finished,
+                    store,
+                    key,
+                    *token,
+                    policy,
+                    Duration::ZERO,
+                )
+            },
+        )
+        .await;
+        match (result, outcome) {
+            (Ok(()), Some(_)) => Recorded::Stored,
+            (Ok(()), None) => Recorded::Released,
+            (Err(StoreError::StaleLease), _) => {
+                // Logged by `fenced_write` when an earlier attempt may have been applied.
+                tracing::warn!(
+                    route = policy.route,
+                    "idempotency: the fence refused this execution's write: its lease was taken over"
+                );
+                Recorded::Failed(StoreError::StaleLease)
+            }
+            (Err(error), Some(outcome)) => {
+                tracing::error!(
+                    route = policy.route,
+                    error = %error,
+                    status = outcome.status(),
+                    "idempotency: the outcome could not be stored; the record stays in progress until its lease ends, then a retry runs the handler again"
+                );
+                Recorded::Failed(error)
+            }
+            (Err(error), None) => {
+                tracing::error!(
+                    route = policy.route,
+                    error = %error,
+                    "idempotency: the key could not be released; the record stays in progress until its lease ends"
+                );
+                Recorded::Failed(error)
+            }
+        }
+    }
+
+    fn done(&mut self) {
+        self.finished = true;
+        self.heartbeat = Heartbeat::default();
+    }
+
+    /// Ends this execution without a write of its own: the caller settled the record (a
+    /// transaction that completed it committed, or a write whose fate is unknown was logged).
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn settle(mut self) {
+        self.done();
+    }
+}
+
+impl Drop for Execution {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.slot
+                .engine
+                .flight
+                .dropped
+                .fetch_add(1, Ordering::SeqCst);
+            tracing::warn!(
+                route = self.policy.route,
+                "idempotency: an execution was dropped before its outcome was stored; its record stays in progress until its lease ends"
+            );
+        }
+    }
+}
+
+/// Starts an execution's heartbeat task, unless it runs already or the execution finished.
+fn start_heartbeat(
+    state: &mut Heartbeat,
+    finished: bool,
+    store: &Arc<dyn Store>,
+    key: &RecordKey,
+    token: LeaseToken,
+    policy: &Policy,
+    first_after: Duration,
+) {
+    if state.task.is_some() || finished {
+        return;
+    }
+    state.timer = None;
+    let task = tokio::spawn(heartbeat(
+        Arc::clone(store),
+        key.clone(),
+        token,
+        policy.lease,
+        first_after,
+        policy.route,
+    ));
+    state.task = Some(AbortOnDrop(task));
+}
+
+/// Runs a fenced store write, retrying transient failures with exponential backoff for at
+/// most half the lease (the other half is the margin before a retry could take over);
+/// `keep_alive` runs at the first failure (it starts the heartbeat), so the lease does not
+/// lapse while it retries. A stale lease is final.
+async fn fenced_write<F, Fut>(
+    policy: &Policy,
+    mut call: F,
+    mut keep_alive: impl FnMut(),
+) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    let mut attempts = 0_u32;
+    let mut retry: Option<(tokio::time::Instant, Duration)> = None;
+    loop {
+        attempts += 1;
+        match call().await {
+            Ok(()) => return Ok(()),
+            Err(StoreError::StaleLease) if attempts > 1 => {
+                tracing::warn!(
+                    route = policy.route,
+                    attempts,
+                    "idempotency: fence refused a retried write: the lease was taken over, or an earlier attempt was applied before its answer was lost"
+                );
+                return Err(StoreError::StaleLease);
+            }
+            Err(e @ StoreError::StaleLease) => return Err(e),
+            Err(e) => {
+                // The clock is read only once something failed.
+                let (deadline, backoff) = retry.get_or_insert_with(|| {
+                    let now = tokio::time::Instant::now();
+                    (
+                        now.checked_add(policy.lease / 2).unwrap_or(now),
+                        Duration::from_millis(10),
+                    )
+                });
+                if tokio::time::Instant::now() + *backoff >= *deadline {
+                    return Err(e);
+                }
+                keep_alive();
+                tracing::warn!(route = policy.route, error = %e, attempts, "idempotency: store write failed; retrying");
+                tokio::time::sleep(*backoff).await;
+                *backoff = (*backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// The lazily started heartbeat of an execution.
+#[derive(Default)]
+struct Heartbeat {
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    task: Option<AbortOnDrop>,
+}
+
+/// A task that is aborted when this handle is dropped, so it never outlives its owner.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn heartbeat(
+    store: Arc<dyn Store>,
+    key: RecordKey,
+    token: LeaseToken,
+    lease: Duration,
+    first_after: Duration,
+    route: &'static str,
+) {
+    let half = lease / 2;
+    tokio::time::sleep(first_after).await;
+    loop {
+        match observe::timed("extend", store.extend(&key, token, lease)).await {
+            Ok(_) => tokio::time::sleep(half).await,
+            // Someone took over: stop; `complete` will report the stale lease.
+            Err(StoreError::StaleLease) => {
+                tracing::warn!(
+                    route,
+                    "idempotency: the lease was taken over while the handler ran"
+                );
+                return;
+            }
+            // A passing store error: try again sooner, the lease still has half to run.
+            Err(error) => {
+                tracing::warn!(route, error = %error, "idempotency: heartbeat failed; retrying");
+                tokio::time::sleep(half / 4).await;
+            }
+        }
+    }
+}

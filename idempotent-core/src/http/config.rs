@@ -1,0 +1,375 @@
+//! The application's settings, built and checked once.
+
+use super::{
+    DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE, DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_SWEEP_EVERY,
+};
+use crate::derive::DeriveSecret;
+use crate::engine::{
+    ConfigError, DEFAULT_LEASE, DEFAULT_TTL, Engine, MAX_DURATION, check_duration,
+    check_ttl_and_lease,
+};
+use crate::tx::{CommitPath, DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT};
+use std::time::Duration;
+
+/// An application's idempotency settings: the engine (and so the store) plus the defaults that
+/// routes without their own arguments use. Built once by [`ConfigBuilder::build`], which
+/// refuses unusable values, so nothing on the request path can panic on them.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub(super) engine: Engine,
+    pub(super) ttl: Duration,
+    pub(super) lease: Duration,
+    pub(super) max_response: usize,
+    pub(super) max_request: usize,
+    pub(super) request_body_timeout: Duration,
+    pub(super) sweep_every: Option<Duration>,
+    pub(super) fail_open: bool,
+    pub(super) commit: Option<CommitPath>,
+    pub(super) tx_wait: Duration,
+    pub(super) max_waiters: usize,
+    pub(super) tx_read_first: bool,
+    pub(super) derive_secret: Option<DeriveSecret>,
+}
+
+impl Config {
+    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]), the automatic
+    /// sweeper included.
+    pub fn new(engine: Engine) -> Self {
+        engine.inner.auto_sweep.configure(Some(DEFAULT_SWEEP_EVERY));
+        Self::defaults(engine)
+    }
+
+    /// The defaults, without touching the engine (the builder configures it when it builds).
+    fn defaults(engine: Engine) -> Self {
+        Config {
+            engine,
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            max_response: DEFAULT_MAX_RESPONSE,
+            max_request: DEFAULT_MAX_REQUEST,
+            request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
+            sweep_every: Some(DEFAULT_SWEEP_EVERY),
+            fail_open: false,
+            commit: None,
+            tx_wait: DEFAULT_TX_WAIT,
+            max_waiters: DEFAULT_MAX_WAITERS,
+            tx_read_first: true,
+            derive_secret: None,
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Default ttl.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Default lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// Default limit on stored responses.
+    pub fn max_response(&self) -> usize {
+        self.max_response
+    }
+
+    /// Limit on request bodies read for fingerprinting.
+    pub fn max_request(&self) -> usize {
+        self.max_request
+    }
+
+    /// Time allowed to read a request body for fingerprinting.
+    pub fn request_body_timeout(&self) -> Duration {
+        self.request_body_timeout
+    }
+
+    /// The interval of the sweeper this configuration starts, or `None` (turned off).
+    pub fn sweep_every(&self) -> Option<Duration> {
+        self.sweep_every
+    }
+
+    /// Whether handlers run unprotected when the store fails.
+    pub fn fail_open(&self) -> bool {
+        self.fail_open
+    }
+
+    /// The commit path of transactional routes that pick none (`None`: each database's
+    /// default, [`TxDatabase::DEFAULT_COMMIT`](crate::TxDatabase::DEFAULT_COMMIT)).
+    pub fn commit_path(&self) -> Option<CommitPath> {
+        self.commit
+    }
+
+    /// Default [`TxOptions::wait`].
+    pub fn transaction_wait(&self) -> Duration {
+        self.tx_wait
+    }
+
+    /// [`TxOptions::max_waiters`].
+    pub fn max_waiters(&self) -> usize {
+        self.max_waiters
+    }
+
+    /// [`TxOptions::read_first`].
+    pub fn transaction_read_first(&self) -> bool {
+        self.tx_read_first
+    }
+
+    /// The secret downstream keys are derived under ([`ConfigBuilder::derive_secret`]).
+    pub fn derive_secret(&self) -> Option<&DeriveSecret> {
+        self.derive_secret.as_ref()
+    }
+}
+
+/// Builds a [`Config`] (or an adapter's configuration type `T`, made from one).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_core::{Engine, MemoryStore, http::{Config, ConfigBuilder, ConfigError}};
+///
+/// let engine = Engine::new(MemoryStore::new());
+/// let config: Config = ConfigBuilder::new(engine.clone()).lease(Duration::from_secs(10)).build()?;
+/// assert_eq!(config.lease(), Duration::from_secs(10));
+/// let bad = ConfigBuilder::<Config>::new(engine).ttl(Duration::MAX).build();
+/// assert!(matches!(bad, Err(ConfigError::TooLong { what: "ttl", .. })));
+/// # Ok::<(), ConfigError>(())
+/// ```
+#[derive(Debug)]
+#[must_use = "call `.build()`"]
+pub struct ConfigBuilder<T = Config> {
+    config: Config,
+    into: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T: From<Config>> ConfigBuilder<T> {
+    /// A builder over `engine`, starting from the defaults: ttl 24 h, lease 30 s, responses up
+    /// to 1 MiB stored, request bodies up to 2 MiB, fail closed.
+    pub fn new(engine: Engine) -> Self {
+        ConfigBuilder {
+            config: Config::defaults(engine),
+            into: std::marker::PhantomData,
+        }
+    }
+
+    /// Default ttl (how long a finished response is replayed) for routes that set none;
+    /// 100 ms to 365 days, and at least the lease.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config.ttl = ttl;
+        self
+    }
+
+    /// Default lease (how long a crashed attempt blocks retries) for routes that set none;
+    /// 100 ms to 365 days.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = lease;
+        self
+    }
+
+    /// Default limit on stored responses for routes that set none (larger ones are answered
+    /// in full but not stored; retries get a 410 problem).
+    pub fn max_response(mut self, bytes: usize) -> Self {
+        self.config.max_response = bytes;
+        self
+    }
+
+    /// Largest request body read for fingerprinting; larger requests get a 413 problem.
+    pub fn max_request(mut self, bytes: usize) -> Self {
+        self.config.max_request = bytes;
+        self
+    }
+
+    /// How long reading a request body for fingerprinting may take, from when the
+    /// idempotency layer starts reading it (waiting for its first byte included) to its last
+    /// byte (default 30 s, 100 ms to 365 days). A client that sends its body
+    /// slower (slowloris) gets a 408 problem and its connection's task is freed; no key is
+    /// claimed before the body is read, so it never holds a record.
+    pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
+        self.config.request_body_timeout = timeout;
+        self
+    }
+
+    /// How often the sweeper deletes expired records (default every 60 s, 100 ms to 365
+    /// days). The configuration starts it with its first request, on that request's tokio
+    /// runtime, once however many workers share the configuration (Actix builds its `App`
+    /// once per worker: still one sweeper), and the adapter's drain stops it. Records past
+    /// their ttl count as absent whether or not they were swept; the sweeper only frees the
+    /// space. Deletes in batches of 1,000, at most 100 batches per round.
+    pub fn sweep_every(mut self, interval: Duration) -> Self {
+        self.config.sweep_every = Some(interval);
+        self
+    }
+
+    /// No automatic sweeper (run [`Sweeper`](crate::Sweeper) yourself, or delete expired
+    /// records another way).
+    pub fn no_sweeper(mut self) -> Self {
+        self.config.sweep_every = None;
+        self
+    }
+
+    /// Run handlers unprotected when the store fails (default: refuse with 503). Never
+    /// applies to transactional routes, whose transaction is on the store's database, nor to a
+    /// record the store cannot read ([`StoreError::Corrupt`](crate::StoreError::Corrupt)):
+    /// that request gets the 503.
+    pub fn fail_open(mut self, on: bool) -> Self {
+        self.config.fail_open = on;
+        self
+    }
+
+    /// The commit path of transactional routes whose attribute sets no `commit` (default:
+    /// single commit on PostgreSQL and SQLite; see [`crate::tx`]).
+    pub fn commit_path(mut self, path: CommitPath) -> Self {
+        self.config.commit = Some(path);
+        self
+    }
+
+    /// How long a request whose key another open transaction holds waits for it before it
+    /// gets 409, for transactional routes whose attribute sets no `wait` (default 50 ms;
+    /// single commit on PostgreSQL).
+    pub fn transaction_wait(mut self, wait: Duration) -> Self {
+        self.config.tx_wait = wait;
+        self
+    }
+
+    /// At most this many requests per key wait in this process (default 4); more get 409 at
+    /// once. 0: none waits.
+    pub fn max_waiters(mut self, n: usize) -> Self {
+        self.config.max_waiters = n;
+        self
+    }
+
+    /// Single commit: read the record before opening a transaction, so a replay is one
+    /// read-only statement (default `true`); `false` saves first executions that round trip
+    /// (see [`TxOptions::read_first`]).
+    pub fn transaction_read_first(mut self, on: bool) -> Self {
+        self.config.tx_read_first = on;
+        self
+    }
+
+    /// The secret that handlers' downstream keys ([`Idempotent::derive`]) are derived under;
+    /// required by every handler that takes an [`Idempotent`] parameter. No default: see
+    /// [`DeriveSecret`] for why, and for rotation.
+    ///
+    /// ```
+    /// use idempotent_core::{DeriveSecret, Engine, MemoryStore, http::{Config, ConfigBuilder}};
+    ///
+    /// // e.g. from `std::env::var("IDEMPOTENCY_SECRET")`, the same on every instance
+    /// let secret = DeriveSecret::new("a long random string from the secret manager")?;
+    /// let config: Config = ConfigBuilder::new(Engine::new(MemoryStore::new()))
+    ///     .derive_secret(secret)
+    ///     .build()?;
+    /// assert!(config.derive_secret().is_some());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn derive_secret(mut self, secret: DeriveSecret) -> Self {
+        self.config.derive_secret = Some(secret);
+        self
+    }
+
+    /// Checks the settings once.
+    ///
+    /// # Errors
+    /// [`ConfigError`] for a duration out of bounds, a ttl shorter than the lease, or a zero
+    /// size limit.
+    pub fn build(self) -> Result<T, ConfigError> {
+        let c = self.config;
+        check_ttl_and_lease(c.ttl, c.lease)?;
+        if c.max_response == 0 {
+            return Err(ConfigError::ZeroSize {
+                what: "max_response",
+            });
+        }
+        if c.max_request == 0 {
+            return Err(ConfigError::ZeroSize {
+                what: "max_request",
+            });
+        }
+        check_duration("request_body_timeout", c.request_body_timeout)?;
+        if let Some(every) = c.sweep_every {
+            check_duration("sweep_every", every)?;
+        }
+        if c.tx_wait > MAX_DURATION {
+            return Err(ConfigError::TooLong {
+                what: "transaction_wait",
+                value: c.tx_wait,
+            });
+        }
+        // Only a configuration that is built touches its engine.
+        c.engine.inner.auto_sweep.configure(c.sweep_every);
+        if let Some(secret) = &c.derive_secret {
+            // Every instance sharing the secret logs the same hash for one record.
+            c.engine.inner.log_key.set_from(secret);
+        }
+        Ok(T::from(c))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::KeyRequirement;
+    use crate::http::Route;
+
+    #[test]
+    fn settings_are_checked_once() {
+        let engine = || Engine::new(crate::MemoryStore::new());
+        let build = |f: fn(ConfigBuilder) -> ConfigBuilder| f(ConfigBuilder::new(engine())).build();
+        assert!(build(|b| b).is_ok());
+        assert!(matches!(
+            build(|b| b.lease(Duration::ZERO)),
+            Err(ConfigError::TooShort { what: "lease", .. })
+        ));
+        assert!(matches!(
+            build(|b| b.lease(Duration::from_micros(500))),
+            Err(ConfigError::TooShort { what: "lease", .. })
+        ));
+        assert!(matches!(
+            build(|b| b.ttl(Duration::MAX)),
+            Err(ConfigError::TooLong { what: "ttl", .. })
+        ));
+        assert!(matches!(
+            build(|b| b.ttl(Duration::from_secs(1))),
+            Err(ConfigError::TtlShorterThanLease { .. })
+        ));
+        assert_eq!(
+            build(|b| b.max_response(0)).err(),
+            Some(ConfigError::ZeroSize {
+                what: "max_response"
+            })
+        );
+        // A route's own ttl is checked against the configured lease when resolved.
+        let config = ConfigBuilder::<Config>::new(engine())
+            .lease(Duration::from_secs(300))
+            .build()
+            .expect("valid");
+        let route = Route::new(
+            "create_charge",
+            Some(Duration::from_secs(60)),
+            None,
+            KeyRequirement::Required,
+            false,
+            None,
+        );
+        assert!(matches!(
+            route.resolve(&config),
+            Err(ConfigError::TtlShorterThanLease { .. })
+        ));
+        let fine = Route::new(
+            "r",
+            None,
+            Some(Duration::from_secs(1)),
+            KeyRequirement::Optional,
+            true,
+            Some(9),
+        );
+        let p = fine.resolve(&config).expect("valid");
+        assert_eq!(p.policy.lease, Duration::from_secs(1));
+        assert_eq!(p.policy.ttl, DEFAULT_TTL);
+        assert_eq!(p.policy.route, "r");
+        assert_eq!(p.max_response, 9);
+        assert!(p.policy.store_server_errors);
+    }
+}

@@ -1,0 +1,569 @@
+//! The request lifecycle, written once for every adapter: admit the request (key, declared
+//! length, bounded body read), then claim → execute → store → replay around the handler, or in
+//! transactional mode begin → handler → store with the commit.
+//!
+//! An adapter implements [`Glue`] for its framework (its response, body and head types, how a
+//! body is collected, how a streamed one is recorded) and calls [`admit`], [`read_body`],
+//! [`prepare`] and [`Job::run`] (or [`prepare_tx`] and [`TxJob::run`]). Nothing here requires
+//! `Send`: the futures are `Send` exactly when the adapter's types and handler are, so Axum
+//! spawns them on a multi-threaded runtime and Actix on its worker's local one.
+
+use super::capture::{Capture, Recorder, ResponsePlan};
+use super::config::Config;
+use super::reply::{Reply, Step};
+use super::route::{Route, RoutePolicy};
+use super::{IDEMPOTENCY_KEY, RequestHead, check_content_length, check_key, is_safe_method};
+use crate::engine::{Engine, ExecuteRequest, Execution, KeyRequirement, Recorded};
+use crate::key::{IdempotencyKey, KeyError};
+use crate::problem::Problem;
+use crate::scope::{Scope, ScopeError};
+use crate::store::record::StoredOutcome;
+use bytes::{Bytes, BytesMut};
+use futures_util::{Stream, StreamExt};
+use std::fmt::Display;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+/// What an adapter supplies: its framework's response type taken apart and put together.
+pub trait Glue: 'static {
+    /// The framework's response.
+    type Response;
+    /// A response without its body: status and headers.
+    type Head;
+    /// A response's body.
+    type Body;
+    /// Why collecting a body failed.
+    type Error: Display;
+
+    /// The library's own reply (a replay or a problem) as a response.
+    fn reply(reply: Reply) -> Self::Response;
+    /// A response taken apart.
+    fn split(response: Self::Response) -> (Self::Head, Self::Body);
+    /// A response put together.
+    fn join(head: Self::Head, body: Self::Body) -> Self::Response;
+    /// The head's status code.
+    fn status(head: &Self::Head) -> u16;
+    /// The head's header lines, in order.
+    fn headers(head: &Self::Head) -> impl Iterator<Item = (&str, &[u8])>;
+    /// Adds `Idempotent-Replayed: false` ([`FIRST_EXECUTION`]).
+    fn mark_first_execution(head: &mut Self::Head);
+    /// The body's exact length, when it is known before reading it.
+    fn exact_len(body: &Self::Body) -> Option<u64>;
+    /// The whole body.
+    fn collect(body: Self::Body) -> impl Future<Output = Result<Bytes, Self::Error>>;
+    /// A body of these bytes.
+    fn from_bytes(bytes: Bytes) -> Self::Body;
+    /// `body` on its way to the client, recorded by `recorder` as it goes (the adapter's body
+    /// type around a [`Tee`]).
+    fn tee(body: Self::Body, recorder: Recorder) -> Self::Body;
+}
+
+/// What [`admit`] decided about a request, before its body is read.
+#[derive(Debug)]
+pub struct Admitted {
+    /// The request's key (`Err` where the request is not protected).
+    pub key: Result<IdempotencyKey, KeyError>,
+    /// Read the body, at most `limit` bytes within `timeout`, when the request is protected.
+    pub read: Option<(usize, Duration)>,
+}
+
+/// The checks that run before a byte of the body is read: a safe method or (where the route
+/// allows it) a missing key leaves the request unprotected and its body to the handler; a
+/// malformed or missing key is 400 (counted as rejected under `route_template`); a declared
+/// length over the limit is 413.
+///
+/// # Errors
+/// The problem to answer with.
+pub fn admit<'a>(
+    config: &Config,
+    required: bool,
+    method: &str,
+    keys: impl IntoIterator<Item = &'a [u8]>,
+    content_length: Option<&[u8]>,
+    route_template: Option<&str>,
+) -> Result<Admitted, Box<Problem>> {
+    let mut admitted = Admitted {
+        key: Err(KeyError::Missing),
+        read: None,
+    };
+    if is_safe_method(method) {
+        return Ok(admitted);
+    }
+    admitted.key = IdempotencyKey::from_header_values(keys);
+    let requirement = if required {
+        KeyRequirement::Required
+    } else {
+        KeyRequirement::Optional
+    };
+    check_key(&admitted.key, requirement).inspect_err(|_| {
+        crate::observe::rejected(route_template);
+    })?;
+    if admitted.key.is_err() {
+        // No key on an optional route: the request runs unprotected, so its body is left for
+        // the handler (and its own limits) and never fingerprinted.
+        return Ok(admitted);
+    }
+    let limit = config.max_request();
+    check_content_length(content_length, limit)?;
+    admitted.read = Some((limit, config.request_body_timeout()));
+    Ok(admitted)
+}
+
+/// The name of the key header, for adapters that look it up.
+pub const KEY_HEADER: &str = IDEMPOTENCY_KEY;
+
+/// The whole of `body`, at most `limit` bytes: 413 past it, 400 for a broken stream.
+///
+/// # Errors
+/// The problem to answer with.
+pub async fn read_body<B, E>(
+    body: impl Stream<Item = Result<B, E>>,
+    limit: usize,
+) -> Result<Bytes, Box<Problem>>
+where
+    B: AsRef<[u8]>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut read = BytesMut::new();
+    while let Some(chunk) = body.next().await {
+        let Ok(chunk) = chunk else {
+            return Err(Box::new(Problem::request_body_invalid()));
+        };
+        let chunk = chunk.as_ref();
+        if read.len() + chunk.len() > limit {
+            return Err(Box::new(Problem::request_too_large(limit)));
+        }
+        read.extend_from_slice(chunk);
+    }
+    Ok(read.freeze())
+}
+
+/// `read` (a body read), refused with 408 when it takes longer than `timeout`.
+///
+/// # Errors
+/// The read's own problem, or the 408 one.
+pub async fn within<T>(
+    timeout: Duration,
+    read: impl Future<Output = Result<T, Box<Problem>>>,
+) -> Result<T, Box<Problem>> {
+    tokio::time::timeout(timeout, read)
+        .await
+        .unwrap_or_else(|_| Err(Box::new(Problem::request_timeout(timeout))))
+}
+
+/// The body the request means: `raw` decoded by its `Content-Encoding` (gzip, deflate, br,
+/// zstd, as the `compress-*` features allow) as actix-web's own extractors decode it, so a
+/// compressor's incidental bytes (a gzip timestamp) never change the fingerprint. The limit
+/// applies to the decoded bytes, and decoding stops there (a small body that would expand
+/// enormously is 413 at the limit, never decoded whole); a body that does not decode is 400.
+/// Unknown encodings, and lists of several, are left as they are, as actix-web leaves them.
+/// Decoded on the blocking pool.
+///
+/// # Errors
+/// The problem to answer with.
+pub async fn decoded(
+    raw: &Bytes,
+    content_encoding: Option<&[u8]>,
+    limit: usize,
+) -> Result<Bytes, Box<Problem>> {
+    #[cfg(any(
+        feature = "compress-gzip",
+        feature = "compress-brotli",
+        feature = "compress-zstd"
+    ))]
+    if let Some(encoding) = content_encoding.and_then(super::decode::Encoding::parse) {
+        use super::decode::{DecodeError, decode};
+        let raw = raw.clone();
+        let decoded = tokio::task::spawn_blocking(move || decode(encoding, &raw, limit)).await;
+        return match decoded {
+            Ok(Ok(body)) => Ok(Bytes::from(body)),
+            Ok(Err(DecodeError::TooLarge)) => Err(Box::new(Problem::request_too_large(limit))),
+            // Not valid in its encoding (or the decoder's task failed: a runtime shutting down).
+            Ok(Err(DecodeError::Invalid)) | Err(_) => {
+                Err(Box::new(Problem::request_body_invalid()))
+            }
+        };
+    }
+    let _ = (content_encoding, limit);
+    Ok(raw.clone())
+}
+
+/// What to do with a plain (non-transactional) route's request.
+#[derive(Debug)]
+pub enum Prepared {
+    /// Answer with this (a misconfigured route, a scope that cannot be built).
+    Reply(Reply),
+    /// Run the handler unprotected: a safe method, or no key where it is optional.
+    Pass,
+    /// Claim and run ([`Job::run`]).
+    Run(Job),
+}
+
+/// A protected request, ready to be claimed.
+#[derive(Debug)]
+pub struct Job {
+    engine: Engine,
+    request: ExecuteRequest,
+    resolved: RoutePolicy,
+}
+
+/// The engine's view of a request: its scope, key and fingerprint (a large body's computed off
+/// the async worker).
+async fn execute_request(
+    head: &RequestHead<'_>,
+    key: Result<IdempotencyKey, KeyError>,
+    body: Bytes,
+    scope: Result<Scope, ScopeError>,
+) -> Result<ExecuteRequest, Reply> {
+    let scope = scope.map_err(|e| Reply::problem(&Problem::scope(&e)))?;
+    Ok(ExecuteRequest {
+        scope,
+        fingerprint: head.fingerprint_async(body).await,
+        key,
+    })
+}
+
+/// The route resolved against the configuration; a misfit was logged by [`Route::resolve`].
+fn resolve(route: &Route, config: &Config) -> Result<RoutePolicy, Reply> {
+    route
+        .resolve(config)
+        .map_err(|_| Reply::problem(&Problem::misconfigured()))
+}
+
+/// Resolves the route and identifies the request (scope, key, fingerprint of `body`).
+pub async fn prepare(
+    config: &Config,
+    route: &'static Route,
+    head: RequestHead<'_>,
+    key: Result<IdempotencyKey, KeyError>,
+    body: Bytes,
+    scope: Result<Scope, ScopeError>,
+) -> Prepared {
+    if is_safe_method(head.method) || key.is_err() {
+        // Safe methods ignore the key; a missing key got here only where it is optional.
+        return Prepared::Pass;
+    }
+    let resolved = match resolve(route, config) {
+        Ok(resolved) => resolved,
+        Err(reply) => return Prepared::Reply(reply),
+    };
+    match execute_request(&head, key, body, scope).await {
+        Ok(request) => Prepared::Run(Job {
+            engine: config.engine().clone(),
+            request,
+            resolved,
+        }),
+        Err(reply) => Prepared::Reply(reply),
+    }
+}
+
+impl Job {
+    /// Claim → execute → store → replay around `handler`. Run it detached from the request
+    /// (spawned, or in [`Detached`](crate::Detached)): once the key is claimed the handler
+    /// runs to the end and its outcome is stored even if the client goes away. A panic in the
+    /// handler releases the key and resumes here.
+    pub async fn run<G: Glue>(self, handler: impl Future<Output = G::Response>) -> G::Response {
+        match Step::from(self.engine.begin(self.request, &self.resolved.policy).await) {
+            Step::Respond(reply) => G::reply(reply),
+            Step::Unprotected => handler.await,
+            Step::Execute(mut execution) => match execution.run(handler).await {
+                Ok(response) => finish::<G>(execution, response, self.resolved.max_response).await,
+                Err(panic) => {
+                    execution.release().await;
+                    std::panic::resume_unwind(panic)
+                }
+            },
+        }
+    }
+}
+
+/// Finishes a claimed execution with the handler's response and returns what the client gets,
+/// following the [`ResponsePlan`]; a streamed body is recorded as it goes ([`Glue::tee`]).
+pub async fn finish<G: Glue>(
+    execution: Execution,
+    response: G::Response,
+    limit: usize,
+) -> G::Response {
+    let (mut head, body) = G::split(response);
+    let status = G::status(&head);
+    let plan = ResponsePlan::new(execution.policy(), status, G::exact_len(&body), limit);
+    let capture = |head: &G::Head| Capture::new(status, G::headers(head), limit);
+    let body = match plan {
+        ResponsePlan::Release => {
+            execution.release().await;
+            return G::join(head, body);
+        }
+        ResponsePlan::Collect => {
+            let mut recorder = Recorder::new(execution, capture(&head));
+            match recorder.run(G::collect(body)).await {
+                Ok(Ok(bytes)) => {
+                    recorder.data(&bytes);
+                    recorder.end().await;
+                    G::from_bytes(bytes)
+                }
+                Ok(Err(error)) => {
+                    recorder.fail(&error.to_string()).await;
+                    return G::reply(Reply::problem(&Problem::response_failed()));
+                }
+                Err(panic) => {
+                    recorder.fail(&"the response body panicked").await;
+                    std::panic::resume_unwind(panic)
+                }
+            }
+        }
+        ResponsePlan::Oversized { size } => {
+            execution
+                .finish(StoredOutcome::Oversized { status, size })
+                .await;
+            body
+        }
+        ResponsePlan::Stream => {
+            let recorder = Recorder::streaming(execution, capture(&head));
+            G::tee(body, recorder)
+        }
+    };
+    G::mark_first_execution(&mut head);
+    G::join(head, body)
+}
+
+/// The recording side of a streamed body on its way to the client, fed chunk by chunk (see
+/// [`Recorder`] for the ends it can take). The adapter's body type holds one beside its inner
+/// body and forwards `poll` to [`Tee::poll_next`]; work handed off (storing the marker,
+/// releasing) is spawned on the current runtime.
+pub struct Tee {
+    state: TeeState,
+}
+
+enum TeeState {
+    Recording(Box<Recorder>),
+    Finishing(Pin<Box<dyn Future<Output = Recorded> + Send>>),
+    Passthrough,
+}
+
+impl std::fmt::Debug for Tee {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match self.state {
+            TeeState::Recording(_) => "recording",
+            TeeState::Finishing(_) => "finishing",
+            TeeState::Passthrough => "passthrough",
+        };
+        f.debug_struct("Tee").field("state", &state).finish()
+    }
+}
+
+impl Tee {
+    /// Records through `recorder`.
+    pub fn new(recorder: Recorder) -> Self {
+        Tee {
+            state: TeeState::Recording(Box::new(recorder)),
+        }
+    }
+
+    /// Takes the recorder out of a recording state, leaving the body to pass through.
+    fn take(&mut self) -> Option<Recorder> {
+        match std::mem::replace(&mut self.state, TeeState::Passthrough) {
+            TeeState::Recording(recorder) => Some(*recorder),
+            other => {
+                self.state = other;
+                None
+            }
+        }
+    }
+
+    /// The next chunk for the client: `next` polls the inner body, `data` gives a chunk's bytes
+    /// (`None` for a chunk that carries none, such as trailers). The stream's end is passed on
+    /// only after the response is stored.
+    pub fn poll_next<T, E: Display>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut next: impl FnMut(&mut Context<'_>) -> Poll<Option<Result<T, E>>>,
+        data: impl Fn(&T) -> Option<&[u8]>,
+    ) -> Poll<Option<Result<T, E>>> {
+        loop {
+            match &mut self.state {
+                TeeState::Passthrough => return next(cx),
+                TeeState::Finishing(store) => {
+                    std::task::ready!(store.as_mut().poll(cx));
+                    self.state = TeeState::Passthrough;
+                    return Poll::Ready(None);
+                }
+                TeeState::Recording(recorder) => {
+                    if recorder.poll_expired(cx).is_ready() {
+                        // Still streaming a lease later: not replayable; the rest goes through.
+                        if let Some(recorder) = self.take() {
+                            spawn(recorder.over_limit());
+                        }
+                        continue;
+                    }
+                    match std::task::ready!(next(cx)) {
+                        Some(Ok(chunk)) => {
+                            let within = data(&chunk).is_none_or(|bytes| recorder.data(bytes));
+                            if !within && let Some(recorder) = self.take() {
+                                spawn(recorder.over_limit());
+                            }
+                            return Poll::Ready(Some(Ok(chunk)));
+                        }
+                        Some(Err(error)) => {
+                            if let Some(recorder) = self.take() {
+                                let reason = error.to_string();
+                                spawn(async move { recorder.fail(&reason).await });
+                            }
+                            return Poll::Ready(Some(Err(error)));
+                        }
+                        None => {
+                            if let Some(recorder) = self.take() {
+                                self.state = TeeState::Finishing(Box::pin(recorder.end()));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the recording is over (the rest passes through).
+    pub fn is_passthrough(&self) -> bool {
+        matches!(self.state, TeeState::Passthrough)
+    }
+
+    /// The body is dropped: storing what the client already has goes on in the background,
+    /// and a recorder still recording (the client went away mid-stream) is returned, for the
+    /// adapter to read the rest of the body with [`Recorder::abandon`].
+    pub fn dropped(&mut self) -> Option<Recorder> {
+        match std::mem::replace(&mut self.state, TeeState::Passthrough) {
+            TeeState::Passthrough => None,
+            // The client has every byte; storing them must not be cut short.
+            TeeState::Finishing(store) => {
+                spawn(store);
+                None
+            }
+            TeeState::Recording(recorder) => Some(*recorder),
+        }
+    }
+}
+
+/// Spawns the rest of an execution's work onto the current runtime; outside one (a runtime
+/// shutting down) the record stays in progress until its lease ends.
+pub fn spawn(work: impl Future<Output = Recorded> + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(work)),
+        Err(_) => no_runtime(),
+    }
+}
+
+/// Logs that work could not be spawned.
+pub fn no_runtime() {
+    tracing::warn!(
+        "idempotency: no runtime to finish a response on; its record stays in progress until its lease ends"
+    );
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use transactional::{TxJob, prepare_tx};
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod transactional {
+    use super::{Glue, execute_request, resolve};
+    use crate::engine::{Engine, ExecuteRequest};
+    use crate::http::config::Config;
+    use crate::http::reply::{Reply, TxReply, TxStep, begin_transactional, finish_transactional};
+    use crate::http::route::{Route, RoutePolicy};
+    use crate::http::{RequestHead, is_safe_method};
+    use crate::key::{IdempotencyKey, KeyError};
+    use crate::problem::Problem;
+    use crate::scope::{Scope, ScopeError};
+    use crate::tx::{Transaction, TxDatabase, TxOptions};
+    use bytes::Bytes;
+    use std::future::Future;
+    use std::marker::PhantomData;
+
+    /// A transactional route's request, ready to begin ([`TxJob::run`]).
+    #[derive(Debug)]
+    pub struct TxJob<DB> {
+        engine: Engine,
+        request: Option<ExecuteRequest>,
+        resolved: RoutePolicy,
+        options: TxOptions,
+        db: PhantomData<fn() -> DB>,
+    }
+
+    /// Resolves a transactional route and identifies the request; a safe method or a missing
+    /// optional key gets a transaction and no record.
+    ///
+    /// # Errors
+    /// The reply to answer with (a misconfigured route, a scope that cannot be built).
+    pub async fn prepare_tx<DB: TxDatabase>(
+        config: &Config,
+        route: &'static Route,
+        head: RequestHead<'_>,
+        key: Result<IdempotencyKey, KeyError>,
+        body: Bytes,
+        scope: Result<Scope, ScopeError>,
+    ) -> Result<TxJob<DB>, Reply> {
+        let resolved = resolve(route, config)?;
+        let options = route.tx_options(config, DB::DEFAULT_COMMIT);
+        // Safe methods ignore the key; a missing key got here only where it is optional.
+        let request = if is_safe_method(head.method) || key.is_err() {
+            None
+        } else {
+            Some(execute_request(&head, key, body, scope).await?)
+        };
+        Ok(TxJob {
+            engine: config.engine().clone(),
+            request,
+            resolved,
+            options,
+            db: PhantomData,
+        })
+    }
+
+    impl<DB: TxDatabase> TxJob<DB> {
+        /// Begin → `handler` → store with the commit: the stored response commits with the
+        /// handler's writes, and nothing is sent before that commit. Run it detached, as
+        /// [`Job::run`](super::Job::run).
+        pub async fn run<G, F, Fut>(self, handler: F) -> G::Response
+        where
+            G: Glue,
+            F: FnOnce(Transaction<DB>) -> Fut,
+            Fut: Future<Output = G::Response>,
+        {
+            let policy = &self.resolved.policy;
+            let begin =
+                begin_transactional::<DB>(&self.engine, self.request, policy, &self.options);
+            let (mut execution, tx) = match begin.await {
+                TxStep::Respond(reply) => return G::reply(reply),
+                TxStep::Run(execution, tx) => (execution, tx),
+            };
+            let read = execution
+                .run(async move {
+                    let (head, body) = G::split(handler(tx).await);
+                    (head, G::collect(body).await)
+                })
+                .await;
+            let (mut head, body) = match read {
+                Ok((head, Ok(body))) => (head, body),
+                Ok((_, Err(_))) => {
+                    execution.abort().await;
+                    return G::reply(Reply::problem(&Problem::response_failed()));
+                }
+                Err(panic) => {
+                    execution.abort().await;
+                    std::panic::resume_unwind(panic)
+                }
+            };
+            let status = G::status(&head);
+            let limit = self.resolved.max_response;
+            match finish_transactional(execution, status, G::headers(&head), &body, limit).await {
+                TxReply::Respond(reply) => G::reply(reply),
+                TxReply::Send { first_execution } => {
+                    if first_execution {
+                        G::mark_first_execution(&mut head);
+                    }
+                    G::join(head, G::from_bytes(body))
+                }
+            }
+        }
+    }
+}

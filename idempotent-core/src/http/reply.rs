@@ -1,0 +1,262 @@
+//! What the library answers itself: replays, problems, and the map from the engine's steps.
+
+use super::{IDEMPOTENT_REPLAYED, PROBLEM_JSON};
+use crate::engine::{Begin, Execution, Unprotected};
+use crate::problem::Problem;
+use crate::store::record::{StoredOutcome, StoredResponse};
+use std::borrow::Cow;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use {super::capture::Capture, crate::engine::Engine, crate::tx::TxOptions};
+
+/// A response the library produces itself (a replay or a problem), on plain types.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u16,
+    /// Header lines in order (names lower case); repeated names appear repeatedly.
+    pub headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    /// A stored response as its replay: status, every stored header in order, the body, and
+    /// `Idempotent-Replayed: true`.
+    pub fn replay(stored: StoredResponse) -> Self {
+        let mut headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)> =
+            Vec::with_capacity(stored.headers.len() + 1);
+        headers.extend(
+            stored
+                .headers
+                .into_iter()
+                .filter(|(name, _)| !name.eq_ignore_ascii_case(IDEMPOTENT_REPLAYED))
+                .map(|(n, v)| (Cow::Owned(n), Cow::Owned(v))),
+        );
+        headers.push((Cow::Borrowed(IDEMPOTENT_REPLAYED), Cow::Borrowed(b"true")));
+        Reply {
+            status: stored.status,
+            headers,
+            body: stored.body,
+        }
+    }
+
+    /// A problem as `application/problem+json` with `Cache-Control: no-store` and, when set,
+    /// `Retry-After`.
+    pub fn problem(p: &Problem) -> Self {
+        let mut headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)> = vec![
+            (
+                Cow::Borrowed("content-type"),
+                Cow::Borrowed(PROBLEM_JSON.as_bytes()),
+            ),
+            (Cow::Borrowed("cache-control"), Cow::Borrowed(b"no-store")),
+        ];
+        if let Some(secs) = p.retry_after {
+            headers.push((
+                Cow::Borrowed("retry-after"),
+                Cow::Owned(secs.to_string().into_bytes()),
+            ));
+        }
+        Reply {
+            status: p.status,
+            headers,
+            body: p.to_json(),
+        }
+    }
+}
+
+/// The header a first execution's response carries: `Idempotent-Replayed: false`.
+pub const FIRST_EXECUTION: (&str, &str) = (IDEMPOTENT_REPLAYED, "false");
+
+/// What to do with a request after [`Engine::begin`]. Deliberately exhaustive: an adapter
+/// matches all three, with no wildcard arm for a variant it does not know.
+#[derive(Debug)]
+pub enum Step {
+    /// Run the handler under this execution, capture its response, finish the execution.
+    Execute(Execution),
+    /// Run the handler without a record (no key on an optional route, or fail-open).
+    Unprotected,
+    /// Answer with this; the handler does not run.
+    Respond(Reply),
+}
+
+impl From<Begin> for Step {
+    /// The one map from the engine's answer to the wire: exhaustive, so a new variant is a
+    /// compile error here rather than a run-time 500.
+    fn from(begin: Begin) -> Self {
+        match begin {
+            Begin::Claimed(execution) => Step::Execute(execution),
+            Begin::Replay(StoredOutcome::Response(stored)) => Step::Respond(Reply::replay(stored)),
+            Begin::Replay(StoredOutcome::Oversized { status, size }) => {
+                Step::Respond(Reply::problem(&Problem::response_not_stored(status, size)))
+            }
+            Begin::InProgress { retry_after } => {
+                Step::Respond(Reply::problem(&Problem::in_progress(retry_after)))
+            }
+            Begin::Mismatch { in_progress } => {
+                Step::Respond(Reply::problem(&Problem::mismatch(in_progress)))
+            }
+            Begin::KeyRejected(e) => Step::Respond(Reply::problem(&Problem::key(&e))),
+            Begin::Unprotected(Unprotected::NoKey | Unprotected::FailedOpen(_)) => {
+                Step::Unprotected
+            }
+            Begin::StoreUnavailable(_) => {
+                Step::Respond(Reply::problem(&Problem::store_unavailable()))
+            }
+            Begin::Draining => Step::Respond(Reply::problem(&Problem::shutting_down())),
+            Begin::Misconfigured(_) => Step::Respond(Reply::problem(&Problem::misconfigured())),
+        }
+    }
+}
+
+/// What an adapter does next on a transactional route ([`TxBegin`](crate::TxBegin) on the
+/// wire): run the handler with the execution's transaction, or answer.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[derive(Debug)]
+// Made and taken apart once per request: boxing the large variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+pub enum TxStep<DB: crate::TxDatabase> {
+    /// Run the handler with this transaction (under [`TxExecution::run`](crate::TxExecution::run)),
+    /// read its whole response, then [`finish_transactional`].
+    Run(crate::TxExecution<DB>, crate::Transaction<DB>),
+    /// Answer with this; the handler does not run.
+    Respond(Reply),
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+impl<DB: crate::TxDatabase> From<crate::TxBegin<DB>> for TxStep<DB> {
+    fn from(begin: crate::TxBegin<DB>) -> Self {
+        match begin {
+            crate::TxBegin::Run(mut execution) => match execution.transaction() {
+                Some(tx) => TxStep::Run(execution, tx),
+                // A fresh execution always holds its transaction.
+                None => TxStep::Respond(Reply::problem(&Problem::misconfigured())),
+            },
+            crate::TxBegin::Respond(begin) => match Step::from(begin) {
+                Step::Respond(reply) => TxStep::Respond(reply),
+                // `begin_transactional` never answers with these.
+                Step::Execute(_) | Step::Unprotected => {
+                    TxStep::Respond(Reply::problem(&Problem::misconfigured()))
+                }
+            },
+            // The engine logged which database the route wants and what the store is; the
+            // client is told nothing of the server's wiring.
+            crate::TxBegin::WrongStore { .. } => {
+                TxStep::Respond(Reply::problem(&Problem::misconfigured()))
+            }
+        }
+    }
+}
+
+/// Begins a transactional route's request: claimed under `options` when `request` is
+/// protected, or with a transaction and no record (`None`: a safe method, or no key where it
+/// is optional).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub async fn begin_transactional<DB: crate::TxDatabase>(
+    engine: &Engine,
+    request: Option<crate::ExecuteRequest>,
+    policy: &crate::Policy,
+    options: &TxOptions,
+) -> TxStep<DB> {
+    let begin = match request {
+        Some(request) => {
+            engine
+                .begin_transactional::<DB>(request, policy, options)
+                .await
+        }
+        None => engine.begin_unprotected::<DB>(policy).await,
+    };
+    TxStep::from(begin)
+}
+
+/// What the client gets after [`finish_transactional`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TxReply {
+    /// Send the handler's response (its body as read); `first_execution`: add
+    /// [`FIRST_EXECUTION`] (the response was stored).
+    Send {
+        /// Whether the response was stored with the commit.
+        first_execution: bool,
+    },
+    /// Answer with this instead (the commit failed: nothing of the handler's is sent).
+    Respond(Reply),
+}
+
+/// Finishes a transactional execution with the handler's whole response: stores it (up to
+/// `limit` bytes; larger ones store the oversized marker) and commits, or rolls back when the
+/// route does not store its status. Nothing can be sent before COMMIT, so the adapter reads
+/// the whole body first (a failed body: [`TxExecution::abort`](crate::TxExecution::abort)
+/// and [`Problem::response_failed`]).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub async fn finish_transactional<'a, DB: crate::TxDatabase>(
+    execution: crate::TxExecution<DB>,
+    status: u16,
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    body: &[u8],
+    limit: usize,
+) -> TxReply {
+    let mut capture = Capture::new(status, headers, limit);
+    capture.push(body);
+    let protected = execution.is_protected();
+    match execution.finish(capture.finish()).await {
+        crate::TxFinished::Committed => TxReply::Send {
+            first_execution: protected,
+        },
+        crate::TxFinished::RolledBack => TxReply::Send {
+            first_execution: false,
+        },
+        crate::TxFinished::Failed(_) => {
+            TxReply::Respond(Reply::problem(&Problem::store_unavailable()))
+        }
+        crate::TxFinished::Escaped => TxReply::Respond(Reply::problem(&Problem::misconfigured())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn replay_never_echoes_a_stored_replayed_header() {
+        let stored = StoredResponse::new(201, "b")
+            .with_header("Idempotent-Replayed", "false")
+            .with_header("x", "1")
+            .with_header("x", "2");
+        let reply = Reply::replay(stored);
+        let headers: Vec<(&str, &[u8])> = reply
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_ref(), v.as_ref()))
+            .collect();
+        assert_eq!(
+            headers,
+            vec![
+                ("x", &b"1"[..]),
+                ("x", b"2"),
+                ("idempotent-replayed", b"true")
+            ]
+        );
+        assert_eq!((reply.status, reply.body.as_slice()), (201, &b"b"[..]));
+    }
+
+    #[test]
+    fn problems_carry_their_headers() {
+        let r = Reply::problem(&Problem::in_progress(Duration::from_millis(2500)));
+        assert_eq!(r.status, 409);
+        let find = |n: &str| {
+            r.headers
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.to_vec())
+        };
+        assert_eq!(find("content-type"), Some(PROBLEM_JSON.as_bytes().to_vec()));
+        assert_eq!(find("cache-control"), Some(b"no-store".to_vec()));
+        assert_eq!(find("retry-after"), Some(b"3".to_vec()));
+        let body: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        assert_eq!(body["status"], 409);
+        assert_eq!(
+            body["type"],
+            "https://idempotent.dev/problems/idempotency-key-in-progress"
+        );
+    }
+}

@@ -1,0 +1,161 @@
+//! One route's arguments, resolved against the application's settings.
+
+use super::config::Config;
+use super::is_safe_method;
+use crate::derive::Idempotent;
+use crate::engine::{ConfigError, KeyRequirement, Policy, check_ttl_and_lease};
+use crate::key::{IdempotencyKey, KeyError};
+use crate::problem::Problem;
+use crate::scope::{Scope, ScopeError};
+use crate::tx::{CommitPath, TxOptions};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// One route's attribute arguments, as `#[idempotent]` writes them (a `static` per handler);
+/// `None` takes the [`Config`]'s default.
+#[derive(Debug)]
+pub struct Route {
+    name: &'static str,
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    key: KeyRequirement,
+    store_server_errors: bool,
+    max_response: Option<usize>,
+    commit: Option<CommitPath>,
+    wait: Option<Duration>,
+    reported: AtomicBool,
+    reported_secret: AtomicBool,
+}
+
+/// A route's arguments resolved against the application's [`Config`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutePolicy {
+    /// What the engine needs.
+    pub policy: Policy,
+    /// The limit on stored responses.
+    pub max_response: usize,
+}
+
+impl Route {
+    /// A route named `name` (the handler's name, for logs) with its arguments.
+    pub const fn new(
+        name: &'static str,
+        ttl: Option<Duration>,
+        lease: Option<Duration>,
+        key: KeyRequirement,
+        store_server_errors: bool,
+        max_response: Option<usize>,
+    ) -> Self {
+        Route {
+            name,
+            ttl,
+            lease,
+            key,
+            store_server_errors,
+            max_response,
+            commit: None,
+            wait: None,
+            reported: AtomicBool::new(false),
+            reported_secret: AtomicBool::new(false),
+        }
+    }
+
+    /// The attribute's `commit` and `wait` of a transactional route (`None` takes the
+    /// configuration's default).
+    #[must_use]
+    pub const fn transactional(
+        mut self,
+        commit: Option<CommitPath>,
+        wait: Option<Duration>,
+    ) -> Self {
+        self.commit = commit;
+        self.wait = wait;
+        self
+    }
+
+    /// The transactional settings of this route under `config`; `database_default` is the
+    /// commit path of the database when neither sets one.
+    pub fn tx_options(&self, config: &Config, database_default: CommitPath) -> TxOptions {
+        TxOptions {
+            commit: self.commit.or(config.commit).unwrap_or(database_default),
+            wait: self.wait.unwrap_or(config.tx_wait),
+            max_waiters: config.max_waiters,
+            read_first: config.tx_read_first,
+        }
+    }
+
+    /// The handler's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Whether the route requires a key.
+    pub fn key(&self) -> KeyRequirement {
+        self.key
+    }
+
+    /// Resolves the arguments against `config`. The attribute checked what it could at compile
+    /// time; what depends on the configuration (a route's ttl under the configured lease) is
+    /// checked here, and the first failure per route is logged (`tracing`, error level) with
+    /// the route's name.
+    ///
+    /// # Errors
+    /// [`ConfigError`]: answer with [`Problem::misconfigured`], never run the handler.
+    pub fn resolve(&self, config: &Config) -> Result<RoutePolicy, ConfigError> {
+        let policy = Policy {
+            ttl: self.ttl.unwrap_or(config.ttl),
+            lease: self.lease.unwrap_or(config.lease),
+            store_server_errors: self.store_server_errors,
+            key: self.key,
+            fail_open: config.fail_open,
+            route: self.name,
+        };
+        match check_ttl_and_lease(policy.ttl, policy.lease) {
+            Ok(()) => Ok(RoutePolicy {
+                policy,
+                max_response: self.max_response.unwrap_or(config.max_response),
+            }),
+            Err(e) => {
+                if !self.reported.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        route = self.name,
+                        error = %e,
+                        "idempotency: this route's arguments do not fit the configuration; its requests are answered 500 until fixed"
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The [`Idempotent`] context for a handler parameter: keyed by (scope, key) when the request
+/// runs under a key, [`Idempotent::unkeyed`] when it runs without one (a safe method, or no
+/// key where it is optional; also when the scope failed, whose request never reaches the
+/// handler).
+///
+/// # Errors
+/// [`Problem::misconfigured`] when the configuration has no [`DeriveSecret`] (logged once per
+/// route, with its name): the handler must not run, since its downstream keys would not be
+/// stable.
+pub fn idempotent_context(
+    config: &Config,
+    route: &Route,
+    method: &str,
+    key: &Result<IdempotencyKey, KeyError>,
+    scope: &Result<Scope, ScopeError>,
+) -> Result<Idempotent, Box<Problem>> {
+    let Some(secret) = config.derive_secret() else {
+        if !route.reported_secret.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                route = route.name,
+                "idempotency: this handler takes an `Idempotent` parameter but the configuration has no derive secret (`derive_secret`); its requests are answered 500 until one is set"
+            );
+        }
+        return Err(Box::new(Problem::misconfigured()));
+    };
+    Ok(match (key, scope) {
+        (Ok(key), Ok(scope)) if !is_safe_method(method) => Idempotent::keyed(secret, scope, key),
+        _ => Idempotent::unkeyed(),
+    })
+}

@@ -1,0 +1,87 @@
+//! Transactional mode (DESIGN.md §4): the handler writes through a transaction on the store's
+//! own database, and its stored response commits **with** those writes, in the same commit.
+//!
+//! Commit if and only if the response is stored: a stored response (2xx, 3xx, 4xx other than
+//! 408/409/425/429) commits the handler's writes together with the record; a releasing one
+//! (5xx, 408/409/425/429), a panic, a failed fence or a failed write rolls everything back.
+//! The handler's response is never sent before COMMIT has succeeded.
+//!
+//! Two ways to get there ([`CommitPath`]):
+//! - **single commit**: BEGIN → claim (the row is inserted inside the business transaction) →
+//!   the handler's statements → complete → COMMIT. One commit per first execution; a crash
+//!   rolls the claim back with everything else, so a retry runs at once, with no lease to wait
+//!   for. A concurrent duplicate meets the uncommitted claim: on PostgreSQL it waits a short,
+//!   bounded time ([`TxOptions::wait`], through a transaction-scoped advisory lock on the key,
+//!   so the wait never applies to the handler's own statements and never holds up other keys),
+//!   then gets the replay if the first committed meanwhile, else 409. On SQLite the
+//!   transaction holds the database's single write lock (`BEGIN IMMEDIATE`), so duplicates and
+//!   every other writer wait for it (the busy timeout).
+//! - **two commits**: the claim commits alone (duplicates see it and get 409 at once) → BEGIN
+//!   → handler → complete, fenced by the lease token, in the handler's transaction → COMMIT.
+//!   For handlers that must not hold the claim row's lock (or the advisory lock) for long; a
+//!   crash leaves the claim, whose lease expires.
+//!
+//! A replay costs one read-only statement on either path (the record is read before any
+//! transaction begins).
+
+use std::time::Duration;
+
+/// How a transactional execution commits (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CommitPath {
+    /// The claim, the handler's writes and the stored response in one transaction: one commit.
+    Single,
+    /// The claim in its own commit, then the handler's writes and the stored response in a
+    /// second, fenced by the lease.
+    Two,
+}
+
+impl CommitPath {
+    /// `"single"` or `"two"`, as the attribute's `commit` argument spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommitPath::Single => "single",
+            CommitPath::Two => "two",
+        }
+    }
+}
+
+/// Default for [`TxOptions::wait`]: how long a duplicate waits for the transaction that holds
+/// its key before it gets 409.
+pub const DEFAULT_TX_WAIT: Duration = Duration::from_millis(50);
+/// Default for [`TxOptions::max_waiters`].
+pub const DEFAULT_MAX_WAITERS: usize = 4;
+
+/// A transactional route's settings, resolved from its attribute and the configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxOptions {
+    /// Single or two commits.
+    pub commit: CommitPath,
+    /// Single commit on PostgreSQL: how long a request whose key is held by another open
+    /// transaction waits for it (polling, bounded) before it gets 409; if the other commits
+    /// meanwhile, the waiter gets the replay. Never applies to the handler's own statements.
+    /// (SQLite waits for its write lock through the pool's busy timeout instead.)
+    pub wait: Duration,
+    /// At most this many requests per key wait in one process; more get 409 at once, so
+    /// duplicates cannot take every pooled connection.
+    pub max_waiters: usize,
+    /// Single commit on PostgreSQL: read the record before opening a transaction (default
+    /// `true`). A replay then costs one read-only statement, as in plain mode, and a first
+    /// execution one more round trip; with `false` a first execution saves that round trip
+    /// (measured in BENCHMARKS.md: PostgreSQL first executions about a quarter faster) and a
+    /// replay costs three: BEGIN, the claim statement (which writes nothing) and ROLLBACK.
+    /// Choose `false` where retries are rare. SQLite always reads first (a claim there takes
+    /// the database's one write lock).
+    pub read_first: bool,
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod execution;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod transaction;
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use execution::{TxBegin, TxExecution, TxFinished};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use transaction::{Transaction, TxDatabase};

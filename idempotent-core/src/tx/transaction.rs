@@ -1,0 +1,153 @@
+//! The transaction a transactional handler writes through, and the databases whose stores
+//! provide it.
+
+use super::CommitPath;
+use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
+use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+pub(super) type Home<DB> = Arc<Mutex<Option<sqlx::Transaction<'static, DB>>>>;
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The transaction a transactional handler writes through: a live sqlx transaction on the
+/// store's own database, dereferencing to its connection, so statements run as
+/// `query.execute(&mut *tx)`.
+///
+/// The library commits it (with the stored response) or rolls it back after the handler
+/// returns; there is no `commit` here. Keep it inside the handler: a transaction still
+/// held elsewhere when the handler returns cannot be committed, so the request is answered
+/// with a 500 problem and everything it wrote rolls back.
+///
+/// ```no_run
+/// # async fn demo(mut tx: idempotent_core::Transaction<sqlx::Postgres>) -> Result<(), sqlx::Error> {
+/// sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+///     .bind("ord_1")
+///     .execute(&mut *tx)
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct Transaction<DB: sqlx::Database> {
+    pub(super) tx: Option<sqlx::Transaction<'static, DB>>,
+    pub(super) home: Home<DB>,
+}
+
+impl<DB: sqlx::Database> std::fmt::Debug for Transaction<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transaction")
+            .field("database", &DB::NAME)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: sqlx::Database> std::ops::Deref for Transaction<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &DB::Connection {
+        self.tx
+            .as_ref()
+            .expect("the transaction is held until drop")
+    }
+}
+
+impl<DB: sqlx::Database> std::ops::DerefMut for Transaction<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        self.tx
+            .as_mut()
+            .expect("the transaction is held until drop")
+    }
+}
+
+impl<DB: sqlx::Database> Drop for Transaction<DB> {
+    fn drop(&mut self) {
+        // Hand it back to the execution, which commits or rolls back.
+        if let Some(tx) = self.tx.take() {
+            *lock(&self.home) = Some(tx);
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+#[cfg(feature = "postgres")]
+impl sealed::Sealed for sqlx::Postgres {}
+#[cfg(feature = "sqlite")]
+impl sealed::Sealed for sqlx::Sqlite {}
+
+/// A database whose store runs transactional executions: `sqlx::Postgres`
+/// ([`PostgresStore`](crate::PostgresStore)) and `sqlx::Sqlite`
+/// ([`SqliteStore`](crate::SqliteStore)). Sealed.
+pub trait TxDatabase: sqlx::Database + sealed::Sealed {
+    /// The store on this database.
+    type Store: Store + Clone + std::fmt::Debug;
+    /// The database's name, for errors.
+    const LABEL: &'static str;
+    /// The commit path used when neither the route nor the configuration picks one:
+    /// single commit on both (one commit instead of two; measured in BENCHMARKS.md).
+    const DEFAULT_COMMIT: CommitPath;
+    /// Whether single commit reads the record first whatever
+    /// [`TxOptions::read_first`](super::TxOptions::read_first) says (SQLite: a claim inside a
+    /// transaction holds the one write lock, which a replay must not wait for).
+    const ALWAYS_READ_FIRST: bool;
+
+    /// Opens a transaction for a handler, on `conn` if given (the connection the read
+    /// ran on: no trip back to the pool in between, so no release ping either) or on a
+    /// connection from the store's pool; with `idle` (single commit: the lease),
+    /// PostgreSQL ends it if it stays idle (no statement) that long.
+    #[doc(hidden)]
+    fn begin_tx(
+        store: &Self::Store,
+        idle: Option<Duration>,
+        conn: Option<sqlx::pool::PoolConnection<Self>>,
+    ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, StoreError>> + Send;
+
+    /// A connection from the store's pool.
+    #[doc(hidden)]
+    fn acquire(
+        store: &Self::Store,
+    ) -> impl Future<Output = Result<sqlx::pool::PoolConnection<Self>, StoreError>> + Send;
+
+    /// Reads the record on `conn`, outside any transaction: `Some` when that settles the
+    /// request (replay, in progress, mismatch), `None` when a claim must follow.
+    #[doc(hidden)]
+    fn read<'a>(
+        store: &'a Self::Store,
+        conn: &'a mut Self::Connection,
+        req: ClaimRequest<'a>,
+    ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send + 'a;
+
+    /// Claims inside the transaction (single commit). `None`: another open transaction
+    /// holds the key (PostgreSQL's advisory lock); the caller may wait and call again.
+    #[doc(hidden)]
+    fn claim_in(
+        store: &Self::Store,
+        conn: &mut Self::Connection,
+        req: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
+
+    /// Completes the record inside the transaction, fenced by `token`. From then on the
+    /// transaction holds the record's row until COMMIT; PostgreSQL ends the session if it
+    /// then idles `idle` (a process stalled before its COMMIT gives the key back).
+    #[doc(hidden)]
+    fn complete_in(
+        store: &Self::Store,
+        conn: &mut Self::Connection,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+        idle: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// How long the library waits for the complete and for COMMIT to answer before it
+    /// gives up on them (answers 503; the connection goes back to sqlx's pool, which tests
+    /// it with no bound of its own: a connection whose peer went silent holds its pool
+    /// slot until the operating system reports the socket dead), given the route's
+    /// lease; `None`: no bound (SQLite: a local file, whose busy timeout bounds waits).
+    #[doc(hidden)]
+    fn finish_bound(lease: Duration) -> Option<Duration>;
+}
