@@ -8,7 +8,7 @@ use crate::charges::{
 use crate::provider::{Payment, Provider, ProviderError};
 use clap::Parser;
 use idempotent_core::http::{Config, ConfigBuilder};
-use idempotent_core::{CommitPath, Drained, Engine, Store};
+use idempotent_core::{CommitPath, Engine, Store, engine::Drained};
 use idempotent_core::{DeriveSecret, DerivedKey, IdempotencyKey, Idempotent, Scope};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;

@@ -6,19 +6,19 @@ use actix_web::dev::Payload;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::web::Bytes;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, Responder};
-use idempotent_core::http::RequestHead;
-use idempotent_core::http::driver::{self, Prepared};
+use idempotent_core::__private::RequestHead;
+use idempotent_core::__private::driver::{self, Prepared};
 use idempotent_core::{IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-use idempotent_core::{Transaction, TxDatabase};
+use idempotent_core::{Transaction, tx::TxDatabase};
 use std::future::{Future, ready};
 use std::pin::Pin;
 
 pub use ::core::time::Duration;
 pub use actix_web::HttpResponse as Output;
+pub use idempotent_core::__private::Route;
 pub use idempotent_core::CommitPath as Commit;
-pub use idempotent_core::KeyRequirement as Key;
-pub use idempotent_core::http::Route;
+pub use idempotent_core::engine::KeyRequirement as Key;
 
 /// The handler's one actix extractor: it does the idempotency checks of the request itself
 /// first, then runs the handler's own extractors `A` (a tuple of the parameters as written)
@@ -168,7 +168,7 @@ pub fn context(
     route: &Route,
     scope: &Result<Scope, ScopeError>,
 ) -> Result<idempotent_core::Idempotent, Box<HttpResponse>> {
-    idempotent_core::http::idempotent_context(
+    idempotent_core::__private::idempotent_context(
         &ctx.config.config,
         route,
         ctx.req.method().as_str(),

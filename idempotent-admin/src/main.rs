@@ -25,8 +25,8 @@
 
 use clap::{Parser, Subcommand};
 use idempotent_core::{
-    Deleted, IdempotencyKey, PostgresStore, Record, RecordKey, RecordState, Scope, SqliteStore,
-    Store, StoredOutcome,
+    IdempotencyKey, PostgresStore, Scope, SqliteStore, Store, store::Deleted, store::Record,
+    store::RecordKey, store::RecordState, store::StoredOutcome,
 };
 use serde_json::{Value, json};
 use std::process::ExitCode;

@@ -2,7 +2,7 @@
 
 use crate::layer::IdempotencyLayer;
 use idempotent_core::http::{Config, ConfigBuilder};
-use idempotent_core::{Drained, Engine, Store};
+use idempotent_core::{Engine, Store, engine::Drained};
 use std::sync::Arc;
 use std::time::Duration;
 

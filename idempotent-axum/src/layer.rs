@@ -7,7 +7,7 @@ use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::Request;
 use axum::response::Response;
 use http_body::{Frame, SizeHint};
-use idempotent_core::http::is_safe_method;
+use idempotent_core::__private::is_safe_method;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context as TaskContext, Poll};

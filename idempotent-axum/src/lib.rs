@@ -158,15 +158,16 @@ pub use idempotent_core::SqliteStore;
 /// Idempotent functions (`#[idempotent(key_from = …)]`, queue consumers): the runner and its types.
 pub use idempotent_core::call;
 pub use idempotent_core::http::{ConfigError, DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE};
-pub use idempotent_core::{CommitPath, TxOptions};
+pub use idempotent_core::{CommitPath, tx::TxOptions};
 pub use idempotent_core::{
-    DEFAULT_LEASE, DEFAULT_TTL, DeriveSecret, DerivedKey, Drained, DurationError, Engine,
-    Fingerprint, IdempotencyKey, Idempotent, KeyError, MemoryStore, Problem, Scope, ScopeError,
-    ScopeValue, SecretError, Store, StoreError, Sweeper, parse_duration,
+    DeriveSecret, DerivedKey, DurationError, Engine, IdempotencyKey, Idempotent, KeyError,
+    MemoryStore, Problem, Scope, ScopeError, ScopeValue, SecretError, Store, StoreError,
+    engine::DEFAULT_LEASE, engine::DEFAULT_TTL, engine::Drained, fingerprint::Fingerprint,
+    parse_duration, store::Sweeper,
 };
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
-pub use idempotent_core::{Transaction, TxDatabase, sqlx};
+pub use idempotent_core::{Transaction, sqlx, tx::TxDatabase};
 
 pub use config::{Idempotency, IdempotencyBuilder};
 pub use layer::{IdempotencyLayer, IdempotencyService};

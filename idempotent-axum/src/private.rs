@@ -7,18 +7,20 @@ use axum::body::Bytes;
 use axum::extract::{FromRequestParts, MatchedPath, OriginalUri};
 use axum::http::{HeaderValue, Method, Uri, header, request::Parts};
 use axum::response::{IntoResponse, Response};
-use idempotent_core::http::RequestHead;
-use idempotent_core::http::driver::{self, Prepared};
-use idempotent_core::{Detached, IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue};
+use idempotent_core::__private::RequestHead;
+use idempotent_core::__private::driver::{self, Prepared};
+use idempotent_core::{
+    __private::Detached, IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue,
+};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-use idempotent_core::{Transaction, TxDatabase};
+use idempotent_core::{Transaction, tx::TxDatabase};
 use std::future::Future;
 
 pub use ::core::time::Duration;
 pub use axum::response::Response as Output;
+pub use idempotent_core::__private::Route;
 pub use idempotent_core::CommitPath as Commit;
-pub use idempotent_core::KeyRequirement as Key;
-pub use idempotent_core::http::Route;
+pub use idempotent_core::engine::KeyRequirement as Key;
 
 /// What the request carries for idempotency, read before the handler's own extractors: the
 /// configuration, the request's identity, its key, and its body. `REQUIRED` is whether the
@@ -130,7 +132,7 @@ pub fn context<const REQUIRED: bool>(
     route: &Route,
     scope: &Result<Scope, ScopeError>,
 ) -> Result<idempotent_core::Idempotent, Box<Response>> {
-    idempotent_core::http::idempotent_context(
+    idempotent_core::__private::idempotent_context(
         &ctx.config.config,
         route,
         ctx.head.0.as_str(),

@@ -6,9 +6,9 @@ use axum::http::{HeaderName, HeaderValue, StatusCode, response::Parts};
 use axum::response::Response;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
+use idempotent_core::__private::driver::{self, Glue, Tee};
+use idempotent_core::__private::{FIRST_EXECUTION, Recorder, Reply};
 use idempotent_core::Problem;
-use idempotent_core::http::driver::{self, Glue, Tee};
-use idempotent_core::http::{FIRST_EXECUTION, Recorder, Reply};
 use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
 
@@ -144,8 +144,9 @@ mod tests {
     use super::*;
     use futures_util::StreamExt;
     use idempotent_core::{
-        Begin, Engine, ExecuteRequest, Fingerprint, FingerprintInput, IdempotencyKey, MemoryStore,
-        Policy, RecordKey, RecordState, Scope, Store, StoredOutcome,
+        Engine, IdempotencyKey, MemoryStore, Scope, Store, engine::Begin, engine::ExecuteRequest,
+        engine::Policy, fingerprint::Fingerprint, fingerprint::FingerprintInput, store::RecordKey,
+        store::RecordState, store::StoredOutcome,
     };
     use std::sync::Arc;
     use std::time::Duration;

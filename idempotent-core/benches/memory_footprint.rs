@@ -4,7 +4,7 @@
 //!
 //! `cargo bench -p idempotent-core --bench memory_footprint`
 
-use idempotent_core::*;
+use idempotent_core::{engine::*, fingerprint::*, store::*, *};
 
 fn resident_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
@@ -65,15 +65,11 @@ fn main() {
             for (n, v) in headers {
                 stored = stored.with_header(n, v);
             }
-            let out = engine
-                .execute(request, &policy, || async move {
-                    Handled {
-                        value: (),
-                        record: stored.into(),
-                    }
-                })
-                .await;
-            assert!(matches!(out, Outcome::Executed { .. }), "record {i}");
+            let Begin::Claimed(execution) = engine.begin(request, &policy).await else {
+                panic!("record {i} was not claimed");
+            };
+            let recorded = execution.finish(stored.into()).await;
+            assert!(matches!(recorded, Recorded::Stored), "record {i}");
         }
     });
     let after = resident_bytes().unwrap_or(before);

@@ -36,7 +36,7 @@ impl Clock for SystemClock {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotent_core::{Clock, ManualClock};
+/// use idempotent_core::{clock::Clock, clock::ManualClock};
 ///
 /// let clock = ManualClock::new();
 /// let (t0, i0) = (clock.now(), clock.instant());

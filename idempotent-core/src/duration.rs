@@ -81,7 +81,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
 ///
 /// ```
 /// # use std::time::Duration;
-/// # use idempotent_core::format_duration;
+/// # use idempotent_core::__private::format_duration;
 /// assert_eq!(format_duration(Duration::from_secs(86_400)), "1d");
 /// assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
 /// ```

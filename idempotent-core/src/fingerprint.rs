@@ -119,7 +119,7 @@ impl Fingerprint {
     /// for anything else.
     ///
     /// ```
-    /// use idempotent_core::{Fingerprint, FingerprintInput};
+    /// use idempotent_core::{fingerprint::Fingerprint, fingerprint::FingerprintInput};
     /// let fp = Fingerprint::compute(&FingerprintInput {
     ///     method: "POST", path: "/v1/charges", query: None, content_type: None, body: b"",
     /// });
@@ -161,7 +161,7 @@ impl Fingerprint {
     /// version and digest. A stored fingerprint of another version is never a match.
     ///
     /// ```
-    /// use idempotent_core::Fingerprint;
+    /// use idempotent_core::fingerprint::Fingerprint;
     /// let request = Fingerprint::from_parts(2, [1; 32]);
     /// assert!(request.matches_stored(&Fingerprint::from_parts(2, [1; 32])));
     /// assert!(!request.matches_stored(&Fingerprint::from_parts(2, [2; 32])));
@@ -226,7 +226,7 @@ fn is_json(media: &str) -> bool {
 /// still open (8 above 512 MiB), and one copy of an object whose members must be reordered.
 ///
 /// ```
-/// use idempotent_core::canonical_json;
+/// use idempotent_core::fingerprint::canonical_json;
 /// let canon = canonical_json(br#"{ "b": [1.0, 2e3, "\u00e9"], "a": {"y": null, "x": true} }"#);
 /// let canon = String::from_utf8(canon.expect("JSON")).expect("UTF-8");
 /// assert_eq!(canon, r#"{"a":{"x":true,"y":null},"b":[1,2000,"é"]}"#);
@@ -252,7 +252,7 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 /// bytes).
 ///
 /// ```
-/// use idempotent_core::canonical_form;
+/// use idempotent_core::fingerprint::canonical_form;
 /// assert_eq!(canonical_form(b"b=2&a=%41+b&&c"), b"a=A+b&b=2&c=");
 /// assert_eq!(canonical_form(b"a=2&z&a=1"), b"a=2&a=1&z=");
 /// ```

@@ -5,7 +5,10 @@
 //! this crate; use it directly for queue consumers or any other async work.
 //!
 //! ```
-//! use idempotent_core::*;
+//! use idempotent_core::engine::{Begin, ExecuteRequest, Policy};
+//! use idempotent_core::fingerprint::{Fingerprint, FingerprintInput};
+//! use idempotent_core::store::StoredResponse;
+//! use idempotent_core::{Engine, IdempotencyKey, MemoryStore, Scope};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! let engine = Engine::new(MemoryStore::new());
@@ -19,11 +22,18 @@
 //! };
 //! let mut runs = 0;
 //! for _ in 0..3 {
-//!     let out = engine.execute(request(), &Policy::default(), || async {
-//!         runs += 1;
-//!         Handled { value: (), record: StoredResponse::new(201, "ord_1").into() }
-//!     }).await;
-//!     assert!(matches!(out, Outcome::Executed { .. } | Outcome::Replayed(_)));
+//!     match engine.begin(request(), &Policy::default()).await {
+//!         Begin::Claimed(mut execution) => {
+//!             let work = async {
+//!                 runs += 1;
+//!                 StoredResponse::new(201, "ord_1")
+//!             };
+//!             let response = execution.run(work).await.unwrap();
+//!             execution.finish(response.into()).await;
+//!         }
+//!         Begin::Replay(_stored) => {} // answer with the stored response
+//!         other => panic!("{other:?}"),
+//!     }
 //! }
 //! assert_eq!(runs, 1);
 //! # }
@@ -33,7 +43,7 @@
 //! `claim` (atomic) → `in_progress` (lease, heartbeat-extended) → `complete` (fenced by the
 //! lease token) → `done`, replayed until its ttl passes. 5xx and panics `release` the record
 //! instead, so a retry runs again. A started execution is never abandoned because its caller
-//! went away: the adapters run it in a [`Detached`] future, and [`Engine::drain`] waits for
+//! went away: the adapters run it in a detached future, and [`Engine::drain`] waits for
 //! the running ones at shutdown. See [`Store`] for what each store promises.
 //!
 //! [`call`] runs any async function the same way, for queue consumers: the output is stored
@@ -55,55 +65,46 @@
 #![forbid(unsafe_code)]
 
 pub mod call;
-mod clock;
+pub mod clock;
 mod derive;
 mod duration;
-mod engine;
-mod fingerprint;
+pub mod engine;
+pub mod fingerprint;
 pub mod http;
 mod jcs;
 mod key;
 pub mod observe;
 mod problem;
 mod scope;
-mod store;
+pub mod store;
 pub mod tx;
 
-pub use clock::{Clock, ManualClock, SkewedClock, SystemClock};
+// The root holds what a user names; everything else is in its module above. A new export
+// here is a visible change to `tests/public-api/idempotent-core.txt`.
 pub use derive::{DeriveSecret, DerivedKey, Idempotent, SecretError};
-pub use duration::{DurationError, format_duration, parse_duration};
-pub use engine::{
-    Begin, ConfigError, DEFAULT_LEASE, DEFAULT_TTL, Detached, Drained, Engine, ExecuteRequest,
-    Execution, Handled, KeyRequirement, MAX_DURATION, MIN_DURATION, Outcome, PanicPayload, Policy,
-    Recorded, Unprotected,
-};
-pub use fingerprint::{BodyKind, Fingerprint, FingerprintInput, canonical_form, canonical_json};
-pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use problem::{PROBLEM_BASE, Problem};
+pub use duration::{DurationError, parse_duration};
+pub use engine::{ConfigError, Engine};
+pub use key::{IdempotencyKey, KeyError};
+pub use problem::Problem;
 pub use scope::{Scope, ScopeError, ScopeValue};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use sqlx;
-pub use store::memory::{MemoryStore, MemoryStoreBuilder};
-pub use store::record::{
-    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
-    retry_after_secs,
-};
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
-pub use store::sql::SetupError;
+pub use store::MemoryStore;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use store::sql::postgres::{PostgresStore, PostgresStoreBuilder};
-#[cfg(feature = "sqlite")]
-#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
-pub use store::sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
-pub use store::sweeper::Sweeper;
-pub use store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
-pub use tx::{CommitPath, TxOptions};
+pub use store::PostgresStore;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
-pub use tx::{Transaction, TxBegin, TxDatabase, TxExecution, TxFinished};
+pub use store::SetupError;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use store::SqliteStore;
+pub use store::{Store, StoreError};
+pub use tx::CommitPath;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+pub use tx::Transaction;
 pub use uuid;
 
 /// `#[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant")]` on an
@@ -112,25 +113,8 @@ pub use uuid;
 /// (required) is the identity of its records: see [`call`] and the attribute's docs.
 pub use idempotent_macros::idempotent_fn as idempotent;
 
+/// What only the adapters and the attributes' expansions use: **not a public API, not covered
+/// by semver** (the adapters pin this crate with `=` for that reason). Hidden from the docs.
 #[doc(hidden)]
-/// Not a stable API: the code `#[idempotent(key_from = …)]` generates calls these.
-pub mod __private {
-    /// Function mode's runtime.
-    pub mod call {
-        pub use crate::call::{CallError, Calls, Function};
-        pub use crate::scope::ScopeValue;
-        pub use ::core::time::Duration;
-
-        /// The scope of a parameter (type-checks it against [`ScopeValue`]).
-        pub fn scope_of<T: ScopeValue + ?Sized>(
-            value: &T,
-        ) -> Result<crate::scope::Scope, crate::scope::ScopeError> {
-            value.to_scope()
-        }
-
-        /// The unscoped namespace.
-        pub fn unscoped() -> Result<crate::scope::Scope, crate::scope::ScopeError> {
-            Ok(crate::scope::Scope::unscoped())
-        }
-    }
-}
+#[path = "adapter.rs"]
+pub mod __private;

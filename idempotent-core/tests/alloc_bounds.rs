@@ -15,7 +15,7 @@
 // unsafe code (the workspace lint is `deny`, not `forbid`, so that this allow is possible).
 #![allow(unsafe_code)]
 
-use idempotent_core::{Fingerprint, FingerprintInput};
+use idempotent_core::{fingerprint::Fingerprint, fingerprint::FingerprintInput};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -286,7 +286,7 @@ fn json_fingerprint_memory_is_bounded() {
             let (name, body) = json_body(shape, size);
             let shape = format!("json {name}, {size} bytes");
             prop_assert!(
-                idempotent_core::canonical_json(&body).is_some(),
+                idempotent_core::fingerprint::canonical_json(&body).is_some(),
                 "{shape}: not JSON"
             );
             check(&shape, JSON, &body);

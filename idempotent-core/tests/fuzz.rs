@@ -15,7 +15,9 @@
 //! (`PROPTEST_RNG_SEED` pins one).
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::*;
+use idempotent_core::__private::format_duration;
+use idempotent_core::http::MAX_KEY_LEN;
+use idempotent_core::{fingerprint::*, *};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! Property tests: the key parser and the canonicalisers never panic and behave as specified.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::*;
+use idempotent_core::{fingerprint::*, *};
 use proptest::prelude::*;
 
 proptest! {

@@ -5,7 +5,8 @@
 //! `cargo bench -p idempotent-tests --bench stores`; PostgreSQL only with `DATABASE_URL`.
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use idempotent_core::*;
+use idempotent_core::{engine::*, fingerprint::*, store::*, *};
+use idempotent_tests::execute::{Execute, Handled, Outcome};
 use idempotent_tests::fixtures::{pg_drop, pg_pool, pg_store, unique_table};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

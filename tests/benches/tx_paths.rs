@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use idempotent_core::sqlx::{self, AssertSqlSafe};
-use idempotent_core::*;
+use idempotent_core::{engine::*, fingerprint::*, store::*, tx::*, *};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -5,8 +5,10 @@
 
 use crate::Fixture;
 use idempotent_core::{
-    ClaimOutcome, ClaimRequest, Deleted, Fingerprint, FingerprintInput, IdempotencyKey, Lease,
-    RecordKey, RecordState, Scope, Store, StoreError, StoredOutcome, StoredResponse,
+    IdempotencyKey, Scope, Store, StoreError, fingerprint::Fingerprint,
+    fingerprint::FingerprintInput, store::ClaimOutcome, store::ClaimRequest, store::Deleted,
+    store::Lease, store::RecordKey, store::RecordState, store::StoredOutcome,
+    store::StoredResponse,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -428,7 +430,7 @@ pub async fn extend_keeps_lease(f: &impl Fixture) {
 pub async fn stale_token_on_absent_record(f: &impl Fixture) {
     let store = f.fresh().await;
     let key = unique_key("ghost");
-    let token = idempotent_core::LeaseToken::generate();
+    let token = idempotent_core::store::LeaseToken::generate();
     assert!(matches!(
         store.complete(&key, token, &response("x"), TTL).await,
         Err(StoreError::StaleLease)

@@ -1,8 +1,8 @@
 //! A store wrapper that counts every call and fails the ones a test asks it to.
 
 use idempotent_core::{
-    ClaimOutcome, ClaimRequest, Deleted, LeaseToken, Record, RecordKey, Store, StoreError,
-    StoredOutcome,
+    Store, StoreError, store::ClaimOutcome, store::ClaimRequest, store::Deleted, store::LeaseToken,
+    store::Record, store::RecordKey, store::StoredOutcome,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub mod conformance;
+pub mod execute;
 pub mod faults;
 pub mod fixtures;
 pub mod stall;

@@ -2,8 +2,9 @@
 //! streams, drain against requests that are mid-claim, and policies out of bounds.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::http::{Capture, Recorder};
-use idempotent_core::*;
+use idempotent_core::__private::{Capture, Recorder};
+use idempotent_core::{engine::*, store::*, *};
+use idempotent_tests::execute::{Execute, Handled, Outcome};
 use idempotent_tests::faults::FaultyStore;
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The store conformance suite on the in-memory store.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::{ManualClock, MemoryStore, Store};
+use idempotent_core::{MemoryStore, Store, clock::ManualClock};
 use idempotent_tests::{Fixture, conformance_suite};
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,7 +30,7 @@ conformance_suite!(memory_store, crate::memory());
 
 #[tokio::test]
 async fn capacity_is_enforced_and_expired_records_make_room() {
-    use idempotent_core::*;
+    use idempotent_core::{clock::*, store::*};
     let clock = Arc::new(ManualClock::new());
     let store = MemoryStore::builder()
         .max_entries(3)
@@ -85,7 +85,7 @@ async fn capacity_is_enforced_and_expired_records_make_room() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn capacity_holds_under_concurrent_claims() {
-    use idempotent_core::*;
+    use idempotent_core::store::*;
     let store = Arc::new(MemoryStore::builder().max_entries(10).build());
     let fp = idempotent_tests::conformance::fp("a");
     let barrier = Arc::new(tokio::sync::Barrier::new(64));
@@ -121,7 +121,7 @@ async fn capacity_holds_under_concurrent_claims() {
 /// again; a released record frees its slot; the unscoped namespace has no per-scope bound.
 #[tokio::test]
 async fn one_scope_cannot_fill_the_store_for_everyone() {
-    use idempotent_core::*;
+    use idempotent_core::{clock::*, store::*, *};
     let clock = Arc::new(ManualClock::new());
     let store = MemoryStore::builder()
         .max_entries(100)
@@ -215,7 +215,7 @@ async fn one_scope_cannot_fill_the_store_for_everyone() {
 #[tokio::test]
 async fn function_scopes_are_shared_when_built_not_when_spelled_so() {
     use idempotent_core::call::{Call, Calls};
-    use idempotent_core::*;
+    use idempotent_core::{engine::*, store::*, *};
     let store = MemoryStore::builder()
         .max_entries(100)
         .max_per_scope(3)
@@ -272,7 +272,7 @@ async fn function_scopes_are_shared_when_built_not_when_spelled_so() {
 /// step (shown on the wall time the store started with plus monotonic time since).
 #[tokio::test]
 async fn leases_are_measured_on_a_monotonic_clock() {
-    use idempotent_core::*;
+    use idempotent_core::{clock::*, store::*};
     let clock = Arc::new(ManualClock::new());
     let store = MemoryStore::builder().clock(clock.clone()).build();
     let fp = idempotent_tests::conformance::fp("a");
@@ -357,10 +357,10 @@ const MIB: u64 = 1024 * KIB;
 /// answered.
 async fn claim_and_store(
     store: &idempotent_core::MemoryStore,
-    k: &idempotent_core::RecordKey,
+    k: &idempotent_core::store::RecordKey,
     size: u64,
-) -> Result<idempotent_core::ClaimOutcome, idempotent_core::StoreError> {
-    use idempotent_core::*;
+) -> Result<idempotent_core::store::ClaimOutcome, idempotent_core::StoreError> {
+    use idempotent_core::store::*;
     let fp = idempotent_tests::conformance::fp("a");
     let short = Duration::from_secs(10);
     let out = store
@@ -386,9 +386,9 @@ async fn claim_and_store(
 /// marker.
 async fn replayed_size(
     store: &idempotent_core::MemoryStore,
-    k: &idempotent_core::RecordKey,
+    k: &idempotent_core::store::RecordKey,
 ) -> Option<usize> {
-    use idempotent_core::*;
+    use idempotent_core::store::*;
     let fp = idempotent_tests::conformance::fp("a");
     let short = Duration::from_secs(10);
     match store
@@ -414,7 +414,7 @@ async fn replayed_size(
 /// released and expired records give their bytes back.
 #[tokio::test]
 async fn one_scope_cannot_fill_the_store_with_bytes() {
-    use idempotent_core::*;
+    use idempotent_core::{clock::*, engine::*, store::*, *};
     let clock = Arc::new(ManualClock::new());
     let store = MemoryStore::builder()
         .max_bytes(64 * MIB)
@@ -539,7 +539,7 @@ async fn one_scope_cannot_fill_the_store_with_bytes() {
 /// until records go.
 #[tokio::test]
 async fn the_total_byte_budget_holds() {
-    use idempotent_core::*;
+    use idempotent_core::{store::*, *};
     let store = MemoryStore::builder()
         .max_bytes(MIB)
         .max_bytes_per_scope(64 * MIB)
@@ -585,7 +585,7 @@ async fn the_total_byte_budget_holds() {
 /// refused, and the bytes charged add up: deleting every record gives back every byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn byte_budget_holds_under_concurrent_completes() {
-    use idempotent_core::*;
+    use idempotent_core::store::*;
     const TASKS: usize = 64;
     let store = MemoryStore::builder().max_bytes(MIB).build();
     let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
@@ -636,7 +636,7 @@ async fn byte_budget_holds_under_concurrent_completes() {
 /// deleted, claims work again.
 #[tokio::test]
 async fn other_callers_volume_never_turns_a_response_into_a_marker() {
-    use idempotent_core::*;
+    use idempotent_core::{store::*, *};
     let store = MemoryStore::builder()
         .max_bytes(MIB)
         .max_bytes_per_scope(64 * MIB)

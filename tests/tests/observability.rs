@@ -5,7 +5,8 @@
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
 use idempotent_core::observe::{EVENTS_TOTAL, IN_FLIGHT, REQUESTS_TOTAL, STORE_SECONDS};
-use idempotent_core::*;
+use idempotent_core::{clock::*, engine::*, fingerprint::*, store::*, *};
+use idempotent_tests::execute::{Execute, Handled, Outcome};
 use idempotent_tests::faults::FaultyStore;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use std::collections::HashMap;
@@ -221,7 +222,10 @@ impl Store for Down {
     async fn purge_expired(&self, _: usize) -> Result<u64, StoreError> {
         Err(down())
     }
-    async fn get(&self, _: &RecordKey) -> Result<Option<idempotent_core::Record>, StoreError> {
+    async fn get(
+        &self,
+        _: &RecordKey,
+    ) -> Result<Option<idempotent_core::store::Record>, StoreError> {
         Err(down())
     }
     async fn delete(&self, _: &RecordKey, _: bool) -> Result<Deleted, StoreError> {

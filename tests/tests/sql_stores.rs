@@ -2,8 +2,9 @@
 //! races across instances and processes, the database clock, and killed connections.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::*;
+use idempotent_core::{engine::*, store::*, tx::*, *};
 use idempotent_tests::conformance::{fp, unique_key};
+use idempotent_tests::execute::{Execute, Handled, Outcome};
 use idempotent_tests::fixtures::*;
 use std::collections::HashMap;
 use std::sync::Arc;

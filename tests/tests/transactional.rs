@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
 use idempotent_core::sqlx::{self, AssertSqlSafe};
-use idempotent_core::*;
+use idempotent_core::{engine::*, store::*, tx::*, *};
 use idempotent_tests::conformance::{fp, unique_key};
 use idempotent_tests::fixtures::*;
 use std::future::Future;

@@ -16,7 +16,7 @@ use std::task::{Context, Poll};
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// use idempotent_core::Detached;
+/// use idempotent_core::__private::Detached;
 /// let (tx, rx) = tokio::sync::oneshot::channel();
 /// let work = Detached::new(async move {
 ///     tokio::task::yield_now().await;

@@ -1,16 +1,14 @@
 //! The engine: claim → execute → complete/release → replay, and the executions it owns.
 //!
-//! - this file: the settings ([`Policy`], the duration bounds), what [`Engine::begin`] and
-//!   [`Engine::execute`] answer, and the [`Engine`] itself;
+//! - this file: the settings ([`Policy`], the duration bounds), what [`Engine::begin`] answers, and the [`Engine`] itself;
 //! - `execution`: one claimed [`Execution`]: its lease, heartbeat and fenced writes;
 //! - `flight`: what [`Engine::drain`] counts, and the automatic sweeper it stops;
-//! - `detached`: [`Detached`], the future that outlives its caller.
+//! - `detached`: [`Detached`](crate::__private::Detached), the future that outlives its caller.
 
-mod detached;
+pub(crate) mod detached;
 mod execution;
 mod flight;
 
-pub use detached::Detached;
 pub use execution::{Execution, PanicPayload};
 pub(crate) use flight::{AutoSweep, InFlight};
 
@@ -101,10 +99,11 @@ pub(crate) fn check_duration(what: &'static str, value: Duration) -> Result<(), 
 /// Whether a route requires an `Idempotency-Key`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KeyRequirement {
-    /// A request without a key is refused ([`Outcome::KeyRejected`] with [`KeyError::Missing`]).
+    /// A request without a key is refused ([`Begin::KeyRejected`] with [`KeyError::Missing`]).
     #[default]
     Required,
-    /// A request without a key runs the handler unprotected ([`Outcome::NoKey`]).
+    /// A request without a key runs the handler unprotected
+    /// ([`Begin::Unprotected`] with [`Unprotected::NoKey`]).
     Optional,
 }
 
@@ -159,7 +158,7 @@ impl Policy {
     /// 5xx only with [`Policy::store_server_errors`]; anything else (1xx, invalid) is released.
     ///
     /// ```
-    /// use idempotent_core::Policy;
+    /// use idempotent_core::engine::Policy;
     /// let p = Policy::default();
     /// assert!(p.stores(201) && p.stores(404) && p.stores(302));
     /// assert!(!p.stores(409) && !p.stores(429) && !p.stores(500));
@@ -183,15 +182,6 @@ pub struct ExecuteRequest {
     pub key: Result<IdempotencyKey, KeyError>,
     /// The request's fingerprint.
     pub fingerprint: Fingerprint,
-}
-
-/// What a handler produced: the value handed back to the caller and what to store.
-#[derive(Debug)]
-pub struct Handled<T> {
-    /// Returned to the caller as [`Outcome::Executed`].
-    pub value: T,
-    /// Stored for replays (its status decides store vs release).
-    pub record: StoredOutcome,
 }
 
 /// What became of the record after the handler ran.
@@ -282,71 +272,36 @@ impl Begin {
     }
 }
 
-/// The result of [`Engine::execute`].
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Outcome<T> {
-    /// The handler ran (this request won the claim).
-    Executed {
-        /// The handler's value.
-        value: T,
-        /// What became of the record.
-        recorded: Recorded,
-    },
-    /// A stored outcome to replay; the handler did not run.
-    Replayed(StoredOutcome),
-    /// Another attempt is running; retry after the given time.
-    InProgress {
-        /// Time until the other attempt's lease runs out.
-        retry_after: Duration,
-    },
-    /// The key was used for a different request.
-    Mismatch {
-        /// Whether that request is still running.
-        in_progress: bool,
-    },
-    /// The key is missing (on a route that requires one) or malformed.
-    KeyRejected(KeyError),
-    /// The store failed; the handler did not run.
-    StoreUnavailable(StoreError),
-    /// No key on a route where it is optional: the handler ran unprotected.
-    NoKey(T),
-    /// The store failed and the route opted into fail-open: the handler ran unprotected.
-    FailedOpen {
-        /// The handler's value.
-        value: T,
-        /// The store's error.
-        error: StoreError,
-    },
-    /// The engine is draining (shutting down); the handler did not run.
-    Draining,
-    /// The policy is out of bounds ([`Policy::check`]); the handler did not run.
-    Misconfigured(ConfigError),
-}
-
 /// Runs handlers at most once per (scope, key), over any [`Store`], and owns the executions
 /// it starts.
 ///
+/// [`Engine::begin`] is its one entry: it claims the request's record and says whether to run
+/// the work (under the [`Execution`] it hands back) or how to answer without running it.
+///
 /// ```
-/// use idempotent_core::*;
+/// use idempotent_core::engine::{Begin, ExecuteRequest, Policy};
+/// use idempotent_core::fingerprint::{Fingerprint, FingerprintInput};
+/// use idempotent_core::store::StoredResponse;
+/// use idempotent_core::{Engine, IdempotencyKey, MemoryStore, Scope};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let engine = Engine::new(MemoryStore::new());
-/// let fp = Fingerprint::compute(&FingerprintInput {
-///     method: "POST", path: "/charges", query: None, content_type: None, body: b"",
-/// });
 /// let request = || ExecuteRequest {
 ///     scope: Scope::new("acct_1").unwrap(),
 ///     key: IdempotencyKey::parse(b"k1"),
-///     fingerprint: fp,
+///     fingerprint: Fingerprint::compute(&FingerprintInput {
+///         method: "POST", path: "/charges", query: None, content_type: None, body: b"",
+///     }),
 /// };
-/// let charge = || async {
-///     Handled { value: "charged", record: StoredResponse::new(201, "ch_1").into() }
+/// let policy = Policy::default();
+/// // The first request claims the record, runs the work and stores its outcome...
+/// let Begin::Claimed(mut execution) = engine.begin(request(), &policy).await else {
+///     panic!("the first request claims")
 /// };
-/// let first = engine.execute(request(), &Policy::default(), charge).await;
-/// assert!(matches!(first, Outcome::Executed { value: "charged", .. }));
-/// let retry = engine.execute(request(), &Policy::default(), charge).await;
-/// assert!(matches!(retry, Outcome::Replayed(_)));
+/// let response = execution.run(async { StoredResponse::new(201, "ch_1") }).await.unwrap();
+/// execution.finish(response.into()).await;
+/// // ...and a retry is answered with that outcome, without running the work again.
+/// assert!(matches!(engine.begin(request(), &policy).await, Begin::Replay(_)));
 /// # }
 /// ```
 ///
@@ -388,7 +343,7 @@ pub struct Drained {
     /// stay in progress until their leases end; a retry after that runs them again.
     pub still_running: usize,
     /// Executions this engine has seen dropped before they finished, over its whole life (a
-    /// runtime shut down under them, or a caller dropped [`Engine::execute`]'s future): their
+    /// runtime shut down under them, or a caller dropped a claimed [`Execution`] without finishing it): their
     /// records stay in progress until their leases end. Nonzero at shutdown usually means the
     /// server stopped its runtimes before draining.
     pub dropped_unfinished: usize,
@@ -578,52 +533,6 @@ impl Engine {
                     Begin::StoreUnavailable(error)
                 }
             }
-        }
-    }
-
-    /// Claims the request's record and runs `handler` only if the claim succeeded; a storable
-    /// outcome (see [`Policy::stores`]) is stored, anything else releases the key.
-    ///
-    /// While the handler runs longer than half the lease, a heartbeat extends the lease. If the
-    /// handler panics, the key is released and the panic resumes. If this future is dropped
-    /// while the handler runs, the handler is dropped with it and the record **stays in
-    /// progress until its lease runs out** (the handler may have done its work, so releasing
-    /// would let a retry do it again). Code that must survive its caller going away (an HTTP
-    /// request whose client disconnects) runs the work under [`Engine::begin`] inside a
-    /// [`Detached`] future instead, as the adapters do.
-    pub async fn execute<T, F, Fut>(
-        &self,
-        req: ExecuteRequest,
-        policy: &Policy,
-        handler: F,
-    ) -> Outcome<T>
-    where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Handled<T>>,
-    {
-        match self.begin(req, policy).await {
-            Begin::Claimed(mut execution) => match execution.run(handler()).await {
-                Ok(handled) => Outcome::Executed {
-                    recorded: execution.finish(handled.record).await,
-                    value: handled.value,
-                },
-                Err(panic) => {
-                    execution.release().await;
-                    std::panic::resume_unwind(panic)
-                }
-            },
-            Begin::Replay(outcome) => Outcome::Replayed(outcome),
-            Begin::InProgress { retry_after } => Outcome::InProgress { retry_after },
-            Begin::Mismatch { in_progress } => Outcome::Mismatch { in_progress },
-            Begin::KeyRejected(e) => Outcome::KeyRejected(e),
-            Begin::Unprotected(Unprotected::NoKey) => Outcome::NoKey(handler().await.value),
-            Begin::Unprotected(Unprotected::FailedOpen(error)) => Outcome::FailedOpen {
-                value: handler().await.value,
-                error,
-            },
-            Begin::StoreUnavailable(e) => Outcome::StoreUnavailable(e),
-            Begin::Draining => Outcome::Draining,
-            Begin::Misconfigured(e) => Outcome::Misconfigured(e),
         }
     }
 }

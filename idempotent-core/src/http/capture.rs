@@ -30,7 +30,7 @@ impl ResponsePlan {
     /// The plan for a response with `status` and, if known, an exact body size.
     ///
     /// ```
-    /// use idempotent_core::{Policy, http::ResponsePlan};
+    /// use idempotent_core::{engine::Policy, __private::ResponsePlan};
     /// let p = Policy::default();
     /// assert_eq!(ResponsePlan::new(&p, 503, Some(10), 100), ResponsePlan::Release);
     /// assert_eq!(ResponsePlan::new(&p, 201, Some(10), 100), ResponsePlan::Collect);
@@ -115,7 +115,7 @@ impl Recorder {
     pub async fn run<F: std::future::Future>(
         &mut self,
         fut: F,
-    ) -> Result<F::Output, crate::PanicPayload> {
+    ) -> Result<F::Output, crate::engine::PanicPayload> {
         self.execution.run(fut).await
     }
 
@@ -200,7 +200,7 @@ impl Recorder {
 /// this only keeps what a replay needs, and stops keeping bytes once the body passes the limit.
 ///
 /// ```
-/// use idempotent_core::{StoredOutcome, http::Capture};
+/// use idempotent_core::{store::StoredOutcome, __private::Capture};
 /// let mut c = Capture::new(201, [("content-type", &b"text/plain"[..]), ("date", b"x")], 5);
 /// assert!(c.push(b"hel"));
 /// assert!(c.push(b"lo"));

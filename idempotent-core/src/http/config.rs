@@ -99,22 +99,22 @@ impl Config {
     }
 
     /// The commit path of transactional routes that pick none (`None`: each database's
-    /// default, [`TxDatabase::DEFAULT_COMMIT`](crate::TxDatabase::DEFAULT_COMMIT)).
+    /// default, [`TxDatabase::DEFAULT_COMMIT`](crate::tx::TxDatabase::DEFAULT_COMMIT)).
     pub fn commit_path(&self) -> Option<CommitPath> {
         self.commit
     }
 
-    /// Default [`TxOptions::wait`].
+    /// Default [`TxOptions::wait`](crate::tx::TxOptions::wait).
     pub fn transaction_wait(&self) -> Duration {
         self.tx_wait
     }
 
-    /// [`TxOptions::max_waiters`].
+    /// [`TxOptions::max_waiters`](crate::tx::TxOptions::max_waiters).
     pub fn max_waiters(&self) -> usize {
         self.max_waiters
     }
 
-    /// [`TxOptions::read_first`].
+    /// [`TxOptions::read_first`](crate::tx::TxOptions::read_first).
     pub fn transaction_read_first(&self) -> bool {
         self.tx_read_first
     }
@@ -203,7 +203,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
-    /// No automatic sweeper (run [`Sweeper`](crate::Sweeper) yourself, or delete expired
+    /// No automatic sweeper (run [`Sweeper`](crate::store::Sweeper) yourself, or delete expired
     /// records another way).
     pub fn no_sweeper(mut self) -> Self {
         self.config.sweep_every = None;
@@ -243,14 +243,14 @@ impl<T: From<Config>> ConfigBuilder<T> {
 
     /// Single commit: read the record before opening a transaction, so a replay is one
     /// read-only statement (default `true`); `false` saves first executions that round trip
-    /// (see [`TxOptions::read_first`]).
+    /// (see [`TxOptions::read_first`](crate::tx::TxOptions::read_first)).
     pub fn transaction_read_first(mut self, on: bool) -> Self {
         self.config.tx_read_first = on;
         self
     }
 
-    /// The secret that handlers' downstream keys ([`Idempotent::derive`]) are derived under;
-    /// required by every handler that takes an [`Idempotent`] parameter. No default: see
+    /// The secret that handlers' downstream keys ([`Idempotent::derive`](crate::Idempotent::derive)) are derived under;
+    /// required by every handler that takes an [`Idempotent`](crate::Idempotent) parameter. No default: see
     /// [`DeriveSecret`] for why, and for rotation.
     ///
     /// ```
@@ -311,7 +311,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
 mod tests {
     use super::*;
     use crate::engine::KeyRequirement;
-    use crate::http::Route;
+    use crate::http::route::Route;
 
     #[test]
     fn settings_are_checked_once() {

@@ -47,7 +47,7 @@ pub trait Glue: 'static {
     fn status(head: &Self::Head) -> u16;
     /// The head's header lines, in order.
     fn headers(head: &Self::Head) -> impl Iterator<Item = (&str, &[u8])>;
-    /// Adds `Idempotent-Replayed: false` ([`FIRST_EXECUTION`]).
+    /// Adds `Idempotent-Replayed: false` (`FIRST_EXECUTION`).
     fn mark_first_execution(head: &mut Self::Head);
     /// The body's exact length, when it is known before reading it.
     fn exact_len(body: &Self::Body) -> Option<u64>;
@@ -261,7 +261,7 @@ pub async fn prepare(
 
 impl Job {
     /// Claim → execute → store → replay around `handler`. Run it detached from the request
-    /// (spawned, or in [`Detached`](crate::Detached)): once the key is claimed the handler
+    /// (spawned, or in [`Detached`](crate::__private::Detached)): once the key is claimed the handler
     /// runs to the end and its outcome is stored even if the client goes away. A panic in the
     /// handler releases the key and resumes here.
     pub async fn run<G: Glue>(self, handler: impl Future<Output = G::Response>) -> G::Response {

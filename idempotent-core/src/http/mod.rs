@@ -1,19 +1,22 @@
 //! Everything about HTTP that is not a framework type, on plain types (`&str`, `&[u8]`, `u16`),
 //! so the Axum and Actix adapters share one implementation and differ only in glue.
 //!
-//! - names: [`IDEMPOTENCY_KEY`], [`IDEMPOTENT_REPLAYED`], [`PROBLEM_JSON`];
-//! - which requests are protected ([`is_safe_method`]) and the cheap checks that run before
-//!   a body is read ([`check_key`], [`check_content_length`]);
-//! - the application's settings ([`Config`], built and validated once by [`ConfigBuilder`]) and
-//!   each route's arguments resolved against them ([`Route`] → [`RoutePolicy`]);
-//! - the request's identity ([`RequestHead::fingerprint`]);
-//! - the handler's response: which headers are stored ([`is_stored_header`]), a copy of the
-//!   body bounded by the route's limit ([`Capture`]), how it is recorded ([`ResponsePlan`]) and
-//!   the rules for a streamed body ([`Recorder`]);
-//! - what to answer: one exhaustive map from the engine's [`Begin`] to a [`Step`], and the
-//!   library's own [`Reply`]s (replays and RFC 9457 problems).
+//! What a user names is here: the header names ([`IDEMPOTENCY_KEY`], [`IDEMPOTENT_REPLAYED`],
+//! [`PROBLEM_JSON`]), the application's settings ([`Config`], built and validated once by
+//! [`ConfigBuilder`]) and their defaults and bounds. The request driver the adapters share
+//! lives in this module's private files (see `ARCHITECTURE.md`):
+//!
+//! - `request.rs`: which requests are protected, the checks that run before a body is read,
+//!   which response headers are stored, the request's fingerprint;
+//! - `route.rs`: each route's arguments resolved against the [`Config`];
+//! - `capture.rs`: a copy of the handler's response bounded by the route's limit, and the
+//!   rules for a streamed body;
+//! - `reply.rs`: one exhaustive map from the engine's answer to what the adapter does, and
+//!   the library's own replies (replays and RFC 9457 problems);
+//! - `decode.rs`: bounded `Content-Encoding` decoding for the fingerprint;
+//! - `driver.rs`: one request's whole life, generic over an adapter's glue.
 
-mod capture;
+pub(crate) mod capture;
 mod config;
 #[cfg(any(
     feature = "compress-gzip",
@@ -21,21 +24,18 @@ mod config;
     feature = "compress-zstd"
 ))]
 mod decode;
-pub mod driver;
-mod reply;
-mod route;
+pub(crate) mod driver;
+pub(crate) mod reply;
+pub(crate) mod request;
+pub(crate) mod route;
 
-use crate::engine::KeyRequirement;
 pub use crate::engine::{ConfigError, MAX_DURATION, MIN_DURATION};
-use crate::fingerprint::{Fingerprint, FingerprintInput};
-use crate::key::{IdempotencyKey, KeyError};
-use crate::problem::Problem;
-pub use capture::{Capture, Recorder, ResponsePlan};
+pub use crate::key::MAX_KEY_LEN;
+pub use crate::problem::PROBLEM_BASE;
 pub use config::{Config, ConfigBuilder};
-pub use reply::{FIRST_EXECUTION, Reply, Step, TxReply};
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub use reply::{TxStep, begin_transactional, finish_transactional};
-pub use route::{Route, RoutePolicy, idempotent_context};
+pub(crate) use request::{
+    RequestHead, check_content_length, check_key, is_safe_method, is_stored_header,
+};
 use std::time::Duration;
 
 /// The request header carrying the key (lower case, as HTTP/2 and the `http` crates spell it).
@@ -54,260 +54,3 @@ pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
 pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// Default time allowed to read a request body for fingerprinting: 30 s.
 pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Whether a method is safe (GET, HEAD, OPTIONS): its requests ignore the key and run.
-///
-/// ```
-/// use idempotent_core::http::is_safe_method;
-/// assert!(is_safe_method("GET") && !is_safe_method("POST") && !is_safe_method("PATCH"));
-/// ```
-pub fn is_safe_method(method: &str) -> bool {
-    matches!(method, "GET" | "HEAD" | "OPTIONS")
-}
-
-/// Whether a response header is stored for replays. Hop-by-hop headers, `Date`,
-/// `Content-Length` (replays are framed anew), `Set-Cookie` (a replay must not hand one
-/// caller's session to a retry) and our own `Idempotent-Replayed` are not. `name` is
-/// compared case-insensitively.
-///
-/// ```
-/// use idempotent_core::http::is_stored_header;
-/// assert!(is_stored_header("content-type") && is_stored_header("Location"));
-/// assert!(!is_stored_header("Set-Cookie") && !is_stored_header("transfer-encoding"));
-/// ```
-pub fn is_stored_header(name: &str) -> bool {
-    const NEVER: [&str; 13] = [
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "date",
-        "content-length",
-        "set-cookie",
-        IDEMPOTENT_REPLAYED,
-    ];
-    !NEVER.iter().any(|n| n.eq_ignore_ascii_case(name))
-}
-
-/// The checks on the key that need neither the body nor the store, run first: a malformed key
-/// is refused on every route, a missing one where the route requires it.
-///
-/// # Errors
-/// The 400 problem to answer with.
-///
-/// ```
-/// use idempotent_core::{IdempotencyKey, KeyRequirement, http::check_key};
-/// let missing = IdempotencyKey::from_header_values::<&[u8]>([]);
-/// assert_eq!(check_key(&missing, KeyRequirement::Required).unwrap_err().status, 400);
-/// assert!(check_key(&missing, KeyRequirement::Optional).is_ok());
-/// ```
-pub fn check_key(
-    key: &Result<IdempotencyKey, KeyError>,
-    requirement: KeyRequirement,
-) -> Result<(), Box<Problem>> {
-    match key {
-        Ok(_) => Ok(()),
-        Err(KeyError::Missing) if requirement == KeyRequirement::Optional => Ok(()),
-        Err(e) => Err(Box::new(Problem::key(e))),
-    }
-}
-
-/// Refuses a request whose declared `Content-Length` is over the limit before its body is
-/// read (an absent or unparsable header is left to the read itself).
-///
-/// # Errors
-/// The 413 problem.
-pub fn check_content_length(value: Option<&[u8]>, limit: usize) -> Result<(), Box<Problem>> {
-    let declared = value
-        .and_then(|v| std::str::from_utf8(v).ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    match declared {
-        Some(n) if n > limit as u64 => Err(Box::new(Problem::request_too_large(limit))),
-        _ => Ok(()),
-    }
-}
-
-/// The parts of a request that identify it, borrowed from the framework's request.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestHead<'a> {
-    /// The method (`POST`).
-    pub method: &'a str,
-    /// The path as received, with any prefix a nested router stripped put back: never the
-    /// route template, and not normalised.
-    pub path: &'a str,
-    /// The query string as sent, without `?`.
-    pub query: Option<&'a str>,
-    /// The `Content-Type` header, if it is valid text.
-    pub content_type: Option<&'a str>,
-}
-
-/// The largest body [`RequestHead::fingerprint_async`] fingerprints on the async worker
-/// itself: 8 KiB.
-///
-/// Measured (release build, 2-core machine): a fingerprint costs about 0.5 µs per KiB raw,
-/// 3 µs per KiB of JSON and 6–9 µs per KiB of a typical form (up to about 50 µs per KiB for
-/// a hostile form of one-byte fields out of order), while handing a closure to tokio's
-/// blocking pool and back costs about 7 µs. At 8 KiB a fingerprint takes some 25–70 µs: the
-/// hand-off would be a large share of that, and the worker is held up no longer than
-/// tokio's guidance between awaits (10–100 µs). Above it the computation grows with the
-/// body, the hand-off does not: a 2 MiB body costs 1–100 ms.
-pub const FINGERPRINT_INLINE_MAX: usize = 8 << 10;
-
-impl RequestHead<'_> {
-    /// The request's fingerprint over this head and `body`, computed here and now (for a large
-    /// body on an async worker, prefer [`RequestHead::fingerprint_async`]).
-    pub fn fingerprint(&self, body: &[u8]) -> Fingerprint {
-        Fingerprint::compute(&FingerprintInput {
-            method: self.method,
-            path: self.path,
-            query: self.query,
-            content_type: self.content_type,
-            body,
-        })
-    }
-
-    /// [`RequestHead::fingerprint`], off the async workers for a body above
-    /// [`FINGERPRINT_INLINE_MAX`]: on tokio's blocking pool (`spawn_blocking`), so a 2 MiB
-    /// form or JSON body does not hold up the other requests of its worker thread (on
-    /// actix-web's single-threaded runtimes too, which have a blocking pool). Smaller bodies,
-    /// and any body outside a tokio runtime, are fingerprinted inline. The body is owned
-    /// (`Bytes`, `Vec<u8>`) because the computation may outlive this future's borrow.
-    ///
-    /// Never fails: if the blocking task cannot give an answer (the runtime is shutting down
-    /// and refused it, or it panicked), the fingerprint is computed inline instead, so the
-    /// request is still answered.
-    ///
-    /// ```
-    /// use idempotent_core::http::RequestHead;
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
-    /// let head = RequestHead {
-    ///     method: "POST", path: "/v1/charges", query: None,
-    ///     content_type: Some("application/json"),
-    /// };
-    /// let body = vec![b' '; 1 << 20]; // 1 MiB of whitespace: hashed raw, off the worker
-    /// assert_eq!(head.fingerprint_async(body.clone()).await, head.fingerprint(&body));
-    /// # }
-    /// ```
-    pub async fn fingerprint_async<B>(&self, body: B) -> Fingerprint
-    where
-        B: AsRef<[u8]> + Send + Sync + 'static,
-    {
-        if body.as_ref().len() <= FINGERPRINT_INLINE_MAX {
-            return self.fingerprint(body.as_ref());
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return self.fingerprint(body.as_ref());
-        };
-        // Shared, so the body is still here for the inline fallback.
-        let body = std::sync::Arc::new(body);
-        let task = {
-            let body = std::sync::Arc::clone(&body);
-            let (method, path) = (self.method.to_owned(), self.path.to_owned());
-            let query = self.query.map(str::to_owned);
-            let content_type = self.content_type.map(str::to_owned);
-            runtime.spawn_blocking(move || {
-                RequestHead {
-                    method: &method,
-                    path: &path,
-                    query: query.as_deref(),
-                    content_type: content_type.as_deref(),
-                }
-                .fingerprint((*body).as_ref())
-            })
-        };
-        match task.await {
-            Ok(fingerprint) => fingerprint,
-            Err(error) => {
-                tracing::warn!(%error, "idempotency: fingerprinting on the blocking pool failed; computed inline");
-                self.fingerprint((*body).as_ref())
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::record::StoredOutcome;
-
-    #[test]
-    fn header_filter() {
-        for never in [
-            "Connection",
-            "keep-alive",
-            "Proxy-Authenticate",
-            "proxy-authorization",
-            "proxy-connection",
-            "TE",
-            "trailer",
-            "Transfer-Encoding",
-            "upgrade",
-            "Date",
-            "content-length",
-            "Set-Cookie",
-            "Idempotent-Replayed",
-        ] {
-            assert!(!is_stored_header(never), "{never} must not be stored");
-        }
-        for kept in [
-            "content-type",
-            "location",
-            "etag",
-            "cache-control",
-            "x-request-id",
-            "link",
-            "content-encoding",
-        ] {
-            assert!(is_stored_header(kept), "{kept} must be stored");
-        }
-        // Capture applies the filter and keeps repeats in order.
-        let c = Capture::new(
-            201,
-            [
-                ("x-a", &b"1"[..]),
-                ("set-cookie", b"s=1"),
-                ("x-a", b"2"),
-                ("date", b"now"),
-                ("idempotent-replayed", b"false"),
-                ("Content-Length", b"2"),
-            ],
-            10,
-        );
-        let StoredOutcome::Response(r) = c.finish() else {
-            panic!("oversized")
-        };
-        assert_eq!(
-            r.headers,
-            vec![
-                ("x-a".to_owned(), b"1".to_vec()),
-                ("x-a".to_owned(), b"2".to_vec())
-            ]
-        );
-    }
-
-    #[test]
-    fn cheap_checks() {
-        assert!(check_content_length(Some(b"10"), 10).is_ok());
-        assert_eq!(
-            check_content_length(Some(b"11"), 10).map_err(|p| p.status),
-            Err(413)
-        );
-        assert!(check_content_length(Some(b"junk"), 10).is_ok());
-        assert!(check_content_length(None, 10).is_ok());
-        let bad = IdempotencyKey::parse(b"");
-        assert_eq!(
-            check_key(&bad, KeyRequirement::Optional).map_err(|p| p.slug),
-            Err("idempotency-key-invalid"),
-            "a malformed key is never optional"
-        );
-        let missing = Err(KeyError::Missing);
-        assert_eq!(
-            check_key(&missing, KeyRequirement::Required).map_err(|p| p.slug),
-            Err("idempotency-key-missing")
-        );
-    }
-}

@@ -108,30 +108,30 @@ impl From<Begin> for Step {
     }
 }
 
-/// What an adapter does next on a transactional route ([`TxBegin`](crate::TxBegin) on the
+/// What an adapter does next on a transactional route ([`TxBegin`](crate::tx::TxBegin) on the
 /// wire): run the handler with the execution's transaction, or answer.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[derive(Debug)]
 // Made and taken apart once per request: boxing the large variant would only add an allocation.
 #[allow(clippy::large_enum_variant)]
-pub enum TxStep<DB: crate::TxDatabase> {
-    /// Run the handler with this transaction (under [`TxExecution::run`](crate::TxExecution::run)),
+pub enum TxStep<DB: crate::tx::TxDatabase> {
+    /// Run the handler with this transaction (under [`TxExecution::run`](crate::tx::TxExecution::run)),
     /// read its whole response, then [`finish_transactional`].
-    Run(crate::TxExecution<DB>, crate::Transaction<DB>),
+    Run(crate::tx::TxExecution<DB>, crate::Transaction<DB>),
     /// Answer with this; the handler does not run.
     Respond(Reply),
 }
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-impl<DB: crate::TxDatabase> From<crate::TxBegin<DB>> for TxStep<DB> {
-    fn from(begin: crate::TxBegin<DB>) -> Self {
+impl<DB: crate::tx::TxDatabase> From<crate::tx::TxBegin<DB>> for TxStep<DB> {
+    fn from(begin: crate::tx::TxBegin<DB>) -> Self {
         match begin {
-            crate::TxBegin::Run(mut execution) => match execution.transaction() {
+            crate::tx::TxBegin::Run(mut execution) => match execution.transaction() {
                 Some(tx) => TxStep::Run(execution, tx),
                 // A fresh execution always holds its transaction.
                 None => TxStep::Respond(Reply::problem(&Problem::misconfigured())),
             },
-            crate::TxBegin::Respond(begin) => match Step::from(begin) {
+            crate::tx::TxBegin::Respond(begin) => match Step::from(begin) {
                 Step::Respond(reply) => TxStep::Respond(reply),
                 // `begin_transactional` never answers with these.
                 Step::Execute(_) | Step::Unprotected => {
@@ -140,7 +140,7 @@ impl<DB: crate::TxDatabase> From<crate::TxBegin<DB>> for TxStep<DB> {
             },
             // The engine logged which database the route wants and what the store is; the
             // client is told nothing of the server's wiring.
-            crate::TxBegin::WrongStore { .. } => {
+            crate::tx::TxBegin::WrongStore { .. } => {
                 TxStep::Respond(Reply::problem(&Problem::misconfigured()))
             }
         }
@@ -151,10 +151,10 @@ impl<DB: crate::TxDatabase> From<crate::TxBegin<DB>> for TxStep<DB> {
 /// protected, or with a transaction and no record (`None`: a safe method, or no key where it
 /// is optional).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub async fn begin_transactional<DB: crate::TxDatabase>(
+pub async fn begin_transactional<DB: crate::tx::TxDatabase>(
     engine: &Engine,
-    request: Option<crate::ExecuteRequest>,
-    policy: &crate::Policy,
+    request: Option<crate::engine::ExecuteRequest>,
+    policy: &crate::engine::Policy,
     options: &TxOptions,
 ) -> TxStep<DB> {
     let begin = match request {
@@ -184,11 +184,11 @@ pub enum TxReply {
 /// Finishes a transactional execution with the handler's whole response: stores it (up to
 /// `limit` bytes; larger ones store the oversized marker) and commits, or rolls back when the
 /// route does not store its status. Nothing can be sent before COMMIT, so the adapter reads
-/// the whole body first (a failed body: [`TxExecution::abort`](crate::TxExecution::abort)
+/// the whole body first (a failed body: [`TxExecution::abort`](crate::tx::TxExecution::abort)
 /// and [`Problem::response_failed`]).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub async fn finish_transactional<'a, DB: crate::TxDatabase>(
-    execution: crate::TxExecution<DB>,
+pub async fn finish_transactional<'a, DB: crate::tx::TxDatabase>(
+    execution: crate::tx::TxExecution<DB>,
     status: u16,
     headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
     body: &[u8],
@@ -198,16 +198,18 @@ pub async fn finish_transactional<'a, DB: crate::TxDatabase>(
     capture.push(body);
     let protected = execution.is_protected();
     match execution.finish(capture.finish()).await {
-        crate::TxFinished::Committed => TxReply::Send {
+        crate::tx::TxFinished::Committed => TxReply::Send {
             first_execution: protected,
         },
-        crate::TxFinished::RolledBack => TxReply::Send {
+        crate::tx::TxFinished::RolledBack => TxReply::Send {
             first_execution: false,
         },
-        crate::TxFinished::Failed(_) => {
+        crate::tx::TxFinished::Failed(_) => {
             TxReply::Respond(Reply::problem(&Problem::store_unavailable()))
         }
-        crate::TxFinished::Escaped => TxReply::Respond(Reply::problem(&Problem::misconfigured())),
+        crate::tx::TxFinished::Escaped => {
+            TxReply::Respond(Reply::problem(&Problem::misconfigured()))
+        }
     }
 }
 

@@ -135,7 +135,7 @@ impl Route {
 /// handler).
 ///
 /// # Errors
-/// [`Problem::misconfigured`] when the configuration has no [`DeriveSecret`] (logged once per
+/// [`Problem::misconfigured`] when the configuration has no [`DeriveSecret`](crate::DeriveSecret) (logged once per
 /// route, with its name): the handler must not run, since its downstream keys would not be
 /// stable.
 pub fn idempotent_context(

@@ -7,8 +7,23 @@ pub(crate) mod record;
 pub(crate) mod sql;
 pub(crate) mod sweeper;
 
+pub use memory::{MemoryStore, MemoryStoreBuilder};
+pub use record::{
+    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
+    retry_after_secs,
+};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+pub use sql::SetupError;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use sql::postgres::{PostgresStore, PostgresStoreBuilder};
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use sql::sqlite::{DEFAULT_BUSY_TIMEOUT, SqliteStore, SqliteStoreBuilder};
+pub use sweeper::Sweeper;
+
 use crate::fingerprint::Fingerprint;
-use record::{Lease, LeaseToken, Record, RecordKey, StoredOutcome};
 use std::time::Duration;
 
 /// A request to claim a record.
@@ -189,7 +204,7 @@ pub trait Store: Send + Sync + 'static {
     async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError>;
 
     /// The store itself, when it can run transactional executions (the SQL stores, see
-    /// [`TxDatabase`](crate::TxDatabase)); `None` (the default) for every other store.
+    /// [`TxDatabase`](crate::tx::TxDatabase)); `None` (the default) for every other store.
     /// Wrappers that forward to such a store should forward this too.
     fn transactional(&self) -> Option<&dyn std::any::Any> {
         None

@@ -12,7 +12,7 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};
-/// use idempotent_core::{MemoryStore, Sweeper};
+/// use idempotent_core::{MemoryStore, store::Sweeper};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let sweeper = Sweeper::spawn(Arc::new(MemoryStore::new()), Duration::from_secs(60), 1_000);

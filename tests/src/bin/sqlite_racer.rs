@@ -4,7 +4,7 @@
 //!
 //! Usage: `sqlite_racer <db-url> <keys> <dups> <label> <start-at-unix-ms>`
 
-use idempotent_core::*;
+use idempotent_core::{fingerprint::*, store::*, *};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -50,7 +50,7 @@ pub(crate) struct TxHooks {
 
 /// The transactional handlers' write (both frameworks): one row through the transaction. The
 /// status comes from the request's `{"status": …}`.
-pub(crate) async fn tx_work<DB: idempotent_core::TxDatabase>(
+pub(crate) async fn tx_work<DB: idempotent_core::tx::TxDatabase>(
     app: &App,
     tx: &mut idempotent_core::Transaction<DB>,
 ) where
@@ -1366,7 +1366,7 @@ async fn drain_waits_for_executions_whose_client_left(fw: Fw) {
     assert_eq!(drained.still_running, 0);
     // Stored before drain returned; new work is refused while draining.
     let record = store
-        .get(&idempotent_core::RecordKey::new(
+        .get(&idempotent_core::store::RecordKey::new(
             idempotent_core::Scope::new("acct_a").unwrap(),
             idempotent_core::IdempotencyKey::parse(k.as_bytes()).unwrap(),
         ))
@@ -1375,7 +1375,7 @@ async fn drain_waits_for_executions_whose_client_left(fw: Fw) {
         .unwrap();
     assert!(matches!(
         record.state,
-        idempotent_core::RecordState::Done { .. }
+        idempotent_core::store::RecordState::Done { .. }
     ));
     let res = s
         .post("/v1/charges", "acct_a", Some(&key()), r#"{"amount": 1}"#)

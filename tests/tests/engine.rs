@@ -1,7 +1,9 @@
 //! Engine behaviour on the real memory store, with real tasks and real time.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::*;
+use idempotent_core::__private::Detached;
+use idempotent_core::{clock::*, engine::*, fingerprint::*, store::*, *};
+use idempotent_tests::execute::{Execute, Handled, Outcome};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
