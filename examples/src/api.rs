@@ -185,9 +185,15 @@ pub async fn start<T: From<Config>>(
             return Err(std::process::ExitCode::FAILURE);
         }
     };
-    let mut config = ConfigBuilder::<T>::new(Engine::from_arc(store.clone()))
+    let engine = Engine::builder_from_arc(store.clone())
         .lease(args.lease)
-        .derive_secret(secret.clone());
+        .derive_secret(secret.clone())
+        .build()
+        .map_err(|e| {
+            eprintln!("{name}: invalid configuration: {e}");
+            std::process::ExitCode::FAILURE
+        })?;
+    let mut config = ConfigBuilder::<T>::new(engine);
     if let Some(commit) = args.commit {
         config = config.commit_path(commit);
     }

@@ -7,16 +7,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The runtime configuration of `#[idempotent]` handlers: the store (through its engine), the
-/// default ttl and lease, the size limits and fail-open. Install it with
+/// default ttl, the size limits and fail-open (the default lease and the derive secret are the
+/// engine's: [`Engine::builder`]). Install it with
 /// `App::new().wrap(idempotency.middleware())`; at shutdown, [`Idempotency::drain`] waits for
 /// executions still running (a client that went away does not stop them).
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotent_actix::{Idempotency, MemoryStore};
+/// use idempotent_actix::{Engine, Idempotency, MemoryStore};
 ///
+/// // HTTP settings on the configuration:
 /// let idempotency = Idempotency::builder(MemoryStore::new())
-///     .lease(Duration::from_secs(10))
+///     .ttl(Duration::from_secs(3600))
+///     .build()?;
+/// // Engine-wide ones (the default lease, the derive secret) on the engine it is built over:
+/// let engine = Engine::builder(MemoryStore::new()).lease(Duration::from_secs(10)).build()?;
+/// let idempotency = Idempotency::builder_from_engine(engine)
 ///     .ttl(Duration::from_secs(3600))
 ///     .build()?;
 /// # let _ = idempotency;
@@ -48,7 +54,7 @@ impl std::fmt::Debug for Idempotency {
 }
 
 impl Idempotency {
-    /// Configuration over `store` with the defaults: ttl 24 h, lease 30 s, responses up to
+    /// Configuration over `store` with the defaults: ttl 24 h, lease 30 s (the engine's), responses up to
     /// 1 MiB stored, request bodies up to 2 MiB, fail closed.
     pub fn new(store: impl Store) -> Self {
         Self::from_engine(Engine::new(store))

@@ -78,7 +78,7 @@
 //!
 //! ```
 //! use actix_web::{App, HttpResponse, post, web};
-//! use idempotent_actix::{DeriveSecret, Idempotency, Idempotent, MemoryStore, idempotent};
+//! use idempotent_actix::{DeriveSecret, Engine, Idempotency, Idempotent, MemoryStore, idempotent};
 //! # use actix_web::{FromRequest, HttpRequest, dev::Payload};
 //! # struct Account(String);
 //! # impl FromRequest for Account {
@@ -111,15 +111,17 @@
 //! // The secret: the same on every instance and across restarts (your secret manager).
 //! let secret = std::env::var("IDEMPOTENCY_SECRET")
 //!     .unwrap_or_else(|_| "a doctest-only secret of at least 32 bytes".into());
-//! let idempotency = Idempotency::builder(MemoryStore::new())
+//! let engine = Engine::builder(MemoryStore::new())
 //!     .derive_secret(DeriveSecret::new(secret)?)
 //!     .build()?;
+//! let idempotency = Idempotency::builder_from_engine(engine).build()?;
 //! let app = App::new().wrap(idempotency.middleware()).service(create_charge);
 //! # let _ = app;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! The configuration must hold the secret (`derive_secret`); there is no default, because a
+//! The engine must hold the secret (`Engine::builder(…).derive_secret(…)`, one secret for the
+//! handlers and the idempotent functions of a process); there is no default, because a
 //! secret made up at start-up would give another key after a restart, which is a double
 //! charge downstream. Without one, a handler that takes `Idempotent` is never run: its
 //! requests get a 500 and the log says why. Rotation is described at [`DeriveSecret`]. A

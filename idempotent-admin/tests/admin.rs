@@ -10,7 +10,7 @@ use axum::Router;
 use axum::extract::{FromRequestParts, State};
 use axum::http::{StatusCode, request::Parts};
 use axum::routing::post;
-use idempotent_axum::{Idempotency, PostgresStore, SqliteStore, Store, idempotent};
+use idempotent_axum::{Engine, Idempotency, PostgresStore, SqliteStore, Store, idempotent};
 use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
@@ -91,10 +91,11 @@ async fn serve(database: &str, work: Duration) -> String {
 }
 
 fn configure(store: impl Store) -> Idempotency {
-    Idempotency::builder(store)
+    let engine = Engine::builder(store)
         .lease(Duration::from_secs(2))
         .build()
-        .unwrap()
+        .unwrap();
+    Idempotency::builder_from_engine(engine).build().unwrap()
 }
 
 fn charge(base: &str, account: &str, key: &str) -> reqwest::RequestBuilder {

@@ -250,7 +250,10 @@ fn benches(c: &mut Criterion) {
     c.bench_function("engine_memory/replay", |b| {
         let engine = Engine::new(MemoryStore::new());
         let seeded = rt.block_on(once(&engine, request(0), &policy));
-        assert!(matches!(seeded, Ok(Recorded::Stored)), "the replayed record is stored");
+        assert!(
+            matches!(seeded, Ok(Recorded::Stored)),
+            "the replayed record is stored"
+        );
         b.iter_custom(|iters| {
             let requests: Vec<_> = (0..iters).map(|_| request(0)).collect();
             rt.block_on(async {

@@ -88,8 +88,8 @@ pub const OUTCOMES: [&str; 9] = [
     "misconfigured",
 ];
 
-/// The key of the log hashes: from the derive secret if one is configured first, else made
-/// per process.
+/// The key of the log hashes: from the engine's derive secret if it has one, else made per
+/// process.
 pub(crate) struct LogKey(OnceLock<Hmac<Sha256>>);
 
 impl LogKey {
@@ -97,9 +97,9 @@ impl LogKey {
         LogKey(OnceLock::new())
     }
 
-    /// Derives the key from `secret`, unless a key is in use already.
-    pub(crate) fn set_from(&self, secret: &DeriveSecret) {
-        let _ = self.0.set(hmac_with(&secret.log_key()));
+    /// The key derived from `secret`.
+    pub(crate) fn from_secret(secret: &DeriveSecret) -> Self {
+        LogKey(OnceLock::from(hmac_with(&secret.log_key())))
     }
 
     fn get(&self) -> &Hmac<Sha256> {

@@ -67,7 +67,7 @@ use validate::Entry;
 /// idempotency context: `idem.derive("payment-provider")` is a key for a downstream call that
 /// is the same on every run of this (scope, key), on every instance and after a restart, so a
 /// re-run handler does not charge twice downstream. It is no extractor (an extractor cannot
-/// see the scope); the configuration must hold a derive secret (`derive_secret`), or the
+/// see the scope); the engine must hold a derive secret (`Engine::builder(…).derive_secret(…)`), or the
 /// route answers 500 and logs why. The attribute recognises the parameter by its type's last
 /// path segment, `Idempotent` (as it does `Transaction`): a `use … as` rename or a type alias
 /// hides it, and the parameter is then taken for an extractor (which it is not).

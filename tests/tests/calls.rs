@@ -67,7 +67,23 @@ impl Fixture for Memory {
 }
 
 async fn calls(fixture: &impl Fixture) -> Calls {
-    Calls::new(Engine::from_arc(fixture.fresh().await)).lease(Duration::from_secs(5))
+    Calls::new(engine(fixture.fresh().await, None))
+}
+
+/// [`calls`] over an engine holding `secret`, for functions that derive keys.
+async fn calls_with_secret(fixture: &impl Fixture, secret: DeriveSecret) -> Calls {
+    Calls::new(engine(fixture.fresh().await, Some(secret)))
+}
+
+/// An engine over `store` with a 5 s lease (and `secret`, if any).
+fn engine(store: Arc<dyn Store>, secret: Option<DeriveSecret>) -> Engine {
+    let builder = Engine::builder_from_arc(store).lease(Duration::from_secs(5));
+    match secret {
+        Some(secret) => builder.derive_secret(secret),
+        None => builder,
+    }
+    .build()
+    .unwrap()
 }
 
 /// Three deliveries, one run: every delivery gets the first run's output.
@@ -194,8 +210,8 @@ async fn mismatches_and_types(f: &impl Fixture) {
 /// a wait that runs out is refused too.
 async fn concurrent_duplicates(f: &impl Fixture) {
     let store = f.fresh().await;
-    let engine = Engine::from_arc(store);
-    let refuse = Calls::new(engine.clone()).lease(Duration::from_secs(5));
+    let engine = engine(store, None);
+    let refuse = Calls::new(engine.clone());
     let wait = refuse
         .clone()
         .concurrent(Concurrent::Wait(Duration::from_secs(10)));
@@ -273,7 +289,7 @@ async fn panics_release_the_key(f: &impl Fixture) {
 /// function does not run without a secret.
 async fn derived_keys(f: &impl Fixture) {
     let secret = DeriveSecret::new([3u8; 32]).unwrap();
-    let calls = calls(f).await.derive_secret(secret);
+    let calls = calls_with_secret(f, secret).await;
     let msg = event(8);
     let mut seen = Vec::new();
     for fail in [true, false] {
@@ -403,9 +419,7 @@ async fn settle_with_the_attribute(
 }
 
 async fn the_attribute_stores_final_errors_and_derives(f: &impl Fixture) {
-    let calls = calls(f)
-        .await
-        .derive_secret(DeriveSecret::new([5u8; 32]).unwrap());
+    let calls = calls_with_secret(f, DeriveSecret::new([5u8; 32]).unwrap()).await;
     let runs = AtomicUsize::new(0);
     let msg = event(15);
     let first = settle_with_the_attribute(&calls, &msg, &runs)
@@ -431,7 +445,8 @@ async fn the_attribute_stores_final_errors_and_derives(f: &impl Fixture) {
         2,
         "stored: the decline ran once"
     );
-    let bare = Calls::new(calls.engine().clone());
+    // The same store under an engine without a secret: the function is refused, never run.
+    let bare = Calls::new(Engine::from_arc(calls.engine().store().clone()));
     let out = settle_with_the_attribute(&bare, &event(16), &runs).await;
     assert!(matches!(out, Err(CallError::Misconfigured(_))), "{out:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
@@ -505,9 +520,7 @@ mod renamed_identity {
 }
 
 async fn the_name_is_the_identity_not_the_module_path(f: &impl Fixture) {
-    let calls = calls(f)
-        .await
-        .derive_secret(DeriveSecret::new([7u8; 32]).unwrap());
+    let calls = calls_with_secret(f, DeriveSecret::new([7u8; 32]).unwrap()).await;
     let msg = event(17);
     let derived = std::sync::Mutex::new(Vec::new());
     let seen = || derived.lock().unwrap().clone();
@@ -708,7 +721,7 @@ async fn sqlite_setup() -> (Calls, sqlx::SqlitePool, String, Guard) {
         .execute(&pool)
         .await
         .unwrap();
-    let calls = Calls::new(Engine::new(store)).lease(Duration::from_secs(5));
+    let calls = Calls::new(engine(Arc::new(store), None));
     (calls, pool, "bookings".to_owned(), Guard::Dir(dir))
 }
 
@@ -726,7 +739,7 @@ async fn postgres_setup() -> (Calls, sqlx::PgPool, String, Guard) {
     .execute(&pool)
     .await
     .unwrap();
-    let calls = Calls::new(Engine::new(store)).lease(Duration::from_secs(5));
+    let calls = Calls::new(engine(Arc::new(store), None));
     (
         calls,
         pool.clone(),

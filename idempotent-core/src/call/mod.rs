@@ -83,10 +83,8 @@
 //! default: nack and let the broker redeliver later), or waits, bounded, for the first to
 //! finish and returns its output ([`Concurrent::Wait`]; it polls the store).
 
-use crate::derive::{DeriveSecret, Idempotent};
-use crate::engine::{
-    Begin, ConfigError, DEFAULT_LEASE, DEFAULT_TTL, Engine, ExecuteRequest, Policy,
-};
+use crate::derive::Idempotent;
+use crate::engine::{Begin, ConfigError, DEFAULT_TTL, Engine, ExecuteRequest, Policy};
 use crate::fingerprint::{Fingerprint, FingerprintInput};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::scope::{Scope, ScopeError};
@@ -354,21 +352,18 @@ impl<E> From<ConfigError> for CallError<E> {
 pub struct Calls {
     engine: Engine,
     ttl: Duration,
-    lease: Duration,
     concurrent: Concurrent,
-    secret: Option<DeriveSecret>,
     commit: Option<CommitPath>,
 }
 
 impl Calls {
-    /// Calls over `engine`: ttl 24 h, lease 30 s, [`Concurrent::Refuse`], no derive secret.
+    /// Calls over `engine` (whose lease and derive secret they use, [`Engine::builder`]):
+    /// ttl 24 h, [`Concurrent::Refuse`].
     pub fn new(engine: Engine) -> Self {
         Calls {
             engine,
             ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
             concurrent: Concurrent::Refuse,
-            secret: None,
             commit: None,
         }
     }
@@ -380,26 +375,10 @@ impl Calls {
         self
     }
 
-    /// How long a crashed call blocks its key (heartbeat-extended while it runs).
-    #[must_use]
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
-        self
-    }
-
     /// How a call meets a concurrent duplicate (default [`Concurrent::Refuse`]).
     #[must_use]
     pub fn concurrent(mut self, concurrent: Concurrent) -> Self {
         self.concurrent = concurrent;
-        self
-    }
-
-    /// The secret of [`Calls::context`]'s [`Idempotent::derive`] (see [`DeriveSecret`]).
-    #[must_use]
-    pub fn derive_secret(mut self, secret: DeriveSecret) -> Self {
-        // Every instance sharing the secret logs the same hash for one record.
-        self.engine.inner.log_key.set_from(&secret);
-        self.secret = Some(secret);
         self
     }
 
@@ -418,7 +397,7 @@ impl Calls {
     fn policy(&self, call: &Call) -> Policy {
         Policy {
             ttl: call.ttl.unwrap_or(self.ttl),
-            lease: call.lease.unwrap_or(self.lease),
+            lease: call.lease.unwrap_or(self.engine.lease()),
             route: call.name,
             ..Policy::default()
         }
@@ -455,16 +434,16 @@ impl Calls {
     }
 
     /// The call's [`Idempotent`] context, for a function that derives keys for the calls it
-    /// makes downstream: move it into the closure you give [`Calls::run`]. Needs
-    /// [`Calls::derive_secret`].
+    /// makes downstream: move it into the closure you give [`Calls::run`]. Needs the engine's
+    /// derive secret ([`EngineBuilder::derive_secret`](crate::engine::EngineBuilder::derive_secret)).
     ///
     /// # Errors
     /// [`CallError::Misconfigured`] without a derive secret.
     pub fn context<E>(&self, call: &Call) -> Result<Idempotent, CallError<E>> {
-        match &self.secret {
+        match self.engine.derive_secret() {
             Some(secret) => Ok(Idempotent::keyed(secret, &call.scope, &call.key)),
             None => Err(CallError::Misconfigured(format!(
-                "`{}` takes an `Idempotent` context but no derive secret is configured",
+                "`{}` takes an `Idempotent` context but its engine has no derive secret",
                 call.name
             ))),
         }

@@ -1,28 +1,31 @@
 //! The engine: claim → execute → complete/release → replay, and the executions it owns.
 //!
-//! - this file: the settings ([`Policy`], the duration bounds), what [`Engine::begin`] answers, and the [`Engine`] itself;
-//! - `execution`: one claimed [`Execution`]: its lease, heartbeat and fenced writes;
+//! - this file: the settings ([`Policy`], the duration bounds) and the [`Engine`] itself;
+//! - `claim.rs`: [`Engine::begin`], the one entry, and what it answers ([`Begin`]);
+//! - `lease.rs`: one claimed [`Execution`]: its lease, heartbeat and fenced writes;
 //! - `flight`: what [`Engine::drain`] counts, and the automatic sweeper it stops;
 //! - `detached`: [`Detached`](crate::__private::Detached), the future that outlives its caller.
 
+mod claim;
 pub(crate) mod detached;
-mod execution;
 mod flight;
+mod lease;
 
-pub use execution::{Execution, PanicPayload};
+pub use claim::{Begin, Unprotected};
 pub(crate) use flight::{AutoSweep, InFlight};
+pub use lease::{Execution, PanicPayload};
 
+use crate::derive::DeriveSecret;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
-use crate::observe::{self, RequestOutcome, Settled};
+use crate::observe::{self, Settled};
 use crate::scope::Scope;
-use crate::store::record::{RecordKey, StoredOutcome};
-use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
+use crate::store::record::RecordKey;
+use crate::store::{Store, StoreError};
 use flight::Flight;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use tracing::Instrument;
 
 /// Default ttl: how long a finished response is replayed.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -212,66 +215,6 @@ impl From<&Recorded> for Settled {
     }
 }
 
-/// Why a request ran without a record.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Unprotected {
-    /// No key on a route where it is optional.
-    NoKey,
-    /// The store failed and the route opted into fail-open.
-    FailedOpen(StoreError),
-}
-
-/// What [`Engine::begin`] found: run the handler under an [`Execution`], or answer without
-/// running it.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Begin {
-    /// This request claimed the record: run the handler, then [`Execution::finish`].
-    Claimed(Execution),
-    /// A stored outcome to replay; the handler must not run.
-    Replay(StoredOutcome),
-    /// Another attempt is running; retry after the given time.
-    InProgress {
-        /// Time until the other attempt's lease runs out.
-        retry_after: Duration,
-    },
-    /// The key was used for a different request.
-    Mismatch {
-        /// Whether that request is still running.
-        in_progress: bool,
-    },
-    /// The key is missing (on a route that requires one) or malformed.
-    KeyRejected(KeyError),
-    /// Run the handler without a record (no key on an optional route, or fail-open).
-    Unprotected(Unprotected),
-    /// The store failed; the handler must not run.
-    StoreUnavailable(StoreError),
-    /// [`Engine::drain`] has begun: no new execution starts in this process.
-    Draining,
-    /// The policy's ttl or lease is out of bounds ([`Policy::check`]); nothing was claimed.
-    Misconfigured(ConfigError),
-}
-
-impl Begin {
-    /// The `outcome` [`crate::observe`] counts for what a claim found.
-    pub(crate) fn observed_outcome(&self) -> RequestOutcome {
-        match self {
-            Begin::Claimed(_) => RequestOutcome::Executed,
-            Begin::Replay(_) => RequestOutcome::Replayed,
-            Begin::InProgress { .. } => RequestOutcome::InProgress,
-            Begin::Mismatch { .. } => RequestOutcome::Mismatch,
-            Begin::KeyRejected(_) => RequestOutcome::Rejected,
-            Begin::StoreUnavailable(_) => RequestOutcome::StoreUnavailable,
-            Begin::Unprotected(Unprotected::NoKey | Unprotected::FailedOpen(_)) => {
-                RequestOutcome::Unprotected
-            }
-            Begin::Draining => RequestOutcome::Draining,
-            Begin::Misconfigured(_) => RequestOutcome::Misconfigured,
-        }
-    }
-}
-
 /// Runs handlers at most once per (scope, key), over any [`Store`], and owns the executions
 /// it starts.
 ///
@@ -317,6 +260,10 @@ pub struct Engine {
 
 pub(crate) struct Inner {
     pub(crate) store: Arc<dyn Store>,
+    /// The lease of routes and functions that set none ([`EngineBuilder::lease`]).
+    lease: Duration,
+    /// The secret of derived keys ([`EngineBuilder::derive_secret`]).
+    derive_secret: Option<DeriveSecret>,
     flight: Flight,
     /// The key of the record hashes in spans ([`crate::observe`]).
     pub(crate) log_key: observe::LogKey,
@@ -330,8 +277,75 @@ pub(crate) struct Inner {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
+            .field("lease", &self.inner.lease)
             .field("running", &self.running())
             .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`Engine`] with its engine-wide settings, set once here: the default lease and
+/// the secret of derived keys (which also keys the record hashes in logs, so every instance
+/// sharing the secret logs the same hash for one record). Start it with [`Engine::builder`].
+#[derive(Clone)]
+#[must_use]
+pub struct EngineBuilder {
+    store: Arc<dyn Store>,
+    lease: Duration,
+    derive_secret: Option<DeriveSecret>,
+}
+
+impl std::fmt::Debug for EngineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineBuilder")
+            .field("lease", &self.lease)
+            .field("derive_secret", &self.derive_secret.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineBuilder {
+    /// The lease (how long a crashed attempt blocks retries; heartbeat-extended while the work
+    /// runs) of the routes and functions that set none: 100 ms to 365 days, default 30 s.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The secret that downstream keys ([`Idempotent::derive`](crate::Idempotent::derive))
+    /// are derived under, required by every handler or function that takes an
+    /// [`Idempotent`](crate::Idempotent) parameter. No default: see [`DeriveSecret`] for why,
+    /// and for rotation.
+    pub fn derive_secret(mut self, secret: DeriveSecret) -> Self {
+        self.derive_secret = Some(secret);
+        self
+    }
+
+    /// The engine.
+    ///
+    /// # Errors
+    /// [`ConfigError`] for a lease out of bounds.
+    pub fn build(self) -> Result<Engine, ConfigError> {
+        check_duration("lease", self.lease)?;
+        Ok(self.engine())
+    }
+
+    /// The engine, its settings already checked.
+    fn engine(self) -> Engine {
+        let log_key = match &self.derive_secret {
+            Some(secret) => observe::LogKey::from_secret(secret),
+            None => observe::LogKey::new(),
+        };
+        Engine {
+            inner: Arc::new(Inner {
+                store: self.store,
+                lease: self.lease,
+                derive_secret: self.derive_secret,
+                flight: Flight::default(),
+                log_key,
+                auto_sweep: AutoSweep::default(),
+                waiters: std::sync::Mutex::default(),
+            }),
+        }
     }
 }
 
@@ -350,27 +364,64 @@ pub struct Drained {
 }
 
 impl Engine {
-    /// An engine over `store`.
+    /// An engine over `store` with the defaults: lease 30 s, no derive secret.
     pub fn new(store: impl Store) -> Self {
         Self::from_arc(Arc::new(store))
     }
 
-    /// An engine over a shared store.
+    /// An engine over a shared store, with the defaults.
     pub fn from_arc(store: Arc<dyn Store>) -> Self {
-        Engine {
-            inner: Arc::new(Inner {
-                store,
-                flight: Flight::default(),
-                log_key: observe::LogKey::new(),
-                auto_sweep: AutoSweep::default(),
-                waiters: std::sync::Mutex::default(),
-            }),
+        Self::builder_from_arc(store).engine()
+    }
+
+    /// Starts an engine over `store` whose engine-wide settings you set: the default lease and
+    /// the secret of derived keys. HTTP limits are the adapter's configuration
+    /// ([`crate::http::ConfigBuilder`]); function mode's are [`crate::call::Calls`]'.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_core::{DeriveSecret, Engine, MemoryStore};
+    ///
+    /// let engine = Engine::builder(MemoryStore::new())
+    ///     .lease(Duration::from_secs(10))
+    ///     .derive_secret(DeriveSecret::new("a long random string from the secret manager")?)
+    ///     .build()?;
+    /// assert_eq!(engine.lease(), Duration::from_secs(10));
+    /// assert!(engine.derive_secret().is_some());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn builder(store: impl Store) -> EngineBuilder {
+        Self::builder_from_arc(Arc::new(store))
+    }
+
+    /// [`Engine::builder`] over a shared store.
+    pub fn builder_from_arc(store: Arc<dyn Store>) -> EngineBuilder {
+        EngineBuilder {
+            store,
+            lease: DEFAULT_LEASE,
+            derive_secret: None,
         }
     }
 
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// The lease of the routes and functions that set none ([`EngineBuilder::lease`]).
+    pub fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
+    /// The secret downstream keys are derived under ([`EngineBuilder::derive_secret`]).
+    pub fn derive_secret(&self) -> Option<&DeriveSecret> {
+        self.inner.derive_secret.as_ref()
+    }
+
+    /// Sets the interval of the sweeper the first request starts (`None`: no sweeper); the
+    /// HTTP configuration calls it when it is built.
+    pub(crate) fn configure_sweeper(&self, every: Option<Duration>) {
+        self.inner.auto_sweep.configure(every);
     }
 
     /// Executions claimed (or being claimed) and not yet finished.
@@ -436,116 +487,6 @@ impl Engine {
             dropped_unfinished,
         }
     }
-
-    /// Claims the request's record. On [`Begin::Claimed`] the caller runs the handler under
-    /// the returned [`Execution`] and finishes it with the outcome; every other variant says
-    /// how to answer without running it (except [`Begin::Unprotected`], which says to run it
-    /// without a record).
-    ///
-    /// Traced and counted ([`crate::observe`]): a span per request, its outcome, the claim's
-    /// latency.
-    pub async fn begin(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
-        self.inner.auto_sweep.ensure(&self.inner.store);
-        let span = self.span(&req, policy);
-        let start = std::time::Instant::now();
-        let mut begin = self
-            .begin_untraced(req, policy)
-            .instrument(span.clone())
-            .await;
-        let outcome = begin.observed_outcome();
-        let store = touched_store(&begin).then(|| start.elapsed());
-        if let Some(took) = store {
-            observe::store_time("claim", took);
-        }
-        observe::outcome(&span, policy.route, outcome, store);
-        if let Begin::Claimed(execution) = &mut begin {
-            execution.observe(span);
-        }
-        begin
-    }
-
-    /// The span of one request ([`crate::observe`]); the record's hash is computed only when
-    /// the span is enabled.
-    pub(crate) fn span(&self, req: &ExecuteRequest, policy: &Policy) -> tracing::Span {
-        let span = observe::span(policy.route);
-        if !span.is_disabled()
-            && let Ok(key) = &req.key
-        {
-            let hash = self.inner.log_key.hash(&req.scope, key);
-            span.record("key", hash.as_str());
-        }
-        span
-    }
-
-    pub(crate) async fn begin_untraced(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
-        let key = match req.key {
-            Ok(key) => key,
-            Err(KeyError::Missing) if policy.key == KeyRequirement::Optional => {
-                return Begin::Unprotected(Unprotected::NoKey);
-            }
-            Err(e) => return Begin::KeyRejected(e),
-        };
-        if let Err(e) = policy.check() {
-            tracing::error!(route = policy.route, error = %e, "idempotency: policy out of bounds; refused");
-            return Begin::Misconfigured(e);
-        }
-        // Counted before the claim, so a drain that starts meanwhile either sees this request
-        // (and waits for it) or this request sees the drain (and backs out).
-        let slot = InFlight::enter(Arc::clone(&self.inner));
-        if self.is_draining() {
-            return Begin::Draining;
-        }
-        let key = RecordKey::new(req.scope, key);
-        // The store starts the lease somewhere during the claim's round trip: the half-lease
-        // margin counts from before it was sent, never from its answer.
-        let sent = tokio::time::Instant::now();
-        let claim = self
-            .inner
-            .store
-            .claim(ClaimRequest {
-                key: &key,
-                fingerprint: &req.fingerprint,
-                lease: policy.lease,
-                ttl: policy.ttl,
-            })
-            .await;
-        match claim {
-            Ok(ClaimOutcome::Claimed(lease)) => {
-                if lease.took_over {
-                    observe::event(policy.route, "takeover");
-                    tracing::info!(
-                        route = policy.route,
-                        "idempotency: took over a record whose lease or ttl had run out"
-                    );
-                }
-                Begin::Claimed(Execution::claimed(slot, sent, key, lease.token, *policy))
-            }
-            Ok(ClaimOutcome::Replay(outcome)) => Begin::Replay(outcome),
-            Ok(ClaimOutcome::InProgress { retry_after }) => Begin::InProgress { retry_after },
-            Ok(ClaimOutcome::Mismatch { in_progress }) => Begin::Mismatch { in_progress },
-            Err(error) => {
-                tracing::error!(route = policy.route, error = %error, "idempotency: claim failed");
-                // A corrupt record is an answer, not an outage: a record exists (it may hold a
-                // finished outcome), so the handler never runs around it.
-                if policy.fail_open && !matches!(error, StoreError::Corrupt(_)) {
-                    Begin::Unprotected(Unprotected::FailedOpen(error))
-                } else {
-                    Begin::StoreUnavailable(error)
-                }
-            }
-        }
-    }
-}
-
-/// Whether answering `begin` took a store call (for the claim latency).
-fn touched_store(begin: &Begin) -> bool {
-    !matches!(
-        begin,
-        Begin::KeyRejected(_)
-            | Begin::Misconfigured(_)
-            | Begin::Draining
-            | Begin::Unprotected(Unprotected::NoKey)
-    )
 }
 
 #[cfg(test)]

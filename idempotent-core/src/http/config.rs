@@ -3,22 +3,20 @@
 use super::{
     DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE, DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_SWEEP_EVERY,
 };
-use crate::derive::DeriveSecret;
 use crate::engine::{
-    ConfigError, DEFAULT_LEASE, DEFAULT_TTL, Engine, MAX_DURATION, check_duration,
-    check_ttl_and_lease,
+    ConfigError, DEFAULT_TTL, Engine, MAX_DURATION, check_duration, check_ttl_and_lease,
 };
 use crate::tx::{CommitPath, DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT};
 use std::time::Duration;
 
-/// An application's idempotency settings: the engine (and so the store) plus the defaults that
-/// routes without their own arguments use. Built once by [`ConfigBuilder::build`], which
+/// An application's idempotency settings: the engine (and so the store, the default lease and
+/// the derive secret, [`Engine::builder`]) plus the HTTP defaults that routes without their
+/// own arguments use. Built once by [`ConfigBuilder::build`], which
 /// refuses unusable values, so nothing on the request path can panic on them.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub(super) engine: Engine,
     pub(super) ttl: Duration,
-    pub(super) lease: Duration,
     pub(super) max_response: usize,
     pub(super) max_request: usize,
     pub(super) request_body_timeout: Duration,
@@ -28,14 +26,13 @@ pub struct Config {
     pub(super) tx_wait: Duration,
     pub(super) max_waiters: usize,
     pub(super) tx_read_first: bool,
-    pub(super) derive_secret: Option<DeriveSecret>,
 }
 
 impl Config {
     /// Settings over `engine` with the defaults (see [`ConfigBuilder`]), the automatic
     /// sweeper included.
     pub fn new(engine: Engine) -> Self {
-        engine.inner.auto_sweep.configure(Some(DEFAULT_SWEEP_EVERY));
+        engine.configure_sweeper(Some(DEFAULT_SWEEP_EVERY));
         Self::defaults(engine)
     }
 
@@ -44,7 +41,6 @@ impl Config {
         Config {
             engine,
             ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
             max_response: DEFAULT_MAX_RESPONSE,
             max_request: DEFAULT_MAX_REQUEST,
             request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
@@ -54,7 +50,6 @@ impl Config {
             tx_wait: DEFAULT_TX_WAIT,
             max_waiters: DEFAULT_MAX_WAITERS,
             tx_read_first: true,
-            derive_secret: None,
         }
     }
 
@@ -66,11 +61,6 @@ impl Config {
     /// Default ttl.
     pub fn ttl(&self) -> Duration {
         self.ttl
-    }
-
-    /// Default lease.
-    pub fn lease(&self) -> Duration {
-        self.lease
     }
 
     /// Default limit on stored responses.
@@ -118,11 +108,6 @@ impl Config {
     pub fn transaction_read_first(&self) -> bool {
         self.tx_read_first
     }
-
-    /// The secret downstream keys are derived under ([`ConfigBuilder::derive_secret`]).
-    pub fn derive_secret(&self) -> Option<&DeriveSecret> {
-        self.derive_secret.as_ref()
-    }
 }
 
 /// Builds a [`Config`] (or an adapter's configuration type `T`, made from one).
@@ -132,8 +117,8 @@ impl Config {
 /// use idempotent_core::{Engine, MemoryStore, http::{Config, ConfigBuilder, ConfigError}};
 ///
 /// let engine = Engine::new(MemoryStore::new());
-/// let config: Config = ConfigBuilder::new(engine.clone()).lease(Duration::from_secs(10)).build()?;
-/// assert_eq!(config.lease(), Duration::from_secs(10));
+/// let config: Config = ConfigBuilder::new(engine.clone()).ttl(Duration::from_secs(3600)).build()?;
+/// assert_eq!(config.ttl(), Duration::from_secs(3600));
 /// let bad = ConfigBuilder::<Config>::new(engine).ttl(Duration::MAX).build();
 /// assert!(matches!(bad, Err(ConfigError::TooLong { what: "ttl", .. })));
 /// # Ok::<(), ConfigError>(())
@@ -146,8 +131,9 @@ pub struct ConfigBuilder<T = Config> {
 }
 
 impl<T: From<Config>> ConfigBuilder<T> {
-    /// A builder over `engine`, starting from the defaults: ttl 24 h, lease 30 s, responses up
-    /// to 1 MiB stored, request bodies up to 2 MiB, fail closed.
+    /// A builder over `engine` (whose lease and derive secret routes use), starting from the
+    /// defaults: ttl 24 h, responses up to 1 MiB stored, request bodies up to 2 MiB, fail
+    /// closed.
     pub fn new(engine: Engine) -> Self {
         ConfigBuilder {
             config: Config::defaults(engine),
@@ -159,13 +145,6 @@ impl<T: From<Config>> ConfigBuilder<T> {
     /// 100 ms to 365 days, and at least the lease.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
-        self
-    }
-
-    /// Default lease (how long a crashed attempt blocks retries) for routes that set none;
-    /// 100 ms to 365 days.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = lease;
         self
     }
 
@@ -249,26 +228,6 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
-    /// The secret that handlers' downstream keys ([`Idempotent::derive`](crate::Idempotent::derive)) are derived under;
-    /// required by every handler that takes an [`Idempotent`](crate::Idempotent) parameter. No default: see
-    /// [`DeriveSecret`] for why, and for rotation.
-    ///
-    /// ```
-    /// use idempotent_core::{DeriveSecret, Engine, MemoryStore, http::{Config, ConfigBuilder}};
-    ///
-    /// // e.g. from `std::env::var("IDEMPOTENCY_SECRET")`, the same on every instance
-    /// let secret = DeriveSecret::new("a long random string from the secret manager")?;
-    /// let config: Config = ConfigBuilder::new(Engine::new(MemoryStore::new()))
-    ///     .derive_secret(secret)
-    ///     .build()?;
-    /// assert!(config.derive_secret().is_some());
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn derive_secret(mut self, secret: DeriveSecret) -> Self {
-        self.config.derive_secret = Some(secret);
-        self
-    }
-
     /// Checks the settings once.
     ///
     /// # Errors
@@ -276,7 +235,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
     /// size limit.
     pub fn build(self) -> Result<T, ConfigError> {
         let c = self.config;
-        check_ttl_and_lease(c.ttl, c.lease)?;
+        check_ttl_and_lease(c.ttl, c.engine.lease())?;
         if c.max_response == 0 {
             return Err(ConfigError::ZeroSize {
                 what: "max_response",
@@ -298,11 +257,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
             });
         }
         // Only a configuration that is built touches its engine.
-        c.engine.inner.auto_sweep.configure(c.sweep_every);
-        if let Some(secret) = &c.derive_secret {
-            // Every instance sharing the secret logs the same hash for one record.
-            c.engine.inner.log_key.set_from(secret);
-        }
+        c.engine.configure_sweeper(c.sweep_every);
         Ok(T::from(c))
     }
 }
@@ -318,13 +273,19 @@ mod tests {
         let engine = || Engine::new(crate::MemoryStore::new());
         let build = |f: fn(ConfigBuilder) -> ConfigBuilder| f(ConfigBuilder::new(engine())).build();
         assert!(build(|b| b).is_ok());
+        // The lease is the engine's, checked where it is set.
+        let lease = |d| Engine::builder(crate::MemoryStore::new()).lease(d).build();
         assert!(matches!(
-            build(|b| b.lease(Duration::ZERO)),
+            lease(Duration::ZERO),
             Err(ConfigError::TooShort { what: "lease", .. })
         ));
         assert!(matches!(
-            build(|b| b.lease(Duration::from_micros(500))),
+            lease(Duration::from_micros(500)),
             Err(ConfigError::TooShort { what: "lease", .. })
+        ));
+        assert!(matches!(
+            lease(Duration::MAX),
+            Err(ConfigError::TooLong { what: "lease", .. })
         ));
         assert!(matches!(
             build(|b| b.ttl(Duration::MAX)),
@@ -340,9 +301,12 @@ mod tests {
                 what: "max_response"
             })
         );
-        // A route's own ttl is checked against the configured lease when resolved.
-        let config = ConfigBuilder::<Config>::new(engine())
+        // A route's own ttl is checked against the engine's lease when resolved.
+        let long_lease = Engine::builder(crate::MemoryStore::new())
             .lease(Duration::from_secs(300))
+            .build()
+            .expect("valid");
+        let config = ConfigBuilder::<Config>::new(long_lease)
             .build()
             .expect("valid");
         let route = Route::new(

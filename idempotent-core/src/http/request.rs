@@ -11,7 +11,7 @@ use crate::problem::Problem;
 /// Whether a method is safe (GET, HEAD, OPTIONS): its requests ignore the key and run.
 ///
 /// ```
-/// use idempotent_core::http::is_safe_method;
+/// use idempotent_core::__private::is_safe_method;
 /// assert!(is_safe_method("GET") && !is_safe_method("POST") && !is_safe_method("PATCH"));
 /// ```
 pub fn is_safe_method(method: &str) -> bool {
@@ -24,7 +24,7 @@ pub fn is_safe_method(method: &str) -> bool {
 /// compared case-insensitively.
 ///
 /// ```
-/// use idempotent_core::http::is_stored_header;
+/// use idempotent_core::__private::is_stored_header;
 /// assert!(is_stored_header("content-type") && is_stored_header("Location"));
 /// assert!(!is_stored_header("Set-Cookie") && !is_stored_header("transfer-encoding"));
 /// ```
@@ -54,7 +54,7 @@ pub fn is_stored_header(name: &str) -> bool {
 /// The 400 problem to answer with.
 ///
 /// ```
-/// use idempotent_core::{IdempotencyKey, KeyRequirement, http::check_key};
+/// use idempotent_core::{IdempotencyKey, engine::KeyRequirement, __private::check_key};
 /// let missing = IdempotencyKey::from_header_values::<&[u8]>([]);
 /// assert_eq!(check_key(&missing, KeyRequirement::Required).unwrap_err().status, 400);
 /// assert!(check_key(&missing, KeyRequirement::Optional).is_ok());
@@ -136,7 +136,7 @@ impl RequestHead<'_> {
     /// request is still answered.
     ///
     /// ```
-    /// use idempotent_core::http::RequestHead;
+    /// use idempotent_core::__private::RequestHead;
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// let head = RequestHead {
     ///     method: "POST", path: "/v1/charges", query: None,

@@ -104,7 +104,7 @@ impl Route {
     pub fn resolve(&self, config: &Config) -> Result<RoutePolicy, ConfigError> {
         let policy = Policy {
             ttl: self.ttl.unwrap_or(config.ttl),
-            lease: self.lease.unwrap_or(config.lease),
+            lease: self.lease.unwrap_or(config.engine.lease()),
             store_server_errors: self.store_server_errors,
             key: self.key,
             fail_open: config.fail_open,
@@ -145,11 +145,11 @@ pub fn idempotent_context(
     key: &Result<IdempotencyKey, KeyError>,
     scope: &Result<Scope, ScopeError>,
 ) -> Result<Idempotent, Box<Problem>> {
-    let Some(secret) = config.derive_secret() else {
+    let Some(secret) = config.engine.derive_secret() else {
         if !route.reported_secret.swap(true, Ordering::Relaxed) {
             tracing::error!(
                 route = route.name,
-                "idempotency: this handler takes an `Idempotent` parameter but the configuration has no derive secret (`derive_secret`); its requests are answered 500 until one is set"
+                "idempotency: this handler takes an `Idempotent` parameter but its engine has no derive secret (`Engine::builder(…).derive_secret(…)`); its requests are answered 500 until one is set"
             );
         }
         return Err(Box::new(Problem::misconfigured()));

@@ -3,9 +3,8 @@
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::Fingerprint;
 use crate::scope::Scope;
-use crate::store::record::{
-    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
-};
+use crate::store::fence::{Lease, LeaseToken};
+use crate::store::record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse};
 use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};

@@ -1,17 +1,16 @@
 //! The `Store` trait: what every store (memory, SQLite, PostgreSQL) promises, the records
 //! stores keep, the stores themselves and the sweeper that purges them.
 
+pub(crate) mod fence;
 pub(crate) mod memory;
 pub(crate) mod record;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) mod sql;
 pub(crate) mod sweeper;
 
+pub use fence::{Lease, LeaseToken};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
-pub use record::{
-    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
-    retry_after_secs,
-};
+pub use record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse, retry_after_secs};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use sql::SetupError;

@@ -1,9 +1,9 @@
-//! Records, leases and stored responses.
+//! Records and stored responses (the lease that fences them is in `fence.rs`).
 
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
-use std::fmt;
+use crate::store::fence::LeaseToken;
 use std::time::{Duration, SystemTime};
 
 /// What a record is keyed by: (scope, idempotency key).
@@ -20,44 +20,6 @@ impl RecordKey {
     pub fn new(scope: Scope, key: IdempotencyKey) -> Self {
         RecordKey { scope, key }
     }
-}
-
-/// The secret that fences one attempt's writes to its record (a random UUID v4).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct LeaseToken(uuid::Uuid);
-
-impl LeaseToken {
-    /// A fresh random token.
-    pub fn generate() -> Self {
-        LeaseToken(uuid::Uuid::new_v4())
-    }
-
-    /// The token as a UUID (for stores).
-    pub fn as_uuid(&self) -> uuid::Uuid {
-        self.0
-    }
-
-    /// Rebuilds a token read from a store.
-    pub fn from_uuid(id: uuid::Uuid) -> Self {
-        LeaseToken(id)
-    }
-}
-
-impl fmt::Debug for LeaseToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "LeaseToken({})", self.0)
-    }
-}
-
-/// An attempt's ownership of an `in_progress` record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
-    /// Fences `complete`, `release` and `extend`.
-    pub token: LeaseToken,
-    /// Until when (store clock) no other attempt can take the record over.
-    pub locked_until: SystemTime,
-    /// Whether this claim took over an expired record or a lease that had run out.
-    pub took_over: bool,
 }
 
 /// A response as stored and replayed: status, headers in order (repeats kept), body.

@@ -77,11 +77,11 @@ pub struct TxOptions {
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-mod execution;
+mod commit;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod transaction;
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub use execution::{TxBegin, TxExecution, TxFinished};
+pub use commit::{TxBegin, TxExecution, TxFinished};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use transaction::{Transaction, TxDatabase};

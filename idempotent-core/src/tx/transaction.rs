@@ -2,7 +2,8 @@
 //! provide it.
 
 use super::CommitPath;
-use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
+use crate::store::fence::LeaseToken;
+use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};

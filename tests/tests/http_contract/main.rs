@@ -1265,7 +1265,10 @@ async fn configuration_errors_never_panic(fw: Fw) {
         Some(ConfigError::TooLong { what: "ttl", .. })
     ));
     assert!(matches!(
-        build(|b| b.lease(Duration::ZERO)),
+        Engine::builder(MemoryStore::new())
+            .lease(Duration::ZERO)
+            .build()
+            .err(),
         Some(ConfigError::TooShort { what: "lease", .. })
     ));
     assert!(matches!(
@@ -1274,10 +1277,14 @@ async fn configuration_errors_never_panic(fw: Fw) {
     ));
     let s = serve(
         fw,
-        ConfigBuilder::new(Engine::new(MemoryStore::new()))
-            .lease(Duration::from_secs(300))
-            .build()
-            .unwrap(),
+        ConfigBuilder::new(
+            Engine::builder(MemoryStore::new())
+                .lease(Duration::from_secs(300))
+                .build()
+                .unwrap(),
+        )
+        .build()
+        .unwrap(),
     )
     .await;
     for _ in 0..2 {
@@ -1451,10 +1458,11 @@ on_both!(
 );
 
 fn with_secret(store: impl Store, secret: &[u8]) -> Config {
-    ConfigBuilder::<Config>::new(Engine::new(store))
+    let engine = Engine::builder(store)
         .derive_secret(idempotent_core::DeriveSecret::new(secret).unwrap())
         .build()
-        .unwrap()
+        .unwrap();
+    ConfigBuilder::<Config>::new(engine).build().unwrap()
 }
 
 /// `idem.derive(..)` in a handler: the same on the re-run after a release, in the replay, and

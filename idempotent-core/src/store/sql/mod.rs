@@ -11,9 +11,8 @@ macro_rules! sql_store_common {
         const _: () = {
             use std::sync::Arc;
             use std::time::{Duration, SystemTime};
-            use $crate::store::record::{
-                LeaseToken, Record, RecordKey, RecordState, StoredOutcome,
-            };
+            use $crate::store::fence::LeaseToken;
+            use $crate::store::record::{Record, RecordKey, RecordState, StoredOutcome};
             use $crate::store::sql::{
                 build_record, db_error, existing_row, from_millis, millis, outcome_columns, q,
                 record_columns,
@@ -305,9 +304,8 @@ pub(crate) mod postgres;
 pub(crate) mod sqlite;
 
 use crate::fingerprint::Fingerprint;
-use crate::store::record::{
-    Lease, LeaseToken, Record, RecordKey, RecordState, StoredOutcome, StoredResponse,
-};
+use crate::store::fence::{Lease, LeaseToken};
+use crate::store::record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse};
 use crate::store::{ClaimOutcome, StoreError};
 use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Row, SqlSafeStr, Type};
 use std::sync::Arc;

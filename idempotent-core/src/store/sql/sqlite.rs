@@ -3,7 +3,8 @@
 use super::{
     Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, identifier, q,
 };
-use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
+use crate::store::fence::LeaseToken;
+use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use crate::tx::{CommitPath, TxDatabase};
 use sqlx::migrate::{Migration, MigrationType, Migrator};

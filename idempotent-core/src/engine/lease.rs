@@ -4,7 +4,8 @@
 use super::flight::InFlight;
 use super::{Policy, Recorded};
 use crate::observe::{self, Settled};
-use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
+use crate::store::fence::LeaseToken;
+use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::{Store, StoreError};
 use futures_util::FutureExt;
 use std::future::Future;

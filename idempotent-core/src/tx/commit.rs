@@ -9,7 +9,8 @@ use crate::engine::{
 };
 use crate::key::KeyError;
 use crate::observe::{self, RequestOutcome, Settled};
-use crate::store::record::{LeaseToken, RecordKey, StoredOutcome};
+use crate::store::fence::LeaseToken;
+use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::sql::{db_error, has_sqlstate};
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
 use futures_util::FutureExt;

@@ -1,0 +1,209 @@
+//! The shape of the workspace, checked: the names each published crate exports at its root
+//! (so a new export is a visible diff in `tests/public-api/`), and the paths `ARCHITECTURE.md`
+//! names (so the map cannot point at a file that moved).
+//!
+//! After an intended change to a root: `PUBLIC_API=overwrite cargo test --test layout`, then
+//! review the diff of `tests/public-api/`.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use syn::{Item, UseTree, Visibility};
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate is in the workspace")
+        .to_owned()
+}
+
+/// Whether the item carries `#[doc(hidden)]`.
+fn hidden(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|a| {
+        a.path().is_ident("doc") && a.parse_args::<syn::Ident>().is_ok_and(|i| i == "hidden")
+    })
+}
+
+/// The item's `#[cfg(…)]`, as written, or "".
+fn cfg(attrs: &[syn::Attribute]) -> String {
+    attrs
+        .iter()
+        .filter(|a| a.path().is_ident("cfg"))
+        .map(|a| {
+            let syn::Meta::List(list) = &a.meta else {
+                return String::new();
+            };
+            format!(" #[cfg({})]", list.tokens).replace(" ,", ",")
+        })
+        .collect()
+}
+
+fn use_names(tree: &UseTree, parent: Option<String>, out: &mut Vec<String>) {
+    match tree {
+        UseTree::Path(p) => use_names(&p.tree, Some(p.ident.to_string()), out),
+        UseTree::Name(n) if n.ident == "self" => out.extend(parent),
+        UseTree::Name(n) => out.push(n.ident.to_string()),
+        UseTree::Rename(r) => out.push(r.rename.to_string()),
+        UseTree::Glob(_) => out.push(format!("{}::*", parent.unwrap_or_default())),
+        UseTree::Group(g) => {
+            for t in &g.items {
+                use_names(t, parent.clone(), out);
+            }
+        }
+    }
+}
+
+/// One line per public name at the crate's root: `kind name [cfg] [hidden]`, sorted.
+fn root_names(lib: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(lib).unwrap_or_else(|e| panic!("{}: {e}", lib.display()));
+    let file = syn::parse_file(&text).unwrap_or_else(|e| panic!("{}: {e}", lib.display()));
+    let mut lines = BTreeSet::new();
+    for item in &file.items {
+        let (vis, attrs, kind, names): (&Visibility, &[syn::Attribute], &str, Vec<String>) =
+            match item {
+                Item::Use(u) => {
+                    let mut names = Vec::new();
+                    use_names(&u.tree, None, &mut names);
+                    (&u.vis, &u.attrs, "use", names)
+                }
+                Item::Mod(m) => (&m.vis, &m.attrs, "mod", vec![m.ident.to_string()]),
+                Item::Fn(f) => (&f.vis, &f.attrs, "fn", vec![f.sig.ident.to_string()]),
+                Item::Struct(s) => (&s.vis, &s.attrs, "struct", vec![s.ident.to_string()]),
+                Item::Enum(e) => (&e.vis, &e.attrs, "enum", vec![e.ident.to_string()]),
+                Item::Trait(t) => (&t.vis, &t.attrs, "trait", vec![t.ident.to_string()]),
+                Item::Type(t) => (&t.vis, &t.attrs, "type", vec![t.ident.to_string()]),
+                Item::Const(c) => (&c.vis, &c.attrs, "const", vec![c.ident.to_string()]),
+                Item::Static(s) => (&s.vis, &s.attrs, "static", vec![s.ident.to_string()]),
+                Item::Macro(m) if m.attrs.iter().any(|a| a.path().is_ident("macro_export")) => {
+                    let name = m
+                        .ident
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default();
+                    lines.insert(format!("macro {name}"));
+                    continue;
+                }
+                _ => continue,
+            };
+        if !matches!(vis, Visibility::Public(_)) {
+            continue;
+        }
+        let suffix = format!(
+            "{}{}",
+            cfg(attrs),
+            if hidden(attrs) { " (hidden)" } else { "" }
+        );
+        for name in names {
+            lines.insert(format!("{kind} {name}{suffix}"));
+        }
+    }
+    lines.into_iter().collect()
+}
+
+const PUBLISHED: [&str; 5] = [
+    "idempotent-core",
+    "idempotent-macros",
+    "idempotent-axum",
+    "idempotent-actix",
+    "idempotent-client",
+];
+
+#[test]
+fn public_roots_are_as_recorded() {
+    let root = workspace();
+    let overwrite = std::env::var_os("PUBLIC_API").is_some_and(|v| v == "overwrite");
+    let mut differ = Vec::new();
+    for krate in PUBLISHED {
+        let names = root_names(&root.join(krate).join("src/lib.rs"));
+        assert!(!names.is_empty(), "{krate}: no public names read");
+        let listing = names.join("\n") + "\n";
+        let golden = root.join("tests/public-api").join(format!("{krate}.txt"));
+        if overwrite {
+            std::fs::write(&golden, &listing).expect("write the listing");
+            continue;
+        }
+        let recorded = std::fs::read_to_string(&golden).unwrap_or_default();
+        if recorded != listing {
+            differ.push(format!(
+                "{krate}: its root exports changed; if intended, run with PUBLIC_API=overwrite and review the diff\n--- recorded\n{recorded}--- now\n{listing}"
+            ));
+        }
+    }
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
+
+#[test]
+fn the_core_root_holds_only_what_users_name() {
+    let names = root_names(&workspace().join("idempotent-core/src/lib.rs"));
+    let visible: Vec<_> = names.iter().filter(|l| !l.ends_with("(hidden)")).collect();
+    assert!(
+        visible.len() <= 35,
+        "{} names at idempotent-core's root (at most 35): {visible:#?}",
+        visible.len()
+    );
+    // What only the adapters use is not among them.
+    for adapter_only in [
+        "Route", "Capture", "Recorder", "Reply", "Step", "Detached", "Glue",
+    ] {
+        assert!(
+            !visible
+                .iter()
+                .any(|l| l.split(' ').nth(1) == Some(adapter_only)),
+            "{adapter_only} is exported at the root"
+        );
+    }
+    assert!(
+        names
+            .iter()
+            .any(|l| l.starts_with("mod __private") && l.ends_with("(hidden)")),
+        "the adapters' module is hidden: {names:#?}"
+    );
+}
+
+/// Every path `ARCHITECTURE.md` names (in backticks, with a `/`) exists.
+#[test]
+fn architecture_names_only_paths_that_exist() {
+    let root = workspace();
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let mut checked = 0;
+    let mut missing = Vec::new();
+    for (i, span) in text.split('`').enumerate() {
+        // Odd pieces are inside backticks.
+        let looks_like_path = i % 2 == 1
+            && span.contains('/')
+            && !span.contains(' ')
+            && !span.starts_with('/')
+            && (span.ends_with('/') || Path::new(span).extension().is_some());
+        if !looks_like_path {
+            continue;
+        }
+        checked += 1;
+        if !root.join(span).exists() {
+            missing.push(span.to_owned());
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names paths that do not exist: {missing:?}"
+    );
+    // The map names the concept files and the request's path: a parser that found few paths
+    // would pass without checking anything.
+    assert!(
+        checked >= 30,
+        "only {checked} paths found in ARCHITECTURE.md"
+    );
+    for concept in [
+        "engine/claim.rs",
+        "engine/lease.rs",
+        "store/fence.rs",
+        "fingerprint.rs",
+        "http/reply.rs",
+        "tx/commit.rs",
+        "call/mod.rs",
+        "adapter.rs",
+    ] {
+        assert!(
+            text.contains(&format!("`idempotent-core/src/{concept}`")),
+            "ARCHITECTURE.md does not map {concept}"
+        );
+    }
+}
