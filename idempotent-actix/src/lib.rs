@@ -171,8 +171,8 @@ pub use idempotent_core::{CommitPath, tx::TxOptions};
 pub use idempotent_core::{
     DeriveSecret, DerivedKey, DurationError, Engine, IdempotencyKey, Idempotent, KeyError,
     MemoryStore, Problem, Scope, ScopeError, ScopeValue, SecretError, Store, StoreError,
-    engine::DEFAULT_LEASE, engine::DEFAULT_TTL, engine::Drained, fingerprint::Fingerprint,
-    parse_duration, store::Sweeper,
+    engine::DEFAULT_LEASE, engine::DEFAULT_TTL, engine::Drained, engine::EngineBuilder,
+    fingerprint::Fingerprint, parse_duration, store::Sweeper,
 };
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]

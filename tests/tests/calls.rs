@@ -777,6 +777,40 @@ async fn transactional_calls_need_the_store_on_their_database() {
     assert!(matches!(out, Err(CallError::Misconfigured(_))), "{out:?}");
 }
 
+/// The lease is the engine's: a call without its own lease runs under it, and an engine lease
+/// longer than the default ttl still gives calls that run (the default ttl covers it).
+#[tokio::test]
+async fn calls_run_under_the_engine_lease() {
+    let lease = Duration::from_secs(2 * 86_400);
+    let store = MemoryStore::new();
+    let engine = Engine::builder(store.clone()).lease(lease).build().unwrap();
+    let calls = Calls::new(engine);
+    let msg = event(19);
+    let runs = AtomicUsize::new(0);
+    let run = || async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, BookError>(7_u8)
+    };
+    // While it runs, a duplicate is told to come back when its lease (two days) ends.
+    let out = calls
+        .run(call("book", &msg), || async {
+            let duplicate: Result<u8, CallError<BookError>> =
+                calls.run(call("book", &msg), run).await;
+            match duplicate {
+                Err(CallError::InProgress { retry_after }) => assert!(
+                    retry_after > lease - Duration::from_secs(60) && retry_after <= lease,
+                    "{retry_after:?}"
+                ),
+                other => panic!("{other:?}"),
+            }
+            run().await
+        })
+        .await;
+    assert_eq!(out.unwrap(), 7);
+    assert_eq!(calls.run(call("book", &msg), run).await.unwrap(), 7);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// A call's name is its identity: the non-macro API refuses one that is empty, too long, or
 /// holds characters outside `[A-Za-z0-9_.-]`, with an error rather than a panic.
 #[test]

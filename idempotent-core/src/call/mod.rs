@@ -179,7 +179,7 @@ impl Call {
         self
     }
 
-    /// This call's lease, instead of the [`Calls`]' default.
+    /// This call's lease, instead of its engine's ([`Engine::lease`]).
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = Some(lease);
@@ -358,11 +358,11 @@ pub struct Calls {
 
 impl Calls {
     /// Calls over `engine` (whose lease and derive secret they use, [`Engine::builder`]):
-    /// ttl 24 h, [`Concurrent::Refuse`].
+    /// ttl 24 h (or the engine's lease, if that is longer), [`Concurrent::Refuse`].
     pub fn new(engine: Engine) -> Self {
         Calls {
+            ttl: DEFAULT_TTL.max(engine.lease()),
             engine,
-            ttl: DEFAULT_TTL,
             concurrent: Concurrent::Refuse,
             commit: None,
         }

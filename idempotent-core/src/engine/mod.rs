@@ -3,8 +3,8 @@
 //! - this file: the settings ([`Policy`], the duration bounds) and the [`Engine`] itself;
 //! - `claim.rs`: [`Engine::begin`], the one entry, and what it answers ([`Begin`]);
 //! - `lease.rs`: one claimed [`Execution`]: its lease, heartbeat and fenced writes;
-//! - `flight`: what [`Engine::drain`] counts, and the automatic sweeper it stops;
-//! - `detached`: [`Detached`](crate::__private::Detached), the future that outlives its caller.
+//! - `flight.rs`: what [`Engine::drain`] counts, and the automatic sweeper it stops;
+//! - `detached.rs`: `Detached`, the future that outlives its caller (the adapters' tool).
 
 mod claim;
 pub(crate) mod detached;

@@ -29,18 +29,20 @@ pub struct Config {
 }
 
 impl Config {
-    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]), the automatic
-    /// sweeper included.
+    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]; the ttl is 24 h, or
+    /// the engine's lease if that is longer), the automatic sweeper included.
     pub fn new(engine: Engine) -> Self {
         engine.configure_sweeper(Some(DEFAULT_SWEEP_EVERY));
         Self::defaults(engine)
     }
 
     /// The defaults, without touching the engine (the builder configures it when it builds).
+    /// The default ttl is never shorter than the engine's lease, so an engine built with a
+    /// lease over 24 h still gives a configuration whose routes resolve.
     fn defaults(engine: Engine) -> Self {
         Config {
+            ttl: DEFAULT_TTL.max(engine.lease()),
             engine,
-            ttl: DEFAULT_TTL,
             max_response: DEFAULT_MAX_RESPONSE,
             max_request: DEFAULT_MAX_REQUEST,
             request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
@@ -335,5 +337,31 @@ mod tests {
         assert_eq!(p.policy.route, "r");
         assert_eq!(p.max_response, 9);
         assert!(p.policy.store_server_errors);
+    }
+
+    /// An engine whose lease is longer than the default ttl still gives a configuration whose
+    /// routes resolve: the default ttl is never shorter than the lease (else every route
+    /// without its own ttl would answer 500 at run time, found by no `build`).
+    #[test]
+    fn the_default_ttl_covers_a_long_engine_lease() {
+        let lease = Duration::from_secs(2 * 86_400);
+        let engine = Engine::builder(crate::MemoryStore::new())
+            .lease(lease)
+            .build()
+            .expect("valid");
+        let plain = Route::new("r", None, None, KeyRequirement::Required, false, None);
+        for config in [
+            Config::new(engine.clone()),
+            ConfigBuilder::<Config>::new(engine).build().expect("valid"),
+        ] {
+            assert_eq!(config.ttl(), lease);
+            let resolved = plain.resolve(&config).expect("resolves");
+            assert_eq!((resolved.policy.ttl, resolved.policy.lease), (lease, lease));
+        }
+        // The common case keeps its 24 h.
+        assert_eq!(
+            Config::new(Engine::new(crate::MemoryStore::new())).ttl(),
+            DEFAULT_TTL
+        );
     }
 }

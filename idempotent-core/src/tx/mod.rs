@@ -76,8 +76,11 @@ pub struct TxOptions {
 }
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod commit;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod transaction;
 

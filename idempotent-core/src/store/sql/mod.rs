@@ -63,7 +63,7 @@ macro_rules! sql_store_common {
                 }
 
                 /// Decodes the row a claim read and decides what to do about it.
-                fn decide_row(
+                pub(crate) fn decide_row(
                     row: &<$db as sqlx::Database>::Row,
                     req: &ClaimRequest<'_>,
                 ) -> Result<$crate::store::sql::Decision, StoreError> {
@@ -110,7 +110,7 @@ macro_rules! sql_store_common {
                 /// A complete-shaped statement (`complete`, PostgreSQL's `tx_complete`) with
                 /// its common parameters bound: scope, key, token, the outcome's columns and
                 /// the ttl.
-                fn complete_query<'q>(
+                pub(crate) fn complete_query<'q>(
                     &self,
                     sql: &Arc<str>,
                     key: &'q RecordKey,

@@ -4,9 +4,7 @@ use super::{
     Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, claimed, db_error, identifier, q,
 };
 use crate::store::fence::LeaseToken;
-use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
-use crate::tx::{CommitPath, TxDatabase};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
@@ -43,7 +41,7 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// concurrent claimer that inserted first is seen, never overwritten.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
-    pool: SqlitePool,
+    pub(crate) pool: SqlitePool,
     sql: Arc<Statements>,
     sent: Arc<Counter>,
 }
@@ -78,7 +76,7 @@ impl SqliteStoreBuilder {
 }
 
 #[derive(Debug)]
-struct Statements {
+pub(crate) struct Statements {
     table: String,
     read: Arc<str>,
     insert: Arc<str>,
@@ -245,71 +243,6 @@ impl SqliteStore {
             }
         }
         Err(StoreError::unavailable(Contention))
-    }
-}
-
-impl TxDatabase for sqlx::Sqlite {
-    type Store = SqliteStore;
-    const LABEL: &'static str = "SQLite";
-    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
-    /// A claim inside a transaction takes SQLite's one write lock: replays must not.
-    const ALWAYS_READ_FIRST: bool = true;
-
-    /// `BEGIN IMMEDIATE`: the write lock from the start (waiting up to the busy timeout), so
-    /// a read followed by a write inside the transaction never fails on a snapshot another
-    /// writer moved.
-    async fn begin_tx(
-        store: &SqliteStore,
-        _idle: Option<Duration>,
-        conn: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
-        let conn = match conn {
-            Some(conn) => conn,
-            None => store.pool.acquire().await.map_err(db_error)?,
-        };
-        // What `Pool::begin_with` does, on a connection already held.
-        sqlx::Transaction::begin(conn, Some("BEGIN IMMEDIATE".into_sql_str()))
-            .await
-            .map_err(db_error)
-    }
-
-    async fn acquire(
-        store: &SqliteStore,
-    ) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
-        store.pool.acquire().await.map_err(db_error)
-    }
-
-    async fn read<'a>(
-        store: &'a SqliteStore,
-        conn: &'a mut SqliteConnection,
-        req: ClaimRequest<'a>,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
-        store.read_settled(conn, &req).await
-    }
-
-    /// The transaction holds the write lock, so the ordinary claim cannot race.
-    async fn claim_in(
-        store: &SqliteStore,
-        conn: &mut SqliteConnection,
-        req: ClaimRequest<'_>,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
-        store.claim_on(conn, req).await.map(Some)
-    }
-
-    async fn complete_in(
-        store: &SqliteStore,
-        conn: &mut SqliteConnection,
-        key: &RecordKey,
-        token: LeaseToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        _idle: Duration,
-    ) -> Result<(), StoreError> {
-        store.complete_on(conn, key, token, outcome, ttl).await
-    }
-
-    fn finish_bound(_lease: Duration) -> Option<Duration> {
-        None
     }
 }
 

@@ -1,0 +1,77 @@
+//! Transactional mode on SQLite: how the SQLite store opens a handler's transaction and
+//! claims and completes inside it.
+
+use super::{CommitPath, TxDatabase};
+use crate::SqliteStore;
+use crate::store::fence::LeaseToken;
+use crate::store::record::{RecordKey, StoredOutcome};
+use crate::store::sql::db_error;
+use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
+use sqlx::SqlSafeStr;
+use sqlx::sqlite::SqliteConnection;
+use std::time::Duration;
+
+impl TxDatabase for sqlx::Sqlite {
+    type Store = SqliteStore;
+    const LABEL: &'static str = "SQLite";
+    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
+    /// A claim inside a transaction takes SQLite's one write lock: replays must not.
+    const ALWAYS_READ_FIRST: bool = true;
+
+    /// `BEGIN IMMEDIATE`: the write lock from the start (waiting up to the busy timeout), so
+    /// a read followed by a write inside the transaction never fails on a snapshot another
+    /// writer moved.
+    async fn begin_tx(
+        store: &SqliteStore,
+        _idle: Option<Duration>,
+        conn: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
+        let conn = match conn {
+            Some(conn) => conn,
+            None => store.pool.acquire().await.map_err(db_error)?,
+        };
+        // What `Pool::begin_with` does, on a connection already held.
+        sqlx::Transaction::begin(conn, Some("BEGIN IMMEDIATE".into_sql_str()))
+            .await
+            .map_err(db_error)
+    }
+
+    async fn acquire(
+        store: &SqliteStore,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, StoreError> {
+        store.pool.acquire().await.map_err(db_error)
+    }
+
+    async fn read<'a>(
+        store: &'a SqliteStore,
+        conn: &'a mut SqliteConnection,
+        req: ClaimRequest<'a>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        store.read_settled(conn, &req).await
+    }
+
+    /// The transaction holds the write lock, so the ordinary claim cannot race.
+    async fn claim_in(
+        store: &SqliteStore,
+        conn: &mut SqliteConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        store.claim_on(conn, req).await.map(Some)
+    }
+
+    async fn complete_in(
+        store: &SqliteStore,
+        conn: &mut SqliteConnection,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+        _idle: Duration,
+    ) -> Result<(), StoreError> {
+        store.complete_on(conn, key, token, outcome, ttl).await
+    }
+
+    fn finish_bound(_lease: Duration) -> Option<Duration> {
+        None
+    }
+}
