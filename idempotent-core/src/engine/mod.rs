@@ -305,7 +305,9 @@ impl std::fmt::Debug for EngineBuilder {
 
 impl EngineBuilder {
     /// The lease (how long a crashed attempt blocks retries; heartbeat-extended while the work
-    /// runs) of the routes and functions that set none: 100 ms to 365 days, default 30 s.
+    /// runs) of the routes and functions that set none: 100 ms to 365 days, default 30 s. A
+    /// ttl must be at least the lease: an HTTP configuration built over this engine
+    /// ([`crate::http::ConfigBuilder::build`]) refuses a default ttl shorter than it.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self

@@ -29,19 +29,22 @@ pub struct Config {
 }
 
 impl Config {
-    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]; the ttl is 24 h, or
-    /// the engine's lease if that is longer), the automatic sweeper included.
+    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]), the automatic
+    /// sweeper included. Nothing can be refused here, so the ttl is 24 h or, for an engine
+    /// whose lease is longer, that lease (a ttl shorter than the lease would leave every route
+    /// answering "misconfigured"); [`ConfigBuilder::build`] instead refuses a ttl shorter than
+    /// the lease.
     pub fn new(engine: Engine) -> Self {
         engine.configure_sweeper(Some(DEFAULT_SWEEP_EVERY));
-        Self::defaults(engine)
+        let mut config = Self::defaults(engine);
+        config.ttl = config.ttl.max(config.engine.lease());
+        config
     }
 
     /// The defaults, without touching the engine (the builder configures it when it builds).
-    /// The default ttl is never shorter than the engine's lease, so an engine built with a
-    /// lease over 24 h still gives a configuration whose routes resolve.
     fn defaults(engine: Engine) -> Self {
         Config {
-            ttl: DEFAULT_TTL.max(engine.lease()),
+            ttl: DEFAULT_TTL,
             engine,
             max_response: DEFAULT_MAX_RESPONSE,
             max_request: DEFAULT_MAX_REQUEST,
@@ -339,9 +342,9 @@ mod tests {
         assert!(p.policy.store_server_errors);
     }
 
-    /// An engine whose lease is longer than the default ttl still gives a configuration whose
-    /// routes resolve: the default ttl is never shorter than the lease (else every route
-    /// without its own ttl would answer 500 at run time, found by no `build`).
+    /// An engine whose lease is longer than the default ttl: `Config::new` (which refuses
+    /// nothing) gives routes that resolve, the builder refuses it once at build; never a
+    /// configuration whose every route answers 500 at run time.
     #[test]
     fn the_default_ttl_covers_a_long_engine_lease() {
         let lease = Duration::from_secs(2 * 86_400);
@@ -350,14 +353,21 @@ mod tests {
             .build()
             .expect("valid");
         let plain = Route::new("r", None, None, KeyRequirement::Required, false, None);
-        for config in [
-            Config::new(engine.clone()),
-            ConfigBuilder::<Config>::new(engine).build().expect("valid"),
-        ] {
-            assert_eq!(config.ttl(), lease);
-            let resolved = plain.resolve(&config).expect("resolves");
-            assert_eq!((resolved.policy.ttl, resolved.policy.lease), (lease, lease));
-        }
+        let config = Config::new(engine.clone());
+        assert_eq!(config.ttl(), lease);
+        let resolved = plain.resolve(&config).expect("resolves");
+        assert_eq!((resolved.policy.ttl, resolved.policy.lease), (lease, lease));
+        // The builder refuses at build what it cannot resolve, as it always has: its default
+        // ttl is 24 h, shorter than this lease; a ttl at least the lease builds.
+        assert!(matches!(
+            ConfigBuilder::<Config>::new(engine.clone()).build(),
+            Err(ConfigError::TtlShorterThanLease { .. })
+        ));
+        let built = ConfigBuilder::<Config>::new(engine)
+            .ttl(lease)
+            .build()
+            .expect("valid");
+        assert!(plain.resolve(&built).is_ok());
         // The common case keeps its 24 h.
         assert_eq!(
             Config::new(Engine::new(crate::MemoryStore::new())).ttl(),
