@@ -188,24 +188,29 @@ fn misconfigured(what: &str) -> ProblemError {
 /// after it run as a task of their own on the worker's runtime: if the client goes away (a
 /// reset, or a half-close after which actix stops polling the handler), the execution still
 /// runs to the end and its outcome is stored.
-pub async fn run<F, R>(
+///
+/// Not an `async fn`: the handler's future (as large as everything it awaits) is boxed here,
+/// once, so the futures around it and the spawned task hold a pointer and never copy it.
+pub fn run<F, R>(
     ctx: Ready,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
     handler: F,
-) -> HttpResponse
+) -> impl Future<Output = HttpResponse>
 where
     F: Future<Output = R> + 'static,
     R: Responder + 'static,
 {
     let req = ctx.req.clone();
-    let handler = async move { handler.await.respond_to(&req).map_into_boxed_body() };
-    let (config, head) = (&ctx.config.config, head(&ctx.req));
-    let prepared = driver::prepare(config, route, head, ctx.key, ctx.body, scope);
-    match prepared.await {
-        Prepared::Reply(reply) => crate::response::reply(reply),
-        Prepared::Pass => handler.await,
-        Prepared::Run(job) => joined(actix_rt::spawn(job.run::<Actix>(handler))).await,
+    let handler = Box::pin(async move { handler.await.respond_to(&req).map_into_boxed_body() });
+    async move {
+        let (config, head) = (&ctx.config.config, head(&ctx.req));
+        let prepared = driver::prepare(config, route, head, ctx.key, ctx.body, scope);
+        match prepared.await {
+            Prepared::Reply(reply) => crate::response::reply(reply),
+            Prepared::Pass => handler.await,
+            Prepared::Run(job) => joined(actix_rt::spawn(job.run::<Actix>(handler))).await,
+        }
     }
 }
 
@@ -220,14 +225,14 @@ async fn joined(task: actix_rt::task::JoinHandle<HttpResponse>) -> HttpResponse 
 
 /// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
 /// (transactional mode): the stored response commits with the handler's writes, and nothing
-/// is sent before that commit.
+/// is sent before that commit. The handler's future is boxed as it is made (see [`run`]).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub async fn run_tx<DB, F, Fut, R>(
+pub fn run_tx<DB, F, Fut, R>(
     ctx: Ready,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
     handler: F,
-) -> HttpResponse
+) -> impl Future<Output = HttpResponse>
 where
     DB: TxDatabase,
     F: FnOnce(Transaction<DB>) -> Fut + 'static,
@@ -235,11 +240,14 @@ where
     R: Responder + 'static,
 {
     let req = ctx.req.clone();
-    let handler = move |tx| async move { handler(tx).await.respond_to(&req).map_into_boxed_body() };
-    let (config, head) = (&ctx.config.config, head(&ctx.req));
-    let prepared = driver::prepare_tx::<DB>(config, route, head, ctx.key, ctx.body, scope);
-    match prepared.await {
-        Ok(job) => joined(actix_rt::spawn(job.run::<Actix, _, _>(handler))).await,
-        Err(reply) => crate::response::reply(reply),
+    let handler =
+        move |tx| Box::pin(async move { handler(tx).await.respond_to(&req).map_into_boxed_body() });
+    async move {
+        let (config, head) = (&ctx.config.config, head(&ctx.req));
+        let prepared = driver::prepare_tx::<DB>(config, route, head, ctx.key, ctx.body, scope);
+        match prepared.await {
+            Ok(job) => joined(actix_rt::spawn(job.run::<Actix, _, _>(handler))).await,
+            Err(reply) => crate::response::reply(reply),
+        }
     }
 }

@@ -151,55 +151,64 @@ fn misconfigured(what: &str) -> Response {
 /// Claim → execute → store → replay, around the handler's body. The claim and everything
 /// after it run detached from the request: if the client goes away (even while the claim is
 /// in flight), the execution still runs to the end and its outcome is stored.
-pub async fn run<const REQUIRED: bool, F, R>(
+///
+/// Not an `async fn`: the handler's future (as large as everything it awaits, often tens of
+/// KiB with a database client's futures in it) is boxed here, once, so the futures around
+/// it (this one, the route's, the framework's, the detached execution) hold a pointer and
+/// never copy it as they are built and moved.
+pub fn run<const REQUIRED: bool, F, R>(
     ctx: Context<REQUIRED>,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
     handler: F,
-) -> Response
+) -> impl Future<Output = Response> + Send
 where
     F: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    let handler = async move { handler.await.into_response() };
-    let Context {
-        config,
-        head,
-        key,
-        body,
-    } = ctx;
-    match driver::prepare(&config.config, route, head.get(), key, body, scope).await {
-        Prepared::Reply(reply) => crate::response::reply(reply),
-        Prepared::Pass => handler.await,
-        Prepared::Run(job) => Detached::new(job.run::<Axum>(handler)).await,
+    let handler = Box::pin(async move { handler.await.into_response() });
+    async move {
+        let Context {
+            config,
+            head,
+            key,
+            body,
+        } = ctx;
+        match driver::prepare(&config.config, route, head.get(), key, body, scope).await {
+            Prepared::Reply(reply) => crate::response::reply(reply),
+            Prepared::Pass => handler.await,
+            Prepared::Run(job) => Detached::new(job.run::<Axum>(handler)).await,
+        }
     }
 }
 
 /// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
 /// (transactional mode): the stored response commits with the handler's writes, and nothing
-/// is sent before that commit.
+/// is sent before that commit. The handler's future is boxed as it is made (see [`run`]).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub async fn run_tx<const REQUIRED: bool, DB, F, Fut, R>(
+pub fn run_tx<const REQUIRED: bool, DB, F, Fut, R>(
     ctx: Context<REQUIRED>,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
     handler: F,
-) -> Response
+) -> impl Future<Output = Response> + Send
 where
     DB: TxDatabase,
     F: FnOnce(Transaction<DB>) -> Fut + Send + 'static,
     Fut: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    let handler = move |tx| async move { handler(tx).await.into_response() };
-    let Context {
-        config,
-        head,
-        key,
-        body,
-    } = ctx;
-    match driver::prepare_tx::<DB>(&config.config, route, head.get(), key, body, scope).await {
-        Ok(job) => Detached::new(job.run::<Axum, _, _>(handler)).await,
-        Err(reply) => crate::response::reply(reply),
+    let handler = move |tx| Box::pin(async move { handler(tx).await.into_response() });
+    async move {
+        let Context {
+            config,
+            head,
+            key,
+            body,
+        } = ctx;
+        match driver::prepare_tx::<DB>(&config.config, route, head.get(), key, body, scope).await {
+            Ok(job) => Detached::new(job.run::<Axum, _, _>(handler)).await,
+            Err(reply) => crate::response::reply(reply),
+        }
     }
 }

@@ -127,10 +127,13 @@ pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>)
         (
             Db::Memory,
             Arc::new(
-                // Unbounded: one caller sends every key of the run (hundreds of thousands).
+                // Unbounded, in records and in bytes: one caller sends every key of the run
+                // (hundreds of thousands, more than the default 32 MiB a scope may hold).
                 idempotent_core::MemoryStore::builder()
                     .max_entries(usize::MAX)
                     .max_per_scope(usize::MAX)
+                    .max_bytes(u64::MAX)
+                    .max_bytes_per_scope(u64::MAX)
                     .build(),
             ),
         )
