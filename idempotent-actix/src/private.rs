@@ -189,27 +189,31 @@ fn misconfigured(what: &str) -> ProblemError {
 /// reset, or a half-close after which actix stops polling the handler), the execution still
 /// runs to the end and its outcome is stored.
 ///
-/// Not an `async fn`: the handler's future (as large as everything it awaits) is boxed here,
-/// once, so the futures around it and the spawned task hold a pointer and never copy it.
-pub fn run<F, R>(
+/// `handler` makes the handler's future (the attribute passes the body as `move || async
+/// move { … }`): it is called only when the handler runs, so a replay never builds it, and
+/// the future it makes (as large as everything the handler awaits) is boxed as it is made,
+/// so the futures around it and the spawned task hold a pointer and never copy it.
+pub fn run<F, Fut, R>(
     ctx: Ready,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
     handler: F,
 ) -> impl Future<Output = HttpResponse>
 where
-    F: Future<Output = R> + 'static,
+    F: FnOnce() -> Fut + 'static,
+    Fut: Future<Output = R> + 'static,
     R: Responder + 'static,
 {
     let req = ctx.req.clone();
-    let handler = Box::pin(async move { handler.await.respond_to(&req).map_into_boxed_body() });
+    let handler =
+        move || Box::pin(async move { handler().await.respond_to(&req).map_into_boxed_body() });
     async move {
         let (config, head) = (&ctx.config.config, head(&ctx.req));
         let prepared = driver::prepare(config, route, head, ctx.key, ctx.body, scope);
         match prepared.await {
             Prepared::Reply(reply) => crate::response::reply(reply),
-            Prepared::Pass => handler.await,
-            Prepared::Run(job) => joined(actix_rt::spawn(job.run::<Actix>(handler))).await,
+            Prepared::Pass => handler().await,
+            Prepared::Run(job) => joined(actix_rt::spawn(job.run::<Actix, _>(handler))).await,
         }
     }
 }

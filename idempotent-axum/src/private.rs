@@ -152,21 +152,24 @@ fn misconfigured(what: &str) -> Response {
 /// after it run detached from the request: if the client goes away (even while the claim is
 /// in flight), the execution still runs to the end and its outcome is stored.
 ///
-/// Not an `async fn`: the handler's future (as large as everything it awaits, often tens of
-/// KiB with a database client's futures in it) is boxed here, once, so the futures around
-/// it (this one, the route's, the framework's, the detached execution) hold a pointer and
-/// never copy it as they are built and moved.
-pub fn run<const REQUIRED: bool, F, R>(
+/// `handler` makes the handler's future (the attribute passes the body as `move || async
+/// move { … }`): it is called only when the handler runs, so a replay never builds it, and
+/// the future it makes (as large as everything the handler awaits, often tens of KiB with a
+/// database client's futures in it) is boxed as it is made, so the futures around it (this
+/// one, the route's, the framework's, the detached execution) hold a pointer and never copy
+/// it as they are built and moved.
+pub fn run<const REQUIRED: bool, F, Fut, R>(
     ctx: Context<REQUIRED>,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
     handler: F,
 ) -> impl Future<Output = Response> + Send
 where
-    F: Future<Output = R> + Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    let handler = Box::pin(async move { handler.await.into_response() });
+    let handler = move || Box::pin(async move { handler().await.into_response() });
     async move {
         let Context {
             config,
@@ -176,8 +179,8 @@ where
         } = ctx;
         match driver::prepare(&config.config, route, head.get(), key, body, scope).await {
             Prepared::Reply(reply) => crate::response::reply(reply),
-            Prepared::Pass => handler.await,
-            Prepared::Run(job) => Detached::new(job.run::<Axum>(handler)).await,
+            Prepared::Pass => handler().await,
+            Prepared::Run(job) => Detached::new(job.run::<Axum, _>(handler)).await,
         }
     }
 }

@@ -269,12 +269,23 @@ impl Job {
     /// when the key is claimed: the future this returns, which the adapter boxes or spawns
     /// for every request, holds only the claim (about 0.7 KiB, not 3.6), so a replay or a
     /// conflict never allocates and copies room for storing a response.
-    pub async fn run<G: Glue>(self, handler: impl Future<Output = G::Response>) -> G::Response {
+    ///
+    /// `handler` makes the handler's future; it is called only when the handler runs, so a
+    /// replay or a conflict never builds it.
+    pub async fn run<G: Glue, Fut: Future<Output = G::Response>>(
+        self,
+        handler: impl FnOnce() -> Fut,
+    ) -> G::Response {
         match Step::from(self.engine.begin(self.request, &self.resolved.policy).await) {
             Step::Respond(reply) => G::reply(reply),
-            Step::Unprotected => handler.await,
+            Step::Unprotected => handler().await,
             Step::Execute(execution) => {
-                Box::pin(execute::<G>(execution, handler, self.resolved.max_response)).await
+                Box::pin(execute::<G>(
+                    execution,
+                    handler(),
+                    self.resolved.max_response,
+                ))
+                .await
             }
         }
     }

@@ -1,5 +1,7 @@
 //! A handler: the hidden `Context` extractor, the route's settings in a `static`, the scope,
-//! then `run` (or `run_tx`) around the body kept as tokens inside `async move { }`.
+//! then `run` (or `run_tx`) around the body kept as tokens inside `async move { }`, which
+//! `run` gets inside a closure (`move || async move { }`) and `run_tx` inside the closure that
+//! takes the transaction, so the handler's future is built only when the handler runs.
 
 use super::{bind_context, hidden, opt_ms, scope_expr, split_attrs, take_params};
 use crate::args::{Commit, KeyReq};
@@ -131,7 +133,11 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
                 quote!(#p::run_tx(#ctx, &#route, #scope_var, move |#pat: #ty| #body)),
             )
         }
-        _ => (route_new, quote!(#p::run(#ctx, &#route, #scope_var, #body))),
+        // A closure that makes the future: a replay never builds (or moves) it.
+        _ => (
+            route_new,
+            quote!(#p::run(#ctx, &#route, #scope_var, move || #body)),
+        ),
     };
 
     quote! {
