@@ -114,11 +114,13 @@ pub async fn pg_store(pool: sqlx::PgPool, table: &str) -> idempotent_core::Postg
     store
 }
 
-/// Drops a table made by [`pg_store`] and its migrations table.
+/// Drops a table made by [`pg_store`], its migrations table and its functions.
 #[cfg(feature = "postgres")]
 pub async fn pg_drop(pool: &sqlx::PgPool, table: &str) {
-    let sql =
-        format!("DROP TABLE IF EXISTS idempotent_test.{table}, idempotent_test.{table}_migrations");
+    let sql = format!(
+        "DROP TABLE IF EXISTS idempotent_test.{table}, idempotent_test.{table}_migrations; \
+         DROP FUNCTION IF EXISTS idempotent_test.{table}_claim_first, idempotent_test.{table}_complete"
+    );
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await;
 }
 

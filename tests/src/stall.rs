@@ -1,7 +1,8 @@
 //! A TCP proxy on 127.0.0.1 in front of PostgreSQL that, once armed, stalls the first
-//! connection that sends `COMMIT`: the `COMMIT` never reaches the server and nothing more moves
-//! either way on that connection, which stays open (a process frozen, or a network lost, right
-//! before its COMMIT). Every other connection, and that one before it is caught, passes.
+//! connection that sends `COMMIT` (alone, or in a batch such as the library's complete and
+//! COMMIT): the `COMMIT` never reaches the server and nothing more moves either way on that
+//! connection, which stays open (a process frozen, or a network lost, right before its
+//! COMMIT). Every other connection, and that one before it is caught, passes.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -32,8 +33,10 @@ impl Drop for CommitStaller {
     }
 }
 
-/// A PostgreSQL simple-query message whose text is `COMMIT`, as sqlx sends it.
-const COMMIT: &[u8] = b"COMMIT\0";
+/// `COMMIT` ending a simple-query message (as sqlx sends it) or a statement of a batch.
+const COMMITS: [&[u8]; 2] = [b"COMMIT\0", b"COMMIT;"];
+/// The length of both.
+const COMMIT_LEN: usize = 7;
 
 impl CommitStaller {
     /// Listens on a free port of 127.0.0.1 and forwards to `upstream`.
@@ -87,7 +90,7 @@ async fn forward(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
             };
             let mut window = std::mem::take(&mut tail);
             window.extend_from_slice(&buf[..n]);
-            let has_commit = window.windows(COMMIT.len()).any(|w| w == COMMIT);
+            let has_commit = window.windows(COMMIT_LEN).any(|w| COMMITS.contains(&w));
             if has_commit
                 && shared
                     .armed
@@ -102,7 +105,7 @@ async fn forward(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
             if sw.write_all(&buf[..n]).await.is_err() {
                 return;
             }
-            tail = window[window.len().saturating_sub(COMMIT.len())..].to_vec();
+            tail = window[window.len().saturating_sub(COMMIT_LEN)..].to_vec();
         }
     };
     let down = async {

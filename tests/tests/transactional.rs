@@ -347,6 +347,179 @@ async fn postgres_single_commit_statements() {
     assert_eq!(store.statements_sent() - before, 1, "the claim alone");
 }
 
+/// On PostgreSQL the claim goes with BEGIN, and the complete with COMMIT, as simple queries
+/// with the values written into their text. Any text and any bytes survive that exactly:
+/// quotes, backslashes, an `E'…'` and a `;` in the scope and the key, every byte value in the
+/// body and a header, on both commit paths, and a replay gives them back as stored. The
+/// pool has one connection, so a connection left in a transaction would show in the next step.
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_batches_carry_any_text_and_bytes() {
+    let (db, store) = pg_db(pg_pool(1).await).await;
+    let body: Vec<u8> = (0..=255_u8).chain((0..=255_u8).rev()).collect();
+    for (i, commit) in [CommitPath::Single, CommitPath::Two]
+        .into_iter()
+        .enumerate()
+    {
+        let scope = Scope::new(format!(
+            "acct 'O''Brien' \\ \\' E'x' ; DROP TABLE nothing; -- ünï {i} \u{1F600}"
+        ))
+        .unwrap();
+        let raw = format!("k'\\';--E'{}", uuid::Uuid::new_v4().simple());
+        let key = RecordKey::new(scope, IdempotencyKey::parse(raw.as_bytes()).unwrap());
+        let response = StoredResponse::new(201, body.clone())
+            .with_header("x-quote", "it's \\ \"q\"")
+            .with_header("x-empty", "");
+        let p = policy(Duration::from_secs(10));
+        let mut execution =
+            claimed::<sqlx::Postgres>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
+        let mut tx = execution.transaction().unwrap();
+        insert(&mut tx, &db.business).await;
+        drop(tx);
+        let out = execution.finish(response.clone().into()).await;
+        assert!(matches!(out, TxFinished::Committed), "{commit:?}: {out:?}");
+        let record = store
+            .get(&key)
+            .await
+            .unwrap()
+            .expect("the record is stored");
+        assert_eq!(record.fingerprint, fp("a"));
+        match db
+            .engine
+            .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(commit))
+            .await
+        {
+            TxBegin::Respond(Begin::Replay(StoredOutcome::Response(r))) => {
+                assert_eq!(r, response, "{commit:?}");
+            }
+            other => panic!("{commit:?}: expected the replay: {other:?}"),
+        }
+        assert_eq!(db.rows().await, i64::try_from(i).unwrap() + 1);
+    }
+}
+
+/// The transaction a handler gets counts as one level for sqlx, whichever way it began
+/// (on PostgreSQL a BEGIN sent with the claim), so the handler's own `begin()` is a
+/// SAVEPOINT: a failed statement inside one rolls back to it and the handler goes on, and
+/// its `commit()` releases the savepoint without committing the handler's transaction.
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_savepoints_inside_the_handler() {
+    let (db, _) = pg_db(pg_pool(2).await).await;
+    let p = policy(Duration::from_secs(10));
+    let key = unique_key("savepoint");
+    let mut execution = claimed::<sqlx::Postgres>(
+        &db.engine,
+        request(&key, "a"),
+        &p,
+        &options(CommitPath::Single),
+    )
+    .await;
+    let mut tx = execution.transaction().unwrap();
+    {
+        let mut savepoint = sqlx::Connection::begin(&mut *tx).await.unwrap();
+        let failed = sqlx::raw_sql("SELECT 1 / 0").execute(&mut *savepoint).await;
+        assert!(failed.is_err());
+        savepoint.rollback().await.unwrap();
+    }
+    insert(&mut tx, &db.business).await;
+    {
+        let mut savepoint = sqlx::Connection::begin(&mut *tx).await.unwrap();
+        let sql = format!("INSERT INTO {} (id) VALUES ('in-savepoint')", db.business);
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut *savepoint)
+            .await
+            .unwrap();
+        savepoint.commit().await.unwrap();
+    }
+    drop(tx);
+    assert_eq!(
+        db.rows().await,
+        0,
+        "a savepoint's commit committed the handler's transaction"
+    );
+    let out = execution.finish(StoredResponse::new(201, "x").into()).await;
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    assert_eq!(db.rows().await, 2);
+}
+
+/// A duplicate that reads no record (the first's claim is not committed yet) tries the claim
+/// that goes with BEGIN, finds the key held, rolls that back and takes the ordinary path:
+/// 409 while the first runs, the replay once it committed. Its pool has one connection,
+/// which must come back clean (not inside a transaction, aborted or not) after each.
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_duplicate_after_the_read_falls_back_cleanly() {
+    let (db, store) = pg_db(pg_pool(2).await).await;
+    let (schema, table) = store.table().split_once('.').unwrap();
+    let other_pool = pg_pool(1).await;
+    let other = Engine::new(
+        PostgresStore::builder(other_pool.clone())
+            .schema(schema)
+            .table(table)
+            .build()
+            .unwrap(),
+    );
+    let clean = || async {
+        // Outside a transaction block, a simple query's transaction starts with it (its
+        // statement timestamp); inside one it started earlier.
+        let row = sqlx::raw_sql("SELECT now() = statement_timestamp()")
+            .fetch_one(&other_pool)
+            .await
+            .expect("the connection is not in an aborted transaction");
+        let fresh: bool = sqlx::Row::get(&row, 0);
+        assert!(fresh, "the connection came back inside a transaction");
+    };
+    let p = policy(Duration::from_secs(10));
+    let opts = options(CommitPath::Single);
+    let key = unique_key("held");
+    let mut first = claimed::<sqlx::Postgres>(&db.engine, request(&key, "a"), &p, &opts).await;
+    for _ in 0..3 {
+        let begin = other
+            .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &opts)
+            .await;
+        assert!(
+            matches!(begin, TxBegin::Respond(Begin::InProgress { .. })),
+            "{begin:?}"
+        );
+        clean().await;
+    }
+    let mut tx = first.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    let out = first.finish(StoredResponse::new(201, "first").into()).await;
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    let begin = other
+        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &opts)
+        .await;
+    assert!(
+        matches!(begin, TxBegin::Respond(Begin::Replay(_))),
+        "{begin:?}"
+    );
+    clean().await;
+    // A fresh key on that connection runs and commits.
+    let runs = AtomicUsize::new(0);
+    let fresh = unique_key("after");
+    let mut execution = claimed::<sqlx::Postgres>(&other, request(&fresh, "a"), &p, &opts).await;
+    let mut tx = execution.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    runs.fetch_add(1, Ordering::SeqCst);
+    let out = execution.finish(StoredResponse::new(201, "x").into()).await;
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    clean().await;
+    assert_eq!(db.rows().await, 2);
+}
+
 /// 64 concurrent duplicates of one key (single commit, PostgreSQL): exactly one runs; the
 /// others get 409 (the key is held by an open transaction) or, once it committed, the replay.
 /// With a long `wait`, every duplicate gets the replay.
@@ -823,12 +996,11 @@ async fn unprotected_transactions_count_towards_the_drain() {
     assert_eq!(db.rows().await, 1);
 }
 
-/// An owner stalled between its fenced complete (which locks the record's row) and its
-/// COMMIT, on the two-commit path: the COMMIT never reaches PostgreSQL and the connection stays
-/// open. Retries on another instance are each answered within a second, never queued behind
-/// the row lock: 409 while the owner's lease runs and while its session holds the row, then,
-/// once the server has ended that idle session (the bound the complete set), the take-over
-/// runs the handler once. More retries than the retrying instance has connections, so a pool
+/// An owner stalled right before its COMMIT, on the two-commit path: the complete and COMMIT
+/// (one batch on PostgreSQL, so no session can stall holding the record's row between them)
+/// never reach PostgreSQL and the connection stays open. Retries on another instance are each
+/// answered within a second, never queued behind the owner: 409 while the owner's lease runs,
+/// then the take-over runs the handler once. More retries than the retrying instance has connections, so a pool
 /// drained by waiting take-overs would show. The owner itself gives up on its COMMIT (503) and
 /// its engine drains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -870,7 +1042,12 @@ async fn postgres_owner_stalled_before_commit_never_blocks_its_key() {
     proxy.arm();
     let stalled_finish =
         tokio::spawn(async move { first.finish(StoredResponse::new(201, "first").into()).await });
+    let armed = tokio::time::Instant::now();
     while proxy.stalled() == 0 {
+        assert!(
+            armed.elapsed() < Duration::from_secs(10),
+            "the owner's COMMIT never passed the proxy"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 

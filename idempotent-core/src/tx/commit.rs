@@ -1,7 +1,8 @@
 //! A transactional execution: from the claim (in or before the handler's transaction) to the
 //! commit that stores its response with its writes, or the rollback.
 
-use super::transaction::{Home, Transaction, TxDatabase, lock};
+use super::held::Held;
+use super::transaction::{FinishError, FirstClaim, Home, ReadFirst, Transaction, TxDatabase, lock};
 use super::{CommitPath, TxOptions};
 use crate::engine::{
     Begin, Engine, ExecuteRequest, Execution, InFlight, KeyRequirement, PanicPayload, Policy,
@@ -94,12 +95,7 @@ impl<DB: TxDatabase> std::fmt::Debug for TxExecution<DB> {
 }
 
 impl<DB: TxDatabase> TxExecution<DB> {
-    fn new(
-        store: DB::Store,
-        tx: sqlx::Transaction<'static, DB>,
-        claim: Claim,
-        policy: Policy,
-    ) -> Self {
+    fn new(store: DB::Store, tx: Held<DB>, claim: Claim, policy: Policy) -> Self {
         TxExecution {
             store,
             home: Arc::new(Mutex::new(Some(tx))),
@@ -187,7 +183,7 @@ impl<DB: TxDatabase> TxExecution<DB> {
         } = self;
         let commit_started = std::time::Instant::now();
         let taken = lock(&home).take();
-        let Some(mut tx) = taken else {
+        let Some(tx) = taken else {
             // Let go of the slot: when the handler's copy is dropped, its transaction is
             // dropped (rolled back) at once instead of waiting here (on SQLite it holds the
             // write lock the release below needs).
@@ -209,73 +205,73 @@ impl<DB: TxDatabase> TxExecution<DB> {
             }
             return TxFinished::RolledBack;
         }
-        let completed = match &claim {
-            Claim::None { .. } => Ok(()),
-            Claim::Single { key, token, .. } => {
-                let complete = DB::complete_in(
-                    &store,
-                    &mut tx,
-                    key,
-                    *token,
-                    &outcome,
-                    policy.ttl,
-                    policy.lease,
-                );
-                bounded::<DB, _>(policy.lease, "the complete", complete).await
-            }
-            Claim::Two(execution) => {
-                let complete = DB::complete_in(
-                    &store,
-                    &mut tx,
-                    execution.key(),
-                    execution.token(),
-                    &outcome,
-                    policy.ttl,
-                    policy.lease,
-                );
-                bounded::<DB, _>(policy.lease, "the complete", complete).await
-            }
-        };
-        if let Err(error) = completed {
-            rollback(tx, &policy).await;
-            match (claim, &error) {
-                (Claim::Two(execution), StoreError::StaleLease) => {
-                    tracing::warn!(
-                        route = policy.route,
-                        "idempotency: the fence refused this execution: its lease was taken over; its writes rolled back"
-                    );
-                    execution.settle();
-                }
-                (claim, _) if is_aborted(&error) => {
-                    tracing::error!(route = policy.route, error = %error, "idempotency: a statement of the handler failed and aborted its transaction, so nothing could be stored; run statements whose failure the handler answers inside a savepoint (`tx.begin()`)");
-                    if let Claim::Two(execution) = claim {
-                        released(execution.release().await);
+        let (key, token) = match &claim {
+            Claim::None { .. } => {
+                let committed = bounded::<DB, _>(policy.lease, "COMMIT", async {
+                    tx.commit().await.map_err(db_error)
+                })
+                .await;
+                observe::store_time("commit", commit_started.elapsed());
+                return match committed {
+                    Ok(()) => TxFinished::Committed,
+                    Err(e) => {
+                        tracing::error!(route = policy.route, error = %e, "idempotency: COMMIT failed");
+                        TxFinished::Failed(e)
                     }
-                }
-                (Claim::Two(execution), _) => {
-                    tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; the handler's writes rolled back");
-                    // Nothing committed: a retry may run again.
-                    released(execution.release().await);
-                }
-                _ => {
-                    tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; everything rolled back");
-                }
+                };
             }
-            return TxFinished::Failed(error);
-        }
-        let committed = bounded::<DB, _>(policy.lease, "COMMIT", async {
-            tx.commit().await.map_err(db_error)
-        })
-        .await;
+            Claim::Single { key, token, .. } => (key, *token),
+            Claim::Two(execution) => (execution.key(), execution.token()),
+        };
+        // The complete and COMMIT (one round trip on PostgreSQL), bounded as a whole.
+        let finish = DB::complete_commit(&store, tx, key, token, &outcome, policy.ttl);
+        let finished = match DB::finish_bound(policy.lease) {
+            None => finish.await,
+            Some(bound) => match tokio::time::timeout(bound, finish).await {
+                Ok(done) => done,
+                // The transaction was dropped with the future: its ROLLBACK is queued.
+                Err(_) => Err(FinishError::Commit(StoreError::unavailable(NoAnswer {
+                    what: "the complete and COMMIT",
+                    bound,
+                }))),
+            },
+        };
         observe::store_time("commit", commit_started.elapsed());
-        match committed {
+        match finished {
             Ok(()) => {
                 if let Claim::Two(execution) = claim {
                     execution.settle();
                 }
                 TxFinished::Committed
             }
-            Err(e) => {
+            Err(FinishError::Complete(error, tx)) => {
+                rollback(tx, &policy).await;
+                match (claim, &error) {
+                    (Claim::Two(execution), StoreError::StaleLease) => {
+                        tracing::warn!(
+                            route = policy.route,
+                            "idempotency: the fence refused this execution: its lease was taken over; its writes rolled back"
+                        );
+                        execution.settle();
+                    }
+                    (claim, _) if is_aborted(&error) => {
+                        tracing::error!(route = policy.route, error = %error, "idempotency: a statement of the handler failed and aborted its transaction, so nothing could be stored; run statements whose failure the handler answers inside a savepoint (`tx.begin()`)");
+                        if let Claim::Two(execution) = claim {
+                            released(execution.release().await);
+                        }
+                    }
+                    (Claim::Two(execution), _) => {
+                        tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; the handler's writes rolled back");
+                        // Nothing committed: a retry may run again.
+                        released(execution.release().await);
+                    }
+                    _ => {
+                        tracing::error!(route = policy.route, error = %error, "idempotency: completing the record failed; everything rolled back");
+                    }
+                }
+                TxFinished::Failed(error)
+            }
+            Err(FinishError::Commit(e)) => {
                 // Whether COMMIT applied is unknown: leave the record as COMMIT left it (a
                 // two-commit claim stays in progress until its lease ends if it did not).
                 tracing::error!(
@@ -344,7 +340,7 @@ fn is_aborted(error: &StoreError) -> bool {
     has_sqlstate(error, "25P02")
 }
 
-async fn rollback<DB: TxDatabase>(tx: sqlx::Transaction<'static, DB>, policy: &Policy) {
+async fn rollback<DB: TxDatabase>(tx: Held<DB>, policy: &Policy) {
     let rolled_back = bounded::<DB, _>(policy.lease, "ROLLBACK", async {
         tx.rollback().await.map_err(db_error)
     });
@@ -571,8 +567,25 @@ impl Engine {
                 Err(error) => return unavailable("the read", error),
             };
             match DB::read(&store, &mut read_on, claim).await {
-                Ok(Some(outcome)) => return TxBegin::Respond(report(outcome)),
-                Ok(None) => conn = Some(read_on),
+                Ok(ReadFirst::Settled(outcome)) => return TxBegin::Respond(report(outcome)),
+                // No record: open the transaction and claim in it at once where the
+                // database can (PostgreSQL: one round trip); whatever that could not settle
+                // (the key was taken meanwhile) goes the ordinary way below.
+                Ok(ReadFirst::Absent) => {
+                    match DB::claim_first(&store, read_on, policy.lease, claim).await {
+                        Ok(FirstClaim::Claimed(tx, token)) => {
+                            let claim = Claim::Single {
+                                _slot: slot,
+                                token,
+                                key,
+                            };
+                            return TxBegin::Run(TxExecution::new(store, tx, claim, *policy));
+                        }
+                        Ok(FirstClaim::Fallback(read_on)) => conn = Some(read_on),
+                        Err(error) => return unavailable("the claim", error),
+                    }
+                }
+                Ok(ReadFirst::Stale) => conn = Some(read_on),
                 Err(error) => return unavailable("the read", error),
             }
         }

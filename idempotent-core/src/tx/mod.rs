@@ -23,6 +23,16 @@
 //!
 //! A replay costs one read-only statement on either path (the record is read before any
 //! transaction begins).
+//!
+//! On PostgreSQL, after a read that found no record, BEGIN and the claim go in one simple
+//! query, and on both paths the complete, COMMIT and an empty BEGIN go in another (its
+//! ROLLBACK rides on the pool's release ping): a single-commit first execution is five round
+//! trips, the handler's statements included once. The claim and the complete there are calls
+//! of two functions the store's migrations create (`<table>_claim_first`, `<table>_complete`),
+//! whose statements run from plans the session keeps; their arguments are written into the
+//! text, since the simple protocol has no parameters. A claim that did not insert, and a
+//! complete the fence refused, raise an error of their own (SQLSTATE `IDM01`, `IDM02`), so
+//! nothing after them runs (see SECURITY.md for what the server then logs).
 
 use std::time::Duration;
 
@@ -77,6 +87,8 @@ pub struct TxOptions {
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod commit;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod held;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
@@ -86,5 +98,11 @@ mod transaction;
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use commit::{TxBegin, TxExecution, TxFinished};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[doc(hidden)]
+pub use held::Held;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[doc(hidden)]
+pub use transaction::{FinishError, FirstClaim, ReadFirst};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use transaction::{Transaction, TxDatabase};

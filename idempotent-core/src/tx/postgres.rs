@@ -2,14 +2,13 @@
 //! (READ COMMITTED, an idle timeout) and claims and completes inside it, with an advisory lock
 //! standing for a key's uncommitted claim.
 
-use super::{CommitPath, TxDatabase};
+use super::held::Held;
+use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::PostgresStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::sql::postgres::claim_query;
-use crate::store::sql::{
-    Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error, fenced, millis,
-};
+use crate::store::sql::{Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error, millis};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
@@ -32,25 +31,71 @@ impl TxDatabase for sqlx::Postgres {
         store: &PostgresStore,
         idle: Option<std::time::Duration>,
         conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        let begin = match idle {
-            Some(idle) => {
-                // The server's limit for this setting is i32::MAX ms (about 24.8 days).
-                let ms = millis(idle).clamp(1, i64::from(i32::MAX));
-                format!(
-                    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL idle_in_transaction_session_timeout = {ms}"
-                )
-            }
-            None => "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned(),
-        };
+    ) -> Result<Held<sqlx::Postgres>, StoreError> {
+        let mut begin = String::from(BEGIN);
+        if let Some(idle) = idle {
+            push_idle(&mut begin, idle);
+        }
         let conn = match conn {
             Some(conn) => conn,
             None => store.pool.acquire().await.map_err(db_error)?,
         };
         // What `Pool::begin_with` does, on a connection already held.
-        sqlx::Transaction::begin(conn, Some(AssertSqlSafe(begin).into_sql_str()))
-            .await
-            .map_err(db_error)
+        match Held::begin(conn, AssertSqlSafe(begin).into_sql_str()).await {
+            Ok(tx) => Ok(tx),
+            Err((e, conn)) => Err(end_failed_batch(e, conn).await),
+        }
+    }
+
+    /// `BEGIN …; SET LOCAL …;` and the claim in one simple query: a call of the store's
+    /// `<table>_claim_first` function (migration 3) with the values written into the text
+    /// (the simple protocol has no parameters; see [`push_text`] and [`push_bytes`]), which
+    /// inserts only as the holder of the key's advisory lock. sqlx reads no rows from a
+    /// BEGIN, so the function answers by succeeding or failing: when it did not insert
+    /// (another transaction holds the key, or a record appeared since the read) it raises
+    /// SQLSTATE `IDM01`, the transaction is rolled back and the ordinary path (BEGIN, then
+    /// the full claim) settles the request. That costs two round trips more than before,
+    /// only for a duplicate that arrives between the read and the claim, and leaves an
+    /// ERROR line in the server's log for it.
+    async fn claim_first(
+        store: &PostgresStore,
+        conn: sqlx::pool::PoolConnection<sqlx::Postgres>,
+        idle: std::time::Duration,
+        req: ClaimRequest<'_>,
+    ) -> Result<FirstClaim<sqlx::Postgres>, StoreError> {
+        let token = LeaseToken::generate();
+        let lock = lock_id(&store.sql.table, req.key);
+        let mut sql = String::with_capacity(512);
+        sql.push_str(BEGIN);
+        push_idle(&mut sql, idle);
+        sql.push_str("; SELECT ");
+        sql.push_str(&store.sql.table);
+        sql.push_str("_claim_first(");
+        push_text(&mut sql, req.key.scope.as_str());
+        sql.push_str(", ");
+        push_text(&mut sql, req.key.key.as_str());
+        sql.push_str(", ");
+        push_bytes(&mut sql, &req.fingerprint.to_stored());
+        let lease = millis(req.lease);
+        let expires = millis(req.lease.saturating_add(req.ttl));
+        sql.push_str(&format!(
+            ", '{token}'::uuid, {lease}::float8, {expires}::float8, '{lock}'::int8)",
+            token = token.as_uuid(),
+        ));
+        store.sent.bump();
+        match Held::begin(conn, AssertSqlSafe(sql).into_sql_str()).await {
+            Ok(tx) => Ok(FirstClaim::Claimed(tx, token)),
+            Err((e, mut conn)) if has_code(&e, NOT_CLAIMED) => {
+                match sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await {
+                    Ok(_) => Ok(FirstClaim::Fallback(conn)),
+                    Err(e) => {
+                        conn.close_on_drop();
+                        Err(db_error(e))
+                    }
+                }
+            }
+            Err((e, conn)) => Err(end_failed_batch(e, conn).await),
+        }
     }
 
     async fn acquire(
@@ -63,7 +108,7 @@ impl TxDatabase for sqlx::Postgres {
         store: &'a PostgresStore,
         conn: &'a mut PgConnection,
         req: ClaimRequest<'a>,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
+    ) -> Result<ReadFirst, StoreError> {
         store.read_settled(conn, &req).await
     }
 
@@ -111,24 +156,60 @@ impl TxDatabase for sqlx::Postgres {
         Err(StoreError::unavailable(Contention))
     }
 
-    async fn complete_in(
+    /// The fenced complete (a call of the store's `<table>_complete` function, migration 3),
+    /// COMMIT and a new, empty BEGIN in one simple query; the transaction sqlx counts is then
+    /// ended by a ROLLBACK queued on the connection, which goes out with the pool's release
+    /// ping (no round trip of its own, and no warning: it ends that empty transaction). A
+    /// complete that matches no row (the fence refused) raises SQLSTATE `IDM02`, so the
+    /// statements after it never run and nothing commits. Any error the server answers means
+    /// nothing committed (the query stops at the failing statement, and a COMMIT that fails
+    /// rolls back); only an error without an answer leaves the COMMIT's fate unknown.
+    async fn complete_commit(
         store: &PostgresStore,
-        conn: &mut PgConnection,
+        tx: Held<sqlx::Postgres>,
         key: &RecordKey,
         token: LeaseToken,
         outcome: &StoredOutcome,
         ttl: std::time::Duration,
-        idle: std::time::Duration,
-    ) -> Result<(), StoreError> {
-        // The server's limit for this setting is i32::MAX ms (about 24.8 days).
-        let idle_ms = millis(idle).clamp(1, i64::from(i32::MAX));
-        let done = store
-            .complete_query(&store.sql.tx_complete, key, token, outcome, ttl)
-            .bind(idle_ms.to_string())
-            .execute(&mut *conn)
-            .await
-            .map_err(db_error)?;
-        fenced(done.rows_affected())
+    ) -> Result<(), FinishError<sqlx::Postgres>> {
+        let mut tx = tx;
+        let mut sql = String::with_capacity(256 + 2 * outcome_len(outcome));
+        sql.push_str("SELECT ");
+        sql.push_str(&store.sql.table);
+        sql.push_str("_complete(");
+        push_text(&mut sql, key.scope.as_str());
+        sql.push_str(", ");
+        push_text(&mut sql, key.key.as_str());
+        sql.push_str(&format!(", '{}'::uuid, ", token.as_uuid()));
+        match outcome {
+            StoredOutcome::Response(r) => {
+                sql.push_str(&format!("{}, ", r.status));
+                push_bytes(&mut sql, &r.encode_headers());
+                sql.push_str(", ");
+                push_bytes(&mut sql, &r.body);
+                sql.push_str(", NULL::int8");
+            }
+            StoredOutcome::Oversized { status, size } => {
+                let size = i64::try_from(*size).unwrap_or(i64::MAX);
+                sql.push_str(&format!(
+                    "{status}, NULL::bytea, NULL::bytea, '{size}'::int8"
+                ));
+            }
+        }
+        sql.push_str(&format!(", {}::float8);\nCOMMIT;\nBEGIN", millis(ttl)));
+        store.sent.bump();
+        match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
+            // `tx` is dropped: the ROLLBACK of the empty transaction is queued.
+            Ok(_) => Ok(()),
+            Err(e) if has_code(&e, FENCE_REFUSED) => {
+                Err(FinishError::Complete(StoreError::StaleLease, tx))
+            }
+            Err(e @ sqlx::Error::Database(_)) => {
+                missing_functions(&e);
+                Err(FinishError::Complete(db_error(e), tx))
+            }
+            Err(e) => Err(FinishError::Commit(db_error(e))),
+        }
     }
 
     /// The lease, and at least 10 s: past it the server has ended a session that stalled
@@ -153,4 +234,93 @@ fn lock_id(table: &str, key: &RecordKey) -> i64 {
     let mut first = [0; 8];
     first.copy_from_slice(&digest[..8]);
     i64::from_be_bytes(first)
+}
+
+/// How every transaction on this store begins: READ COMMITTED whatever the database's default
+/// (see [`TxDatabase::begin_tx`]).
+const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// The SQLSTATE `<table>_claim_first` raises when it did not insert.
+const NOT_CLAIMED: &str = "IDM01";
+/// The SQLSTATE `<table>_complete` raises when the fence refused.
+const FENCE_REFUSED: &str = "IDM02";
+
+/// Appends `; SET LOCAL idle_in_transaction_session_timeout = <ms>` (the server's limit for
+/// this setting is `i32::MAX` ms, about 24.8 days).
+fn push_idle(sql: &mut String, idle: std::time::Duration) {
+    let ms = millis(idle).clamp(1, i64::from(i32::MAX));
+    sql.push_str("; SET LOCAL idle_in_transaction_session_timeout = ");
+    sql.push_str(&ms.to_string());
+}
+
+/// Appends `s` as an escape string literal (`E'…'`). In one, a backslash and a quote are the
+/// only characters with a meaning, whatever `standard_conforming_strings` says, and both are
+/// escaped. A NUL becomes `\x00`, which PostgreSQL refuses in text, as it refuses a NUL in a
+/// bound parameter: the statement fails, and no NUL reaches the protocol's message.
+fn push_text(sql: &mut String, s: &str) {
+    sql.push_str("E'");
+    for c in s.chars() {
+        match c {
+            '\\' => sql.push_str("\\\\"),
+            '\'' => sql.push_str("''"),
+            '\0' => sql.push_str("\\x00"),
+            c => sql.push(c),
+        }
+    }
+    sql.push('\'');
+}
+
+/// Appends `bytes` as `decode('<hex>', 'hex')`: nothing but hex digits stand for them.
+fn push_bytes(sql: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    sql.reserve(bytes.len() * 2 + 18);
+    sql.push_str("decode('");
+    for b in bytes {
+        sql.push(char::from(HEX[usize::from(b >> 4)]));
+        sql.push(char::from(HEX[usize::from(b & 15)]));
+    }
+    sql.push_str("', 'hex')");
+}
+
+/// The size of what a complete stores, to size its statement.
+fn outcome_len(outcome: &StoredOutcome) -> usize {
+    match outcome {
+        StoredOutcome::Response(r) => r.body.len(),
+        StoredOutcome::Oversized { .. } => 0,
+    }
+}
+
+/// Whether the server answered `e` with SQLSTATE `code`.
+fn has_code(e: &sqlx::Error, code: &str) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.code().as_deref() == Some(code))
+}
+
+/// A BEGIN batch failed: a database error leaves its transaction open and aborted on the
+/// server (sqlx counts none), so it is rolled back here before the connection goes back to
+/// the pool; a connection that answered nothing is closed instead.
+async fn end_failed_batch(
+    e: sqlx::Error,
+    mut conn: sqlx::pool::PoolConnection<sqlx::Postgres>,
+) -> StoreError {
+    if matches!(e, sqlx::Error::Database(_)) {
+        missing_functions(&e);
+        if sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.is_err() {
+            conn.close_on_drop();
+        }
+    } else {
+        conn.close_on_drop();
+    }
+    db_error(e)
+}
+
+/// Says what to do when the store's functions (migration 3) are missing: the table was made
+/// without [`PostgresStore::migrate`], or before this version.
+fn missing_functions(e: &sqlx::Error) {
+    if has_code(e, "42883") {
+        tracing::error!(
+            error = %e,
+            "idempotency: the PostgreSQL store's functions are missing; run PostgresStore::migrate() (migration 3 adds them)"
+        );
+    }
 }

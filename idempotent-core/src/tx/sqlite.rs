@@ -1,7 +1,8 @@
 //! Transactional mode on SQLite: how the SQLite store opens a handler's transaction and
 //! claims and completes inside it.
 
-use super::{CommitPath, TxDatabase};
+use super::held::Held;
+use super::{CommitPath, FinishError, ReadFirst, TxDatabase};
 use crate::SqliteStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
@@ -25,15 +26,16 @@ impl TxDatabase for sqlx::Sqlite {
         store: &SqliteStore,
         _idle: Option<Duration>,
         conn: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StoreError> {
+    ) -> Result<Held<sqlx::Sqlite>, StoreError> {
         let conn = match conn {
             Some(conn) => conn,
             None => store.pool.acquire().await.map_err(db_error)?,
         };
-        // What `Pool::begin_with` does, on a connection already held.
-        sqlx::Transaction::begin(conn, Some("BEGIN IMMEDIATE".into_sql_str()))
+        // What `Pool::begin_with` does, on a connection already held. (A failed BEGIN
+        // leaves no transaction open.)
+        Held::begin(conn, "BEGIN IMMEDIATE".into_sql_str())
             .await
-            .map_err(db_error)
+            .map_err(|(e, _)| db_error(e))
     }
 
     async fn acquire(
@@ -46,7 +48,7 @@ impl TxDatabase for sqlx::Sqlite {
         store: &'a SqliteStore,
         conn: &'a mut SqliteConnection,
         req: ClaimRequest<'a>,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
+    ) -> Result<ReadFirst, StoreError> {
         store.read_settled(conn, &req).await
     }
 
@@ -59,16 +61,21 @@ impl TxDatabase for sqlx::Sqlite {
         store.claim_on(conn, req).await.map(Some)
     }
 
-    async fn complete_in(
+    async fn complete_commit(
         store: &SqliteStore,
-        conn: &mut SqliteConnection,
+        tx: Held<sqlx::Sqlite>,
         key: &RecordKey,
         token: LeaseToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-        _idle: Duration,
-    ) -> Result<(), StoreError> {
-        store.complete_on(conn, key, token, outcome, ttl).await
+    ) -> Result<(), FinishError<sqlx::Sqlite>> {
+        let mut tx = tx;
+        if let Err(error) = store.complete_on(&mut tx, key, token, outcome, ttl).await {
+            return Err(FinishError::Complete(error, tx));
+        }
+        tx.commit()
+            .await
+            .map_err(|e| FinishError::Commit(db_error(e)))
     }
 
     fn finish_bound(_lease: Duration) -> Option<Duration> {

@@ -2,6 +2,7 @@
 //! provide it.
 
 use super::CommitPath;
+use super::held::Held;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::{ClaimOutcome, ClaimRequest, Store, StoreError};
@@ -9,7 +10,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-pub(super) type Home<DB> = Arc<Mutex<Option<sqlx::Transaction<'static, DB>>>>;
+pub(super) type Home<DB> = Arc<Mutex<Option<Held<DB>>>>;
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -33,7 +34,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// # Ok(()) }
 /// ```
 pub struct Transaction<DB: sqlx::Database> {
-    pub(super) tx: Option<sqlx::Transaction<'static, DB>>,
+    pub(super) tx: Option<Held<DB>>,
     pub(super) home: Home<DB>,
 }
 
@@ -71,6 +72,37 @@ impl<DB: sqlx::Database> Drop for Transaction<DB> {
     }
 }
 
+/// What reading a record before a transactional claim found.
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum ReadFirst {
+    /// The row settles the request (replay, in progress, mismatch).
+    Settled(ClaimOutcome),
+    /// No row: the claim will most likely insert one.
+    Absent,
+    /// A row whose lease or ttl ran out: the claim takes it over.
+    Stale,
+}
+
+/// What [`TxDatabase::claim_first`] did.
+#[doc(hidden)]
+pub enum FirstClaim<DB: sqlx::Database> {
+    /// Claimed inside the new transaction, under this token.
+    Claimed(Held<DB>, LeaseToken),
+    /// Not claimed; no transaction open on the connection.
+    Fallback(sqlx::pool::PoolConnection<DB>),
+}
+
+/// How [`TxDatabase::complete_commit`] failed.
+#[doc(hidden)]
+pub enum FinishError<DB: sqlx::Database> {
+    /// The complete failed (the fence refused, or the transaction was aborted): nothing
+    /// committed, and the transaction is still to be rolled back.
+    Complete(StoreError, Held<DB>),
+    /// COMMIT failed or did not answer: whether it applied is unknown.
+    Commit(StoreError),
+}
+
 mod sealed {
     pub trait Sealed {}
 }
@@ -104,7 +136,23 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
         store: &Self::Store,
         idle: Option<Duration>,
         conn: Option<sqlx::pool::PoolConnection<Self>>,
-    ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Held<Self>, StoreError>> + Send;
+
+    /// Single commit after a read that found no record: opens the transaction and claims
+    /// in it together where the database allows (PostgreSQL: one round trip). `Fallback`
+    /// gives the connection back, with no transaction open, when that did not claim (the
+    /// key was taken meanwhile, or this database has no such path): the caller goes on with
+    /// [`begin_tx`](Self::begin_tx) and [`claim_in`](Self::claim_in), which settle every case.
+    #[doc(hidden)]
+    fn claim_first(
+        store: &Self::Store,
+        conn: sqlx::pool::PoolConnection<Self>,
+        idle: Duration,
+        req: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<FirstClaim<Self>, StoreError>> + Send {
+        let _ = (store, idle, req);
+        std::future::ready(Ok(FirstClaim::Fallback(conn)))
+    }
 
     /// A connection from the store's pool.
     #[doc(hidden)]
@@ -112,14 +160,14 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
         store: &Self::Store,
     ) -> impl Future<Output = Result<sqlx::pool::PoolConnection<Self>, StoreError>> + Send;
 
-    /// Reads the record on `conn`, outside any transaction: `Some` when that settles the
-    /// request (replay, in progress, mismatch), `None` when a claim must follow.
+    /// Reads the record on `conn`, outside any transaction: whether that settles the
+    /// request (replay, in progress, mismatch) or a claim must follow.
     #[doc(hidden)]
     fn read<'a>(
         store: &'a Self::Store,
         conn: &'a mut Self::Connection,
         req: ClaimRequest<'a>,
-    ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send + 'a;
+    ) -> impl Future<Output = Result<ReadFirst, StoreError>> + Send + 'a;
 
     /// Claims inside the transaction (single commit). `None`: another open transaction
     /// holds the key (PostgreSQL's advisory lock); the caller may wait and call again.
@@ -130,19 +178,19 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
         req: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
 
-    /// Completes the record inside the transaction, fenced by `token`. From then on the
-    /// transaction holds the record's row until COMMIT; PostgreSQL ends the session if it
-    /// then idles `idle` (a process stalled before its COMMIT gives the key back).
+    /// Completes the record inside the transaction, fenced by `token`, and commits: in one
+    /// round trip where the database allows (PostgreSQL), else one after the other. Between
+    /// the two the transaction holds the record's row; PostgreSQL sends both at once, so no
+    /// stalled process can hold it there.
     #[doc(hidden)]
-    fn complete_in(
+    fn complete_commit(
         store: &Self::Store,
-        conn: &mut Self::Connection,
+        tx: Held<Self>,
         key: &RecordKey,
         token: LeaseToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-        idle: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<(), FinishError<Self>>> + Send;
 
     /// How long the library waits for the complete and for COMMIT to answer before it
     /// gives up on them (answers 503; the connection goes back to sqlx's pool, which tests

@@ -107,9 +107,8 @@ macro_rules! sql_store_common {
                     }
                 }
 
-                /// A complete-shaped statement (`complete`, PostgreSQL's `tx_complete`) with
-                /// its common parameters bound: scope, key, token, the outcome's columns and
-                /// the ttl.
+                /// The complete statement with its parameters bound: scope, key, token, the
+                /// outcome's columns and the ttl.
                 pub(crate) fn complete_query<'q>(
                     &self,
                     sql: &Arc<str>,
@@ -133,12 +132,13 @@ macro_rules! sql_store_common {
 
                 /// Reads the record outside any transaction (one read-only statement): the
                 /// outcome when the row settles the request (replay, in progress, mismatch),
-                /// `None` when a claim must follow (no row, or one to take over).
+                /// else whether a claim follows on no row or on one to take over.
                 pub(crate) async fn read_settled(
                     &self,
                     conn: &mut <$db as sqlx::Database>::Connection,
                     req: &ClaimRequest<'_>,
-                ) -> Result<Option<ClaimOutcome>, StoreError> {
+                ) -> Result<$crate::tx::ReadFirst, StoreError> {
+                    use $crate::tx::ReadFirst;
                     self.sent.bump();
                     let row = sqlx::query(q(&self.sql.read))
                         .bind(req.key.scope.as_str())
@@ -147,10 +147,12 @@ macro_rules! sql_store_common {
                         .await
                         .map_err(db_error)?;
                     match row {
-                        None => Ok(None),
+                        None => Ok(ReadFirst::Absent),
                         Some(row) => match Self::decide_row(&row, req)? {
-                            $crate::store::sql::Decision::Report(outcome) => Ok(Some(outcome)),
-                            $crate::store::sql::Decision::TakeOver(_) => Ok(None),
+                            $crate::store::sql::Decision::Report(outcome) => {
+                                Ok(ReadFirst::Settled(outcome))
+                            }
+                            $crate::store::sql::Decision::TakeOver(_) => Ok(ReadFirst::Stale),
                         },
                     }
                 }

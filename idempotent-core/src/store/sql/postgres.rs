@@ -94,7 +94,6 @@ pub(crate) struct Statements {
     read: Arc<str>,
     pub(crate) tx_claim: Arc<str>,
     take_over: Arc<str>,
-    pub(crate) tx_complete: Arc<str>,
     complete: Arc<str>,
     release: Arc<str>,
     extend: Arc<str>,
@@ -210,20 +209,6 @@ impl Statements {
                   AND (expires_at <= {now} OR (NOT done AND locked_until <= {now}))
                   AND EXISTS (SELECT 1 FROM target)
                 RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
-            // The fenced complete inside a transaction (both commit paths): the complete below,
-            // and first a bound on the transaction it leaves open. The UPDATE locks the row
-            // until COMMIT; a session that stalls before its COMMIT (a frozen process, a lost
-            // network) would hold that lock, and with it the key, until the server noticed.
-            // `idle_in_transaction_session_timeout` for this transaction ($9 ms) has the server
-            // end such a session, so the lock goes and the key can be taken over. Set in the
-            // same statement (`set_config(…, true)` is `SET LOCAL`), so it costs no round trip.
-            tx_complete: s("WITH bound AS MATERIALIZED (
-                    SELECT set_config('idle_in_transaction_session_timeout', $9::text, true) AS v)
-                UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
-                    oversized = $7, completed_at = {now}, locked_until = NULL,
-                    expires_at = GREATEST(expires_at, {now} + $8::float8 * interval '1 millisecond')
-                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
-                  AND EXISTS (SELECT 1 FROM bound)"),
             // Fenced: a stale owner (its lease taken over) matches no row and cannot overwrite.
             // The claim already set expires_at to now + lease + ttl, so for a handler that
             // finishes within its lease the GREATEST leaves the indexed column unchanged and
@@ -288,6 +273,10 @@ impl PostgresStore {
     /// Creates the schema if needed and runs the store's migrations (safe to call from every
     /// instance at start-up: sqlx serialises concurrent runs with an advisory lock). Applied
     /// versions are tracked in `<schema>.<table>_migrations`, apart from your own migrations.
+    /// Besides the table and its expiry index they create two functions beside the table,
+    /// `<table>_claim_first` and `<table>_complete`, which transactional mode calls (so its
+    /// claim and complete can share a round trip with BEGIN and COMMIT); transactional
+    /// executions fail (503, with an error in the log naming this method) until they exist.
     ///
     /// # Errors
     /// [`SetupError::Database`] or [`SetupError::Migrate`].
@@ -296,6 +285,8 @@ impl PostgresStore {
             .replace("{table}", &self.sql.table)
             .replace("{name}", &self.sql.name);
         let fillfactor = include_str!("../../../migrations/postgres/0002_fillfactor.sql")
+            .replace("{table}", &self.sql.table);
+        let functions = include_str!("../../../migrations/postgres/0003_batch_functions.sql")
             .replace("{table}", &self.sql.table);
         let mut migrator = Migrator::with_migrations(vec![
             Migration::new(
@@ -310,6 +301,13 @@ impl PostgresStore {
                 "fillfactor for HOT completes".into(),
                 MigrationType::Simple,
                 AssertSqlSafe(fillfactor).into_sql_str(),
+                false,
+            ),
+            Migration::new(
+                3,
+                "claim and complete as functions".into(),
+                MigrationType::Simple,
+                AssertSqlSafe(functions).into_sql_str(),
                 false,
             ),
         ]);

@@ -1,0 +1,69 @@
+//! A transaction open on a pooled connection: what `sqlx::Transaction<'static, DB>` is, except
+//! that it can also take over a transaction that a statement batch opened (PostgreSQL's
+//! `BEGIN …; claim` in one round trip, see `tx/postgres.rs`) and give back the connection
+//! when that batch failed, so the failed transaction is rolled back before the connection
+//! returns to the pool.
+//!
+//! sqlx tracks a connection's transaction depth itself (its `TransactionManager`), and the
+//! handler's savepoints (`tx.begin()`) rely on it, so every change of depth goes through it:
+//! begin, commit and rollback here, and on drop a ROLLBACK queued on the connection (sent
+//! with the pool's release ping: no round trip of its own), as sqlx's own transaction does.
+
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, SqlStr};
+use sqlx_core::transaction::TransactionManager;
+
+/// A transaction sqlx counts (depth one) on a pooled connection. Internal: named by
+/// [`TxDatabase`](super::TxDatabase)'s hidden methods only.
+#[doc(hidden)]
+pub struct Held<DB: Database> {
+    conn: PoolConnection<DB>,
+}
+
+impl<DB: Database> Held<DB> {
+    /// Sends `begin` (a `BEGIN`, possibly followed by more statements in the same simple
+    /// query) on `conn`. On an error the connection comes back with the error: the batch
+    /// may have left a failed transaction open on the server (sqlx counts none), which the
+    /// caller must roll back before the connection goes back to the pool.
+    pub(crate) async fn begin(
+        mut conn: PoolConnection<DB>,
+        begin: SqlStr,
+    ) -> Result<Self, (sqlx::Error, PoolConnection<DB>)> {
+        match DB::TransactionManager::begin(&mut conn, Some(begin)).await {
+            Ok(()) => Ok(Held { conn }),
+            Err(e) => Err((e, conn)),
+        }
+    }
+
+    /// Commits.
+    pub async fn commit(mut self) -> Result<(), sqlx::Error> {
+        DB::TransactionManager::commit(&mut self.conn).await
+    }
+
+    /// Rolls back.
+    pub async fn rollback(mut self) -> Result<(), sqlx::Error> {
+        DB::TransactionManager::rollback(&mut self.conn).await
+    }
+}
+
+impl<DB: Database> Drop for Held<DB> {
+    fn drop(&mut self) {
+        // Queued, not sent: the pool's release ping carries it (as `sqlx::Transaction`).
+        if DB::TransactionManager::get_transaction_depth(&self.conn) > 0 {
+            DB::TransactionManager::start_rollback(&mut self.conn);
+        }
+    }
+}
+
+impl<DB: Database> std::ops::Deref for Held<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &DB::Connection {
+        &self.conn
+    }
+}
+
+impl<DB: Database> std::ops::DerefMut for Held<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        &mut self.conn
+    }
+}
