@@ -1,8 +1,10 @@
 //! A TCP proxy between benchmark servers and PostgreSQL that counts what the servers send:
 //! statements (Execute messages of the extended protocol, plus simple Query messages) and
-//! round trips (Sync and Query messages, each answered by one ReadyForQuery). sqlx's pool
-//! pings a connection when it goes back to the pool with a bare Sync: a round trip, not a
-//! statement. Connect through it with `sslmode=disable`, so the messages are readable.
+//! round trips (writes from the client that hold a Sync or a Query message: the client
+//! then waits for the server's ReadyForQuery; messages sent together in one write, such as a
+//! queued ROLLBACK and the Sync after it, wait once). sqlx's pool pings a connection when it
+//! goes back to the pool with a bare Sync: a round trip, not a statement. Connect through it
+//! with `sslmode=disable`, so the messages are readable.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -83,7 +85,10 @@ struct Frontend {
 }
 
 impl Frontend {
+    /// Parses one read from the client (one write of its, as the client sets no delay and
+    /// then waits for the answer).
     fn feed(&mut self, mut bytes: &[u8], counts: &Counts) {
+        let mut waits = false;
         while !bytes.is_empty() {
             if self.skip > 0 {
                 let n = self.skip.min(bytes.len());
@@ -109,11 +114,9 @@ impl Frontend {
                     }
                     b'Q' => {
                         counts.statements.fetch_add(1, Ordering::Relaxed);
-                        counts.round_trips.fetch_add(1, Ordering::Relaxed);
+                        waits = true;
                     }
-                    b'S' => {
-                        counts.round_trips.fetch_add(1, Ordering::Relaxed);
-                    }
+                    b'S' => waits = true,
                     _ => {}
                 }
             } else if len != 8 {
@@ -123,6 +126,9 @@ impl Frontend {
             }
             self.skip = len.saturating_sub(4);
             self.header.clear();
+        }
+        if waits {
+            counts.round_trips.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
