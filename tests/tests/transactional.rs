@@ -350,8 +350,7 @@ async fn postgres_single_commit_statements() {
 /// On PostgreSQL the claim goes with BEGIN, and the complete with COMMIT, as simple queries
 /// with the values written into their text. Any text and any bytes survive that exactly:
 /// quotes, backslashes, an `E'…'` and a `;` in the scope and the key, every byte value in the
-/// body and a header, on both commit paths, and a replay gives them back as stored. The
-/// pool has one connection, so a connection left in a transaction would show in the next step.
+/// body and a header, on both commit paths, and a replay gives them back as stored.
 #[tokio::test]
 #[cfg_attr(
     not(pg),
@@ -449,16 +448,81 @@ async fn postgres_savepoints_inside_the_handler() {
     assert_eq!(db.rows().await, 2);
 }
 
-/// A duplicate that reads no record (the first's claim is not committed yet) tries the claim
-/// that goes with BEGIN, finds the key held, rolls that back and takes the ordinary path:
-/// 409 while the first runs, the replay once it committed. Its pool has one connection,
-/// which must come back clean (not inside a transaction, aborted or not) after each.
+/// A store whose functions (migration 3) are missing refuses transactional executions with
+/// 503 before any handler runs, on both commit paths, and names `migrate()`; once they are
+/// back, executions run.
 #[tokio::test]
 #[cfg_attr(
     not(pg),
     ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
 )]
-async fn postgres_duplicate_after_the_read_falls_back_cleanly() {
+async fn postgres_missing_functions_refuse_before_the_handler() {
+    let pool = pg_pool(2).await;
+    let (db, store) = pg_db(pool.clone()).await;
+    let t = store.table().to_owned();
+    // Their definitions, to put back afterwards.
+    let defs: Vec<String> = sqlx::query_scalar(
+        "SELECT pg_get_functiondef(p.oid) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+         WHERE n.nspname || '.' || p.proname IN ($1 || '_claim_first', $1 || '_complete')",
+    )
+    .bind(&t)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(defs.len(), 2);
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP FUNCTION {t}_claim_first; DROP FUNCTION {t}_complete"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let p = policy(Duration::from_secs(10));
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        let key = unique_key("nofn");
+        match db
+            .engine
+            .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &options(commit))
+            .await
+        {
+            TxBegin::Respond(Begin::StoreUnavailable(e)) => {
+                assert!(e.to_string().contains("migrate"), "{e}");
+            }
+            other => panic!("{commit:?}: expected 503 before the handler: {other:?}"),
+        }
+        assert!(
+            store.get(&key).await.unwrap().is_none(),
+            "{commit:?}: claimed"
+        );
+    }
+    for def in defs {
+        sqlx::raw_sql(AssertSqlSafe(def))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let runs = AtomicUsize::new(0);
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        let key = unique_key("fn-back");
+        assert!(matches!(
+            one(&db, &key, commit, 201, &runs).await,
+            Ok(TxFinished::Committed)
+        ));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A duplicate while the first runs reads no record (the first's claim is not committed) but
+/// learns from the read that the key is held, and takes the ordinary path: 409 while the
+/// first runs, the replay once it committed. The claim that goes with BEGIN, tried directly
+/// on the held key, fails on purpose and gives its connection back rolled back. The
+/// duplicates' pool has one connection, which must come back clean (not inside a
+/// transaction, aborted or not) after each step.
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_duplicate_while_the_first_runs_falls_back_cleanly() {
     let (db, store) = pg_db(pg_pool(2).await).await;
     let (schema, table) = store.table().split_once('.').unwrap();
     let other_pool = pg_pool(1).await;
@@ -493,6 +557,23 @@ async fn postgres_duplicate_after_the_read_falls_back_cleanly() {
         );
         clean().await;
     }
+    // The claim that goes with BEGIN, on the held key: it does not claim, and the
+    // connection it gives back is outside any transaction.
+    let other_store = other.transactional_store::<sqlx::Postgres>().unwrap();
+    let conn = other_pool.acquire().await.unwrap();
+    let req = request(&key, "a");
+    let claim = ClaimRequest {
+        key: &key,
+        fingerprint: &req.fingerprint,
+        lease: p.lease,
+        ttl: p.ttl,
+    };
+    match <sqlx::Postgres as TxDatabase>::claim_first(&other_store, conn, p.lease, claim).await {
+        Ok(FirstClaim::Fallback(conn)) => drop(conn),
+        Ok(FirstClaim::Claimed(..)) => panic!("claimed a key another transaction holds"),
+        Err(e) => panic!("{e}"),
+    }
+    clean().await;
     let mut tx = first.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     drop(tx);
@@ -507,13 +588,11 @@ async fn postgres_duplicate_after_the_read_falls_back_cleanly() {
     );
     clean().await;
     // A fresh key on that connection runs and commits.
-    let runs = AtomicUsize::new(0);
     let fresh = unique_key("after");
     let mut execution = claimed::<sqlx::Postgres>(&other, request(&fresh, "a"), &p, &opts).await;
     let mut tx = execution.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     drop(tx);
-    runs.fetch_add(1, Ordering::SeqCst);
     let out = execution.finish(StoredResponse::new(201, "x").into()).await;
     assert!(matches!(out, TxFinished::Committed), "{out:?}");
     clean().await;

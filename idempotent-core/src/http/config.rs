@@ -226,8 +226,9 @@ impl<T: From<Config>> ConfigBuilder<T> {
     }
 
     /// Single commit: read the record before opening a transaction, so a replay is one
-    /// read-only statement (default `true`); `false` saves first executions that round trip
-    /// (see [`TxOptions::read_first`](crate::tx::TxOptions::read_first)).
+    /// read-only statement (default `true`); `false` makes replays dearer and, on PostgreSQL,
+    /// no longer saves first executions a round trip (see
+    /// [`TxOptions::read_first`](crate::tx::TxOptions::read_first)).
     pub fn transaction_read_first(mut self, on: bool) -> Self {
         self.config.tx_read_first = on;
         self

@@ -480,6 +480,11 @@ impl Engine {
             fail_open: false,
             ..*policy
         };
+        // What the complete needs must be there before any handler runs.
+        if let Err(error) = DB::ready(&store).await {
+            tracing::error!(route = policy.route, error = %error, "idempotency: the store is not ready for transactional executions");
+            return TxBegin::Respond(Begin::StoreUnavailable(error));
+        }
         match options.commit {
             CommitPath::Two => match self.begin_untraced(req, &policy).await {
                 // The heartbeat holds a two-commit claim: no idle limit on the handler.
@@ -585,7 +590,7 @@ impl Engine {
                         Err(error) => return unavailable("the claim", error),
                     }
                 }
-                Ok(ReadFirst::Stale) => conn = Some(read_on),
+                Ok(ReadFirst::Stale | ReadFirst::Held) => conn = Some(read_on),
                 Err(error) => return unavailable("the read", error),
             }
         }

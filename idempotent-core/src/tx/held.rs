@@ -25,11 +25,18 @@ impl<DB: Database> Held<DB> {
     /// query) on `conn`. On an error the connection comes back with the error: the batch
     /// may have left a failed transaction open on the server (sqlx counts none), which the
     /// caller must roll back before the connection goes back to the pool.
+    ///
+    /// Cancel-safe: if this future is dropped before the server answered, the connection is
+    /// closed (the server then ends its session and whatever the batch began) instead of
+    /// going back to the pool inside a transaction sqlx does not count.
     pub(crate) async fn begin(
-        mut conn: PoolConnection<DB>,
+        conn: PoolConnection<DB>,
         begin: SqlStr,
     ) -> Result<Self, (sqlx::Error, PoolConnection<DB>)> {
-        match DB::TransactionManager::begin(&mut conn, Some(begin)).await {
+        let mut guard = CloseIfCancelled::new(conn);
+        let begun = DB::TransactionManager::begin(guard.get(), Some(begin)).await;
+        let conn = guard.disarm();
+        match begun {
             Ok(()) => Ok(Held { conn }),
             Err(e) => Err((e, conn)),
         }
@@ -65,5 +72,34 @@ impl<DB: Database> std::ops::Deref for Held<DB> {
 impl<DB: Database> std::ops::DerefMut for Held<DB> {
     fn deref_mut(&mut self) -> &mut DB::Connection {
         &mut self.conn
+    }
+}
+
+/// A pooled connection that is closed instead of going back to the pool if it is dropped
+/// before [`disarm`](Self::disarm): held across a statement whose future may be dropped
+/// midway (a caller's timeout), which can leave the session inside a transaction.
+pub(crate) struct CloseIfCancelled<DB: Database>(Option<PoolConnection<DB>>);
+
+impl<DB: Database> CloseIfCancelled<DB> {
+    pub(crate) fn new(conn: PoolConnection<DB>) -> Self {
+        CloseIfCancelled(Some(conn))
+    }
+
+    /// The connection, to run the statement on.
+    pub(crate) fn get(&mut self) -> &mut PoolConnection<DB> {
+        self.0.as_mut().expect("held until disarmed")
+    }
+
+    /// The statement answered: the connection, free to go back to the pool.
+    pub(crate) fn disarm(mut self) -> PoolConnection<DB> {
+        self.0.take().expect("held until disarmed")
+    }
+}
+
+impl<DB: Database> Drop for CloseIfCancelled<DB> {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.as_mut() {
+            conn.close_on_drop();
+        }
     }
 }

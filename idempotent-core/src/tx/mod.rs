@@ -30,7 +30,9 @@
 //! trips, the handler's statements included once. The claim and the complete there are calls
 //! of two functions the store's migrations create (`<table>_claim_first`, `<table>_complete`),
 //! whose statements run from plans the session keeps; their arguments are written into the
-//! text, since the simple protocol has no parameters. A claim that did not insert, and a
+//! text as hex digits, since the simple protocol has no parameters. The read before tells
+//! when another transaction holds the key (a first attempt running): the claim then goes the
+//! ordinary way, which waits for it. A claim that did not insert, and a
 //! complete the fence refused, raise an error of their own (SQLSTATE `IDM01`, `IDM02`), so
 //! nothing after them runs (see SECURITY.md for what the server then logs).
 
@@ -76,12 +78,12 @@ pub struct TxOptions {
     /// duplicates cannot take every pooled connection.
     pub max_waiters: usize,
     /// Single commit on PostgreSQL: read the record before opening a transaction (default
-    /// `true`). A replay then costs one read-only statement, as in plain mode, and a first
-    /// execution one more round trip; with `false` a first execution saves that round trip
-    /// (measured in BENCHMARKS.md: PostgreSQL first executions about a quarter faster) and a
-    /// replay costs three: BEGIN, the claim statement (which writes nothing) and ROLLBACK.
-    /// Choose `false` where retries are rare. SQLite always reads first (a claim there takes
-    /// the database's one write lock).
+    /// `true`). A replay then costs one read-only statement, as in plain mode; after a read
+    /// that found nothing, BEGIN and the claim share one round trip, so a first execution
+    /// costs five round trips either way. With `false` a replay costs three statements
+    /// (BEGIN, the claim statement, which writes nothing, and ROLLBACK) and a first
+    /// execution gains nothing measurable: leave it on. SQLite always reads first (a claim
+    /// there takes the database's one write lock).
     pub read_first: bool,
 }
 

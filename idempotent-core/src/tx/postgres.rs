@@ -2,7 +2,7 @@
 //! (READ COMMITTED, an idle timeout) and claims and completes inside it, with an advisory lock
 //! standing for a key's uncommitted claim.
 
-use super::held::Held;
+use super::held::{CloseIfCancelled, Held};
 use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::PostgresStore;
 use crate::store::fence::LeaseToken;
@@ -54,9 +54,10 @@ impl TxDatabase for sqlx::Postgres {
     /// BEGIN, so the function answers by succeeding or failing: when it did not insert
     /// (another transaction holds the key, or a record appeared since the read) it raises
     /// SQLSTATE `IDM01`, the transaction is rolled back and the ordinary path (BEGIN, then
-    /// the full claim) settles the request. That costs two round trips more than before,
-    /// only for a duplicate that arrives between the read and the claim, and leaves an
-    /// ERROR line in the server's log for it.
+    /// the full claim) settles the request. The read says when another transaction holds
+    /// the key (a first attempt running), and then this is not tried; so the failure costs
+    /// two round trips more, and an ERROR line in the server's log, only when another
+    /// request took the key between this one's read and its claim.
     async fn claim_first(
         store: &PostgresStore,
         conn: sqlx::pool::PoolConnection<sqlx::Postgres>,
@@ -85,16 +86,43 @@ impl TxDatabase for sqlx::Postgres {
         store.sent.bump();
         match Held::begin(conn, AssertSqlSafe(sql).into_sql_str()).await {
             Ok(tx) => Ok(FirstClaim::Claimed(tx, token)),
-            Err((e, mut conn)) if has_code(&e, NOT_CLAIMED) => {
-                match sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await {
-                    Ok(_) => Ok(FirstClaim::Fallback(conn)),
-                    Err(e) => {
-                        conn.close_on_drop();
-                        Err(db_error(e))
-                    }
-                }
-            }
+            Err((e, conn)) if has_code(&e, NOT_CLAIMED) => match roll_back_failed(conn).await {
+                Ok(conn) => Ok(FirstClaim::Fallback(conn)),
+                Err(e) => Err(db_error(e)),
+            },
             Err((e, conn)) => Err(end_failed_batch(e, conn).await),
+        }
+    }
+
+    /// The functions of migration 3, executable by this role: checked with one statement
+    /// until found once, so a store whose table predates them answers 503 (the log names
+    /// [`PostgresStore::migrate`]) before any handler runs, instead of after it.
+    async fn ready(store: &PostgresStore) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering;
+        if store.functions_ready.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let t = &store.sql.table;
+        let claim = format!(
+            "{t}_claim_first(text, text, bytea, uuid, double precision, double precision, bigint)"
+        );
+        let complete = format!(
+            "{t}_complete(text, text, uuid, integer, bytea, bytea, bigint, double precision)"
+        );
+        let ok: Option<bool> = sqlx::query_scalar(
+            "SELECT has_function_privilege(to_regprocedure($1), 'EXECUTE') \
+             AND has_function_privilege(to_regprocedure($2), 'EXECUTE')",
+        )
+        .bind(claim)
+        .bind(complete)
+        .fetch_one(&store.pool)
+        .await
+        .map_err(db_error)?;
+        if ok == Some(true) {
+            store.functions_ready.store(true, Ordering::Relaxed);
+            Ok(())
+        } else {
+            Err(StoreError::unavailable(MissingFunctions))
         }
     }
 
@@ -104,12 +132,36 @@ impl TxDatabase for sqlx::Postgres {
         store.pool.acquire().await.map_err(db_error)
     }
 
+    /// The record, or whether another open transaction holds the key (a first attempt
+    /// running): then the ordinary claim follows, which waits for it, rather than the claim
+    /// that goes with BEGIN, which would fail on purpose.
     async fn read<'a>(
         store: &'a PostgresStore,
         conn: &'a mut PgConnection,
         req: ClaimRequest<'a>,
     ) -> Result<ReadFirst, StoreError> {
-        store.read_settled(conn, &req).await
+        store.sent.bump();
+        let row = sqlx::query(AssertSqlSafe(&*store.sql.tx_read))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .bind(lock_id(&store.sql.table, req.key))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        if row.try_get::<bool, _>("held").map_err(db_error)? {
+            return Ok(ReadFirst::Held);
+        }
+        if row
+            .try_get::<Option<Vec<u8>>, _>("fingerprint")
+            .map_err(db_error)?
+            .is_none()
+        {
+            return Ok(ReadFirst::Absent);
+        }
+        match PostgresStore::decide_row(&row, &req)? {
+            Decision::Report(outcome) => Ok(ReadFirst::Settled(outcome)),
+            Decision::TakeOver(_) => Ok(ReadFirst::Stale),
+        }
     }
 
     async fn claim_in(
@@ -204,7 +256,10 @@ impl TxDatabase for sqlx::Postgres {
             Err(e) if has_code(&e, FENCE_REFUSED) => {
                 Err(FinishError::Complete(StoreError::StaleLease, tx))
             }
-            Err(e @ sqlx::Error::Database(_)) => {
+            // An ERROR ended the query before its COMMIT applied (or was the COMMIT's own
+            // failure, which rolls back). A FATAL (the session terminated) can come after
+            // the COMMIT applied: unknown, as a lost connection.
+            Err(e) if is_error_severity(&e) => {
                 missing_functions(&e);
                 Err(FinishError::Complete(db_error(e), tx))
             }
@@ -212,9 +267,9 @@ impl TxDatabase for sqlx::Postgres {
         }
     }
 
-    /// The lease, and at least 10 s: past it the server has ended a session that stalled
-    /// idle (the bound the complete set), so no answer is coming; the floor keeps a COMMIT
-    /// that is merely slow (a loaded disk) from being given up on.
+    /// The lease, and at least 10 s: past it the server has ended a single-commit session
+    /// that stalled idle (the bound its BEGIN set), so no answer is coming; the floor keeps a
+    /// COMMIT that is merely slow (a loaded disk) from being given up on.
     fn finish_bound(lease: std::time::Duration) -> Option<std::time::Duration> {
         Some(lease.max(std::time::Duration::from_secs(10)))
     }
@@ -253,21 +308,15 @@ fn push_idle(sql: &mut String, idle: std::time::Duration) {
     sql.push_str(&ms.to_string());
 }
 
-/// Appends `s` as an escape string literal (`E'…'`). In one, a backslash and a quote are the
-/// only characters with a meaning, whatever `standard_conforming_strings` says, and both are
-/// escaped. A NUL becomes `\x00`, which PostgreSQL refuses in text, as it refuses a NUL in a
-/// bound parameter: the statement fails, and no NUL reaches the protocol's message.
+/// Appends `s` as `convert_from(decode('<hex>', 'hex'), 'UTF8')`: like the bytes, nothing but
+/// hex digits stand for it, so no quote, backslash or multi-byte sequence can end the literal
+/// whatever `standard_conforming_strings`, `backslash_quote` or `client_encoding` say. A
+/// NUL (which a [`Scope`](crate::Scope) cannot hold anyway) is refused by PostgreSQL in text,
+/// as it is in a bound parameter: the statement fails.
 fn push_text(sql: &mut String, s: &str) {
-    sql.push_str("E'");
-    for c in s.chars() {
-        match c {
-            '\\' => sql.push_str("\\\\"),
-            '\'' => sql.push_str("''"),
-            '\0' => sql.push_str("\\x00"),
-            c => sql.push(c),
-        }
-    }
-    sql.push('\'');
+    sql.push_str("convert_from(");
+    push_bytes(sql, s.as_bytes());
+    sql.push_str(", 'UTF8')");
 }
 
 /// Appends `bytes` as `decode('<hex>', 'hex')`: nothing but hex digits stand for them.
@@ -305,13 +354,24 @@ async fn end_failed_batch(
 ) -> StoreError {
     if matches!(e, sqlx::Error::Database(_)) {
         missing_functions(&e);
-        if sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.is_err() {
-            conn.close_on_drop();
-        }
+        let _ = roll_back_failed(conn).await;
     } else {
         conn.close_on_drop();
     }
     db_error(e)
+}
+
+/// Rolls back the failed transaction a batch left on `conn`, which sqlx does not count. If
+/// that fails, or its future is dropped midway, the connection is closed, never returned to
+/// the pool inside a transaction.
+async fn roll_back_failed(
+    conn: sqlx::pool::PoolConnection<sqlx::Postgres>,
+) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, sqlx::Error> {
+    let mut guard = CloseIfCancelled::new(conn);
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut **guard.get())
+        .await?;
+    Ok(guard.disarm())
 }
 
 /// Says what to do when the store's functions (migration 3) are missing: the table was made
@@ -324,3 +384,18 @@ fn missing_functions(e: &sqlx::Error) {
         );
     }
 }
+
+/// Whether the server answered `e` with an ERROR, which ends the statement and the query it
+/// is in but not the session (not FATAL or PANIC).
+fn is_error_severity(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|d| d.severity() == sqlx::postgres::PgSeverity::Error)
+}
+
+/// The store's functions (migration 3) are missing or not executable by this role.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the PostgreSQL store's functions for transactional mode are missing or not executable; run PostgresStore::migrate() (migration 3 adds them) and grant EXECUTE on them"
+)]
+struct MissingFunctions;

@@ -6,7 +6,7 @@ use super::{CommitPath, FinishError, ReadFirst, TxDatabase};
 use crate::SqliteStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
-use crate::store::sql::db_error;
+use crate::store::sql::{Decision, db_error, q};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::SqlSafeStr;
 use sqlx::sqlite::SqliteConnection;
@@ -49,7 +49,20 @@ impl TxDatabase for sqlx::Sqlite {
         conn: &'a mut SqliteConnection,
         req: ClaimRequest<'a>,
     ) -> Result<ReadFirst, StoreError> {
-        store.read_settled(conn, &req).await
+        store.sent.bump();
+        let row = sqlx::query(q(&store.sql.read))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        let Some(row) = row else {
+            return Ok(ReadFirst::Absent);
+        };
+        match SqliteStore::decide_row(&row, &req)? {
+            Decision::Report(outcome) => Ok(ReadFirst::Settled(outcome)),
+            Decision::TakeOver(_) => Ok(ReadFirst::Stale),
+        }
     }
 
     /// The transaction holds the write lock, so the ordinary claim cannot race.

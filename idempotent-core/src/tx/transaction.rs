@@ -82,6 +82,9 @@ pub enum ReadFirst {
     Absent,
     /// A row whose lease or ttl ran out: the claim takes it over.
     Stale,
+    /// No committed row, but another open transaction holds the key (PostgreSQL: a first
+    /// attempt is running): the ordinary claim waits for it, bounded.
+    Held,
 }
 
 /// What [`TxDatabase::claim_first`] did.
@@ -152,6 +155,14 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
     ) -> impl Future<Output = Result<FirstClaim<Self>, StoreError>> + Send {
         let _ = (store, idle, req);
         std::future::ready(Ok(FirstClaim::Fallback(conn)))
+    }
+
+    /// Checks, before a handler runs, that the store has what transactional executions call
+    /// (PostgreSQL: the functions of its migration 3, checked once per store until found).
+    #[doc(hidden)]
+    fn ready(store: &Self::Store) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = store;
+        std::future::ready(Ok(()))
     }
 
     /// A connection from the store's pool.

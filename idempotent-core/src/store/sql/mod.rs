@@ -130,33 +130,6 @@ macro_rules! sql_store_common {
                         .bind(millis(ttl))
                 }
 
-                /// Reads the record outside any transaction (one read-only statement): the
-                /// outcome when the row settles the request (replay, in progress, mismatch),
-                /// else whether a claim follows on no row or on one to take over.
-                pub(crate) async fn read_settled(
-                    &self,
-                    conn: &mut <$db as sqlx::Database>::Connection,
-                    req: &ClaimRequest<'_>,
-                ) -> Result<$crate::tx::ReadFirst, StoreError> {
-                    use $crate::tx::ReadFirst;
-                    self.sent.bump();
-                    let row = sqlx::query(q(&self.sql.read))
-                        .bind(req.key.scope.as_str())
-                        .bind(req.key.key.as_str())
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db_error)?;
-                    match row {
-                        None => Ok(ReadFirst::Absent),
-                        Some(row) => match Self::decide_row(&row, req)? {
-                            $crate::store::sql::Decision::Report(outcome) => {
-                                Ok(ReadFirst::Settled(outcome))
-                            }
-                            $crate::store::sql::Decision::TakeOver(_) => Ok(ReadFirst::Stale),
-                        },
-                    }
-                }
-
                 async fn conn(&self) -> Result<sqlx::pool::PoolConnection<$db>, StoreError> {
                     self.pool.acquire().await.map_err(db_error)
                 }

@@ -44,6 +44,8 @@ pub struct PostgresStore {
     /// Set once a claim met a serialization failure: the server's default isolation is
     /// stricter than READ COMMITTED, so claims pin it (see [`PostgresStore::claim_on`]).
     pin_isolation: Arc<std::sync::atomic::AtomicBool>,
+    /// Set once the functions transactional mode calls were found (`TxDatabase::ready`).
+    pub(crate) functions_ready: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Builds a [`PostgresStore`].
@@ -81,6 +83,7 @@ impl PostgresStoreBuilder {
             sql: Arc::new(Statements::new(&schema, &name)),
             sent: Arc::default(),
             pin_isolation: Arc::default(),
+            functions_ready: Arc::default(),
         })
     }
 }
@@ -91,7 +94,7 @@ pub(crate) struct Statements {
     name: String,
     pub(crate) table: String,
     claim: Arc<str>,
-    read: Arc<str>,
+    pub(crate) tx_read: Arc<str>,
     pub(crate) tx_claim: Arc<str>,
     take_over: Arc<str>,
     complete: Arc<str>,
@@ -140,13 +143,24 @@ impl Statements {
                        COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8,
                        0::int8, status, headers, body, oversized
                 FROM existing"),
-            // Read-only, outside any transaction: settles replays (transactional mode's fast
-            // path); a miss goes on to the claim inside the transaction.
-            read: s("SELECT fingerprint, done, token, expires_at <= {now} AS expired,
-                    (NOT done AND locked_until <= {now}) AS lease_over,
-                    COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8 AS retry_ms,
-                    status, headers, body, oversized
-                FROM {t} WHERE scope = $1 AND key = $2"),
+            // Read-only, outside any transaction, before a single-commit claim: settles replays
+            // (transactional mode's fast path), and, when there is no
+            // committed record, whether another open transaction holds the key (its advisory
+            // lock, see `tx_claim`, taken and let go within this statement: `held` true means
+            // a first attempt is running, and its uncommitted claim is what the read cannot
+            // see). The lock is evaluated only on the no-record branch.
+            tx_read: s("WITH r AS (
+                    SELECT fingerprint, done, token, expires_at <= {now} AS expired,
+                        (NOT done AND locked_until <= {now}) AS lease_over,
+                        COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8 AS retry_ms,
+                        status, headers, body, oversized
+                    FROM {t} WHERE scope = $1 AND key = $2)
+                SELECT r.*, false AS held FROM r
+                UNION ALL
+                SELECT NULL::bytea, false, NULL::uuid, false, false, 0::int8,
+                       NULL::int4, NULL::bytea, NULL::bytea, NULL::int8,
+                       NOT pg_try_advisory_xact_lock($3)
+                WHERE NOT EXISTS (SELECT 1 FROM r)"),
             // The claim inside a business transaction (single commit). A transaction-scoped
             // advisory lock on the key ($7) stands for the uncommitted claim row: only its
             // holder inserts, so a duplicate never blocks on that row's unique-index entry (a

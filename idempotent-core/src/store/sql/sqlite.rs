@@ -42,8 +42,8 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pub(crate) pool: SqlitePool,
-    sql: Arc<Statements>,
-    sent: Arc<Counter>,
+    pub(crate) sql: Arc<Statements>,
+    pub(crate) sent: Arc<Counter>,
 }
 
 /// Builds a [`SqliteStore`] on a pool.
@@ -78,7 +78,7 @@ impl SqliteStoreBuilder {
 #[derive(Debug)]
 pub(crate) struct Statements {
     table: String,
-    read: Arc<str>,
+    pub(crate) read: Arc<str>,
     insert: Arc<str>,
     take_over: Arc<str>,
     complete: Arc<str>,
