@@ -30,7 +30,8 @@
 //! trips, the handler's statements included once. The claim and the complete there are calls
 //! of two functions the store's migrations create (`<table>_claim_first`, `<table>_complete`),
 //! whose statements run from plans the session keeps; their arguments are written into the
-//! text as hex digits, since the simple protocol has no parameters. The read before tells
+//! text (bytes as hex digits, text as ASCII with Unicode escapes), since the simple
+//! protocol has no parameters. The read before tells
 //! when another transaction holds the key (a first attempt running): the claim then goes the
 //! ordinary way, which waits for it. A claim that did not insert, and a
 //! complete the fence refused, raise an error of their own (SQLSTATE `IDM01`, `IDM02`), so
