@@ -400,6 +400,70 @@ async fn postgres_batches_carry_any_text_and_bytes() {
     }
 }
 
+/// A server whose encoding is SQL_ASCII (what `initdb` gives under the C locale) cannot take
+/// a Unicode escape above U+007F: non-ASCII text goes in the batches as its bytes instead,
+/// so a caller named in any script still runs once and replays, on both commit paths. The
+/// test makes that database on the server of `DATABASE_URL` if it is not there.
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_sql_ascii_server_takes_non_ascii_scopes() {
+    let admin = pg_pool(1).await;
+    let made = sqlx::raw_sql(
+        "CREATE DATABASE idempotent_sql_ascii ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    )
+    .execute(&admin)
+    .await;
+    if let Err(e) = made {
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .unwrap_or_default();
+        assert_eq!(code, "42P04", "could not make the SQL_ASCII database: {e}");
+    }
+    let url = database_url();
+    let (server, _) = url
+        .rsplit_once('/')
+        .expect("a database name in DATABASE_URL");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .test_before_acquire(false)
+        .connect(&format!("{server}/idempotent_sql_ascii"))
+        .await
+        .unwrap();
+    let encoding: String = sqlx::query_scalar("SHOW server_encoding")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(encoding, "SQL_ASCII");
+    let (db, _) = pg_db(pool).await;
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        let scope = Scope::new(format!("élève 'ü' \\ {commit:?} \u{1F600}")).unwrap();
+        let key = RecordKey::new(
+            scope,
+            IdempotencyKey::parse(unique_key("a").key.as_str().as_bytes()).unwrap(),
+        );
+        let runs = AtomicUsize::new(0);
+        assert!(
+            matches!(
+                one(&db, &key, commit, 201, &runs).await,
+                Ok(TxFinished::Committed)
+            ),
+            "{commit:?}"
+        );
+        assert!(
+            matches!(
+                one(&db, &key, commit, 201, &runs).await,
+                Err(Begin::Replay(_))
+            ),
+            "{commit:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{commit:?}");
+    }
+}
+
 /// The transaction a handler gets counts as one level for sqlx, whichever way it began
 /// (on PostgreSQL a BEGIN sent with the claim), so the handler's own `begin()` is a
 /// SAVEPOINT: a failed statement inside one rolls back to it and the handler goes on, and

@@ -72,9 +72,9 @@ impl TxDatabase for sqlx::Postgres {
         sql.push_str("; SELECT ");
         sql.push_str(&store.sql.table);
         sql.push_str("_claim_first(");
-        push_text(&mut sql, req.key.scope.as_str());
+        push_text(&mut sql, req.key.scope.as_str(), utf8(store));
         sql.push_str(", ");
-        push_text(&mut sql, req.key.key.as_str());
+        push_text(&mut sql, req.key.key.as_str(), utf8(store));
         sql.push_str(", ");
         push_bytes(&mut sql, &req.fingerprint.to_stored());
         let lease = millis(req.lease);
@@ -99,7 +99,7 @@ impl TxDatabase for sqlx::Postgres {
     /// [`PostgresStore::migrate`]) before any handler runs, instead of after it.
     async fn ready(store: &PostgresStore) -> Result<(), StoreError> {
         use std::sync::atomic::Ordering;
-        if store.functions_ready.load(Ordering::Relaxed) {
+        if store.functions_ready.load(Ordering::Acquire) {
             return Ok(());
         }
         let t = &store.sql.table;
@@ -109,9 +109,10 @@ impl TxDatabase for sqlx::Postgres {
         let complete = format!(
             "{t}_complete(text, text, uuid, integer, bytea, bytea, bigint, double precision)"
         );
-        let ok: Option<bool> = sqlx::query_scalar(
+        let (ok, utf8): (Option<bool>, bool) = sqlx::query_as(
             "SELECT has_function_privilege(to_regprocedure($1), 'EXECUTE') \
-             AND has_function_privilege(to_regprocedure($2), 'EXECUTE')",
+             AND has_function_privilege(to_regprocedure($2), 'EXECUTE'), \
+             current_setting('server_encoding') = 'UTF8'",
         )
         .bind(claim)
         .bind(complete)
@@ -119,7 +120,9 @@ impl TxDatabase for sqlx::Postgres {
         .await
         .map_err(db_error)?;
         if ok == Some(true) {
-            store.functions_ready.store(true, Ordering::Relaxed);
+            // Before the flag below, which the batches read it after.
+            store.server_utf8.store(utf8, Ordering::Relaxed);
+            store.functions_ready.store(true, Ordering::Release);
             Ok(())
         } else {
             Err(StoreError::unavailable(MissingFunctions))
@@ -213,9 +216,9 @@ impl TxDatabase for sqlx::Postgres {
     /// ended by a ROLLBACK queued on the connection, which goes out with the pool's release
     /// ping (no round trip of its own, and no warning: it ends that empty transaction). A
     /// complete that matches no row (the fence refused) raises SQLSTATE `IDM02`, so the
-    /// statements after it never run and nothing commits. Any error the server answers means
+    /// statements after it never run and nothing commits. An ERROR the server answers means
     /// nothing committed (the query stops at the failing statement, and a COMMIT that fails
-    /// rolls back); only an error without an answer leaves the COMMIT's fate unknown.
+    /// rolls back); a FATAL, or no answer, leaves the COMMIT's fate unknown.
     async fn complete_commit(
         store: &PostgresStore,
         tx: Held<sqlx::Postgres>,
@@ -229,9 +232,9 @@ impl TxDatabase for sqlx::Postgres {
         sql.push_str("SELECT ");
         sql.push_str(&store.sql.table);
         sql.push_str("_complete(");
-        push_text(&mut sql, key.scope.as_str());
+        push_text(&mut sql, key.scope.as_str(), utf8(store));
         sql.push_str(", ");
-        push_text(&mut sql, key.key.as_str());
+        push_text(&mut sql, key.key.as_str(), utf8(store));
         sql.push_str(&format!(", '{}'::uuid, ", token.as_uuid()));
         match outcome {
             StoredOutcome::Response(r) => {
@@ -316,9 +319,19 @@ fn push_idle(sql: &mut String, idle: std::time::Duration) {
 /// backslash byte; here there are none). A NUL (which a [`Scope`](crate::Scope) cannot hold
 /// anyway) becomes `\u0000`, which PostgreSQL refuses, as it refuses a NUL in a bound
 /// parameter: the statement fails. (Written as `convert_from(decode(…))` instead, the batches
-/// measured 4 to 10 times slower, and slower the longer a session ran; not understood.)
-fn push_text(sql: &mut String, s: &str) {
+/// measured 4 to 10 times slower, and slower the longer a session ran; not understood. That
+/// form is kept for non-ASCII text on a server whose encoding is not UTF8, such as
+/// SQL_ASCII, which cannot take a Unicode escape above U+007F.)
+fn push_text(sql: &mut String, s: &str, server_utf8: bool) {
     use std::fmt::Write;
+    if !server_utf8 && !s.is_ascii() {
+        // A Unicode escape above U+007F must convert to the server's encoding, which fails
+        // on SQL_ASCII; these bytes go as they would as a bound parameter.
+        sql.push_str("convert_from(");
+        push_bytes(sql, s.as_bytes());
+        sql.push_str(", 'UTF8')");
+        return;
+    }
     sql.push_str("E'");
     for c in s.chars() {
         match c {
@@ -332,6 +345,12 @@ fn push_text(sql: &mut String, s: &str) {
         }
     }
     sql.push('\'');
+}
+
+/// Whether the server's encoding is UTF8 (learnt by [`TxDatabase::ready`], which runs before
+/// any batch).
+fn utf8(store: &PostgresStore) -> bool {
+    store.server_utf8.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Appends `bytes` as `decode('<hex>', 'hex')`: nothing but hex digits stand for them.

@@ -46,6 +46,8 @@ pub struct PostgresStore {
     pin_isolation: Arc<std::sync::atomic::AtomicBool>,
     /// Set once the functions transactional mode calls were found (`TxDatabase::ready`).
     pub(crate) functions_ready: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the server's encoding is UTF8, learnt with `functions_ready`.
+    pub(crate) server_utf8: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Builds a [`PostgresStore`].
@@ -84,6 +86,7 @@ impl PostgresStoreBuilder {
             sent: Arc::default(),
             pin_isolation: Arc::default(),
             functions_ready: Arc::default(),
+            server_utf8: Arc::default(),
         })
     }
 }
