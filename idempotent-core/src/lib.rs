@@ -56,6 +56,7 @@
 //!
 //! # Features
 //! - `sqlite`, `postgres`: the SQL stores (sqlx).
+//! - `redis`: the Redis store, standalone and Redis Cluster ([`store::RedisStore`]).
 //!
 //! The client side, a retry middleware for reqwest that makes one `Idempotency-Key` per
 //! logical request, is its own crate, `idempotent-client` (it needs none of this one).
@@ -94,6 +95,9 @@ pub use store::MemoryStore;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::PostgresStore;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use store::RedisStore;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use store::SetupError;

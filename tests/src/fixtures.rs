@@ -1,4 +1,5 @@
-//! Fixtures for the SQL stores: real databases, fresh tables per test.
+//! Fixtures for the SQL stores and Redis: real databases, fresh tables (or key prefixes) per
+//! test.
 
 use crate::Fixture;
 use idempotent_core::Store;
@@ -142,5 +143,60 @@ impl Fixture for Postgres {
         for (pool, table) in tables {
             pg_drop(&pool, &table).await;
         }
+    }
+}
+
+/// Redis from `REDIS_URL` (a standalone server) or `REDIS_CLUSTER_URL` (a Redis Cluster,
+/// `redis+cluster://host:port,…`): a fresh key prefix per store. Records expire by their ttl
+/// (an hour at most in the suite), so nothing is left for long.
+#[cfg(feature = "redis")]
+pub struct Redis {
+    url: String,
+}
+
+#[cfg(feature = "redis")]
+impl Redis {
+    /// The standalone server of `REDIS_URL`.
+    ///
+    /// # Panics
+    /// When `REDIS_URL` is unset (the tests are compiled `#[ignore]`d then).
+    pub fn standalone() -> Self {
+        Redis {
+            url: std::env::var("REDIS_URL").expect("REDIS_URL must point at Redis for these tests"),
+        }
+    }
+
+    /// The cluster of `REDIS_CLUSTER_URL`.
+    ///
+    /// # Panics
+    /// When `REDIS_CLUSTER_URL` is unset (the tests are compiled `#[ignore]`d then).
+    pub fn cluster() -> Self {
+        Redis {
+            url: std::env::var("REDIS_CLUSTER_URL")
+                .expect("REDIS_CLUSTER_URL must point at a Redis Cluster for these tests"),
+        }
+    }
+
+    /// A store on a fresh prefix.
+    ///
+    /// # Panics
+    /// When Redis cannot be reached.
+    pub async fn store(&self) -> idempotent_core::RedisStore {
+        idempotent_core::RedisStore::builder()
+            .prefix(&format!("{}:", unique_table("t")))
+            .connect(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("Redis at {} is unreachable: {e}", self.url))
+    }
+}
+
+#[cfg(feature = "redis")]
+#[async_trait::async_trait]
+impl Fixture for Redis {
+    async fn fresh(&self) -> Arc<dyn Store> {
+        Arc::new(self.store().await)
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
     }
 }

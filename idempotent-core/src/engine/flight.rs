@@ -77,7 +77,7 @@ impl AutoSweep {
             return;
         }
         let ms = self.interval_ms.load(Ordering::Acquire);
-        if ms == 0 || tokio::runtime::Handle::try_current().is_err() {
+        if ms == 0 || store.expires_by_itself() || tokio::runtime::Handle::try_current().is_err() {
             return;
         }
         let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());

@@ -1,13 +1,20 @@
-//! The `Store` trait: what every store (memory, SQLite, PostgreSQL) promises, the records
+//! The `Store` trait: what every store (memory, SQLite, PostgreSQL, Redis) promises, the records
 //! stores keep, the stores themselves and the sweeper that purges them.
 
 pub(crate) mod fence;
 pub(crate) mod memory;
 pub(crate) mod record;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "redis"))]
+pub(crate) mod row;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) mod sql;
 pub(crate) mod sweeper;
 
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use self::redis::{RedisSetupError, RedisStore, RedisStoreBuilder};
 pub use fence::{Lease, LeaseToken};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse, retry_after_secs};
@@ -208,6 +215,14 @@ pub trait Store: Send + Sync + 'static {
     fn transactional(&self) -> Option<&dyn std::any::Any> {
         None
     }
+
+    /// Whether the store deletes expired records by itself (Redis, by key expiry): then
+    /// [`purge_expired`](Store::purge_expired) deletes nothing and the adapters' automatic
+    /// sweeper does not start. `false` (the default) for every other store. Wrappers that
+    /// forward to such a store should forward this too.
+    fn expires_by_itself(&self) -> bool {
+        false
+    }
 }
 
 #[async_trait::async_trait]
@@ -246,5 +261,8 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     fn transactional(&self) -> Option<&dyn std::any::Any> {
         (**self).transactional()
+    }
+    fn expires_by_itself(&self) -> bool {
+        (**self).expires_by_itself()
     }
 }

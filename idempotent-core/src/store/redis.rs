@@ -1,0 +1,880 @@
+//! The Redis store: one record is one hash under one hash-tagged key, every operation one Lua
+//! script on the node that owns that key's slot, times from the server's `TIME`, expiry by
+//! `PEXPIREAT`. Standalone servers and Redis Cluster alike (the `redis` crate's connection
+//! manager, or its cluster client).
+
+use crate::store::fence::LeaseToken;
+use crate::store::record::{Record, RecordKey, StoredOutcome};
+use crate::store::row::{
+    Decision, ExistingRow, RecordColumns, build_record, claimed, decide, millis, outcome_columns,
+};
+use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
+use redis::Value;
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+/// The longest lease or ttl the store writes: 1,000 years in milliseconds (longer ones are cut
+/// to it, so an absurd setting can never overflow the server's expiry arithmetic).
+const MAX_MILLIS: i64 = 1_000 * 365 * 24 * 3600 * 1000;
+
+/// How often a claim runs again when the record changed between its claim script and its
+/// take-over script (each time, another attempt made progress).
+const MAX_CLAIM_ATTEMPTS: usize = 16;
+
+/// The server's clock in whole milliseconds, as every script reads it. `TIME` is allowed
+/// before writes because scripts replicate their effects (the default since Redis 5, the only
+/// mode since 7), so replicas apply the writes, never re-run the clock.
+const NOW: &str = "local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function ms(x) return string.format('%d', x) end
+";
+
+/// Claims an absent key (`{1, locked_until}`), or reports the record that holds it
+/// (`{0, fingerprint, token, done, expired, lease_over, retry_ms, status, headers, body,
+/// oversized}`, times compared on the server's clock). Never writes to an existing record.
+/// ARGV: fingerprint, token, lease ms, expiry ms (lease + ttl).
+const CLAIM: &str = "
+local r = redis.call('HMGET', KEYS[1], 'fp', 'tok', 'done', 'lu', 'ex', 'st', 'hd', 'bd', 'ov')
+if not r[1] then
+  local lu = now + tonumber(ARGV[3])
+  local ex = now + tonumber(ARGV[4])
+  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'tok', ARGV[2], 'done', '0', 'lu', ms(lu),
+    'ca', ms(now), 'ex', ms(ex))
+  redis.call('PEXPIREAT', KEYS[1], ms(ex))
+  return {1, lu}
+end
+local ex = tonumber(r[5]) or 0
+local lu = tonumber(r[4]) or 0
+local done = r[3] == '1'
+local retry = 0
+if not done and lu > now then retry = lu - now end
+return {0, r[1], r[2], done and 1 or 0, (ex <= now) and 1 or 0,
+  (not done and lu <= now) and 1 or 0, retry, r[6], r[7], r[8], r[9]}
+";
+
+/// The rare path: takes over a record whose ttl passed or whose lease ran out, only while it
+/// still carries the token the claim read (compare-and-swap: of two take-overs at once, one
+/// matches). Returns the new lease end, or nil when the record changed meanwhile.
+/// ARGV: old token, fingerprint, new token, lease ms, expiry ms.
+const TAKE_OVER: &str = "
+local r = redis.call('HMGET', KEYS[1], 'tok', 'done', 'lu', 'ex')
+if r[1] ~= ARGV[1] then return false end
+local ex = tonumber(r[4]) or 0
+local lu = tonumber(r[3]) or 0
+if not (ex <= now or (r[2] == '0' and lu <= now)) then return false end
+redis.call('DEL', KEYS[1])
+local nlu = now + tonumber(ARGV[4])
+local nex = now + tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'tok', ARGV[3], 'done', '0', 'lu', ms(nlu),
+  'ca', ms(now), 'ex', ms(nex))
+redis.call('PEXPIREAT', KEYS[1], ms(nex))
+return nlu
+";
+
+/// The fence every write after the claim passes: the record exists, is in progress, is not
+/// past its ttl and carries ARGV[1]. Sets `ex` to its expiry.
+const FENCE: &str = "
+local f = redis.call('HMGET', KEYS[1], 'tok', 'done', 'ex')
+local ex = tonumber(f[3]) or 0
+if f[1] ~= ARGV[1] or f[2] ~= '0' or ex <= now then return 0 end
+";
+
+/// Fenced: the record becomes done with the outcome; expires no sooner than ttl after now.
+/// ARGV: token, status, headers, body, oversized size or '', ttl ms. Returns 1, or 0 (stale).
+const COMPLETE: &str = "
+local nex = math.max(ex, now + tonumber(ARGV[6]))
+redis.call('HSET', KEYS[1], 'done', '1', 'st', ARGV[2], 'hd', ARGV[3], 'bd', ARGV[4],
+  'co', ms(now), 'ex', ms(nex))
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'ov', ARGV[5]) end
+redis.call('HDEL', KEYS[1], 'lu')
+redis.call('PEXPIREAT', KEYS[1], ms(nex))
+return 1
+";
+
+/// Fenced: deletes the record. ARGV: token. Returns 1, or 0 (stale).
+const RELEASE: &str = "
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+/// Fenced heartbeat: the lease ends lease ms after now, and the record lives at least as long.
+/// ARGV: token, lease ms. Returns the new lease end, or 0 (stale).
+const EXTEND: &str = "
+local lu = now + tonumber(ARGV[2])
+local nex = math.max(ex, lu)
+redis.call('HSET', KEYS[1], 'lu', ms(lu), 'ex', ms(nex))
+redis.call('PEXPIREAT', KEYS[1], ms(nex))
+return lu
+";
+
+/// The fields `get` and `delete` report, in this order.
+const FIELDS: &str = "'fp', 'tok', 'done', 'lu', 'st', 'hd', 'bd', 'ov', 'ca', 'co', 'ex'";
+
+/// Reads a live record: its fields, or nil when absent or past its ttl.
+fn get_script() -> String {
+    format!(
+        "{NOW}
+local r = redis.call('HMGET', KEYS[1], {FIELDS})
+if not r[1] or (tonumber(r[11]) or 0) <= now then return false end
+return r"
+    )
+}
+
+/// Deletes a record that is done, past its ttl, or in progress with ARGV[1] = '1' (force), in
+/// one step with the check. Returns nil (absent) or `{deleted 1|0, fields…}`.
+fn delete_script() -> String {
+    format!(
+        "{NOW}
+local r = redis.call('HMGET', KEYS[1], {FIELDS})
+if not r[1] then return false end
+local deleted = 0
+if r[3] == '1' or (tonumber(r[11]) or 0) <= now or ARGV[1] == '1' then
+  redis.call('DEL', KEYS[1])
+  deleted = 1
+end
+table.insert(r, 1, deleted)
+return r"
+    )
+}
+
+/// The store's scripts (each sent by SHA once the server has it: `EVALSHA`, loading it on
+/// `NOSCRIPT`, which a new primary after a failover answers once).
+#[derive(Debug)]
+struct Scripts {
+    claim: redis::Script,
+    take_over: redis::Script,
+    complete: redis::Script,
+    release: redis::Script,
+    extend: redis::Script,
+    get: redis::Script,
+    delete: redis::Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        let fenced = |body: &str| redis::Script::new(&format!("{NOW}{FENCE}{body}"));
+        Scripts {
+            claim: redis::Script::new(&format!("{NOW}{CLAIM}")),
+            take_over: redis::Script::new(&format!("{NOW}{TAKE_OVER}")),
+            complete: fenced(COMPLETE),
+            release: fenced(RELEASE),
+            extend: fenced(EXTEND),
+            get: redis::Script::new(&get_script()),
+            delete: redis::Script::new(&delete_script()),
+        }
+    }
+}
+
+fn scripts() -> &'static Scripts {
+    static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
+    SCRIPTS.get_or_init(Scripts::new)
+}
+
+/// Why a [`RedisStore`] could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RedisSetupError {
+    /// The key prefix is not usable: it must be at most 64 bytes of visible ASCII without `{`
+    /// or `}` (the braces delimit each record's hash tag).
+    #[error(
+        "`{0}` is not a valid key prefix: use at most 64 visible ASCII characters without `{{` or `}}`"
+    )]
+    InvalidPrefix(String),
+    /// The URL is not `redis://…`, `rediss://…`, `redis+cluster://host:port[,host:port…]` or
+    /// `rediss+cluster://…`.
+    #[error(
+        "unsupported Redis URL `{0}`: use redis://host:port[/db] or redis+cluster://host:port[,host:port…]"
+    )]
+    InvalidUrl(String),
+    /// `wait_for_replicas` asked for no replica, or for a zero timeout.
+    #[error("wait_for_replicas needs at least one replica and a timeout above zero")]
+    InvalidWait,
+    /// Connecting failed (or the URL's details were refused by the client).
+    #[error("redis error: {0}")]
+    Redis(#[from] redis::RedisError),
+}
+
+/// The connection: a reconnecting multiplexed connection to one server, or the cluster
+/// client's (one multiplexed connection per node, following `MOVED`/`ASK` and refreshing its
+/// slot map after a failover).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// How many replicas must acknowledge a claim and a completion, and how long to wait for them.
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    replicas: u32,
+    timeout: Duration,
+}
+
+/// Builds a [`RedisStore`]: key prefix, timeouts, replica acknowledgement.
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    prefix: String,
+    wait: Option<(u32, Duration)>,
+    response_timeout: Duration,
+    connection_timeout: Duration,
+}
+
+impl Default for RedisStoreBuilder {
+    fn default() -> Self {
+        RedisStoreBuilder {
+            prefix: "idempotent:".to_owned(),
+            wait: None,
+            response_timeout: Duration::from_secs(5),
+            connection_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every record's key (default `idempotent:`), so one server can hold the
+    /// records of several services: `<prefix>{<scope and key>}`.
+    #[must_use]
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        prefix.clone_into(&mut self.prefix);
+        self
+    }
+
+    /// After each claim and each completion, `WAIT replicas timeout` on the record's primary:
+    /// the claim counts only once `replicas` replicas hold it, so a primary that dies before
+    /// replicating it cannot lose it in a failover to one of them (see the store's docs). Off
+    /// by default.
+    #[must_use]
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = Some((replicas, timeout));
+        self
+    }
+
+    /// How long one command may wait for its answer before the store reports
+    /// [`StoreError::Unavailable`] (default 5 s).
+    #[must_use]
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// How long connecting may take (default 5 s).
+    #[must_use]
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    fn checked(&self) -> Result<(String, Option<Wait>), RedisSetupError> {
+        let p = &self.prefix;
+        if p.len() > 64
+            || !p
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}')
+        {
+            return Err(RedisSetupError::InvalidPrefix(p.clone()));
+        }
+        let wait = match self.wait {
+            None => None,
+            Some((0, _)) => return Err(RedisSetupError::InvalidWait),
+            Some((_, t)) if t.is_zero() => return Err(RedisSetupError::InvalidWait),
+            Some((replicas, timeout)) => Some(Wait { replicas, timeout }),
+        };
+        Ok((p.clone(), wait))
+    }
+
+    /// Connects to `url`: `redis://host:port[/db]` (or `rediss://`) for one server,
+    /// `redis+cluster://host:port[,host:port…]` (or `rediss+cluster://`) for a Redis Cluster
+    /// given one or more of its nodes.
+    ///
+    /// # Errors
+    /// [`RedisSetupError`]: a bad prefix or URL, or a server that cannot be reached.
+    pub async fn connect(self, url: &str) -> Result<RedisStore, RedisSetupError> {
+        for (scheme, plain) in [
+            ("redis+cluster://", "redis://"),
+            ("rediss+cluster://", "rediss://"),
+        ] {
+            if let Some(rest) = url.strip_prefix(scheme) {
+                let nodes: Vec<String> = rest
+                    .split(',')
+                    .filter(|n| !n.is_empty())
+                    .map(|n| format!("{plain}{n}"))
+                    .collect();
+                if nodes.is_empty() {
+                    return Err(RedisSetupError::InvalidUrl(url.to_owned()));
+                }
+                return self.connect_cluster(&nodes).await;
+            }
+        }
+        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            return Err(RedisSetupError::InvalidUrl(url.to_owned()));
+        }
+        let (prefix, wait) = self.checked()?;
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout))
+            .set_number_of_retries(2);
+        let conn = ConnectionManager::new_with_config(client, config).await?;
+        Ok(RedisStore::new(Conn::Single(conn), prefix, wait))
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` each).
+    ///
+    /// # Errors
+    /// [`RedisSetupError`]: a bad prefix or URL, or no node that answers.
+    pub async fn connect_cluster(
+        self,
+        nodes: &[impl AsRef<str>],
+    ) -> Result<RedisStore, RedisSetupError> {
+        let (prefix, wait) = self.checked()?;
+        let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .response_timeout(self.response_timeout)
+            .connection_timeout(self.connection_timeout)
+            .build()?;
+        let conn = client.get_async_connection().await?;
+        Ok(RedisStore::new(Conn::Cluster(conn), prefix, wait))
+    }
+}
+
+/// Idempotency records in Redis: a standalone server or a Redis Cluster (feature `redis`).
+///
+/// - **One record, one key**: `<prefix>{<scope and key>}`, a hash. The whole key is the hash
+///   tag (the scope length-prefixed, `%` and `}` escaped), so a record never spans slots and
+///   every operation is one Lua script on the node that owns it: claim, take-over, complete,
+///   release, heartbeat, delete, each atomic.
+/// - **Time is the server's** (`TIME` inside the script), so instances with skewed clocks
+///   agree on leases and expiry, as with the SQL stores' database clock.
+/// - **Fenced**: complete, release and extend change the record only while it carries the
+///   caller's token and is in progress.
+/// - **Expiry by Redis**: each record's key expires (`PEXPIREAT`) when its ttl does, so no
+///   sweeper is needed: [`Store::purge_expired`] deletes nothing and the adapters' automatic
+///   sweeper does not start for this store ([`Store::expires_by_itself`]).
+/// - **Plain mode only**: no transaction spans Redis and the handler's own database, so
+///   transactional routes refuse this store. A handler whose effect is a write to a database
+///   should keep its records in that database (transactional mode); one whose effect is a call
+///   to another API should pass a derived key downstream ([`crate::Idempotent::derive`]).
+///
+/// # Replication and failover
+/// Redis replicates asynchronously. A claim that the primary acknowledged but had not yet sent
+/// to a replica is **lost if that primary dies and the replica takes over**: a retry then finds
+/// no record and runs the handler a second time. The same holds for a stored response (the
+/// retry runs again rather than replaying). [`RedisStoreBuilder::wait_for_replicas`] closes
+/// that window for the replicas it counts: after each claim and each completion the store
+/// sends `WAIT n timeout` to the record's primary, and a claim that fewer than `n` replicas
+/// acknowledged in time is released and answered [`StoreError::Unavailable`] (503) before the
+/// handler runs. A completion that fewer replicas acknowledged is still answered (the handler
+/// has run and its response is stored on the primary), and logged. A graceful `CLUSTER
+/// FAILOVER` waits for the replica to catch up, so it loses nothing either way.
+///
+/// ```no_run
+/// use idempotent_core::store::RedisStore;
+///
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let standalone = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// let cluster = RedisStore::builder()
+///     .prefix("payments:")
+///     .wait_for_replicas(1, std::time::Duration::from_millis(500))
+///     .connect("redis+cluster://127.0.0.1:7000,127.0.0.1:7001")
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: Conn,
+    prefix: std::sync::Arc<str>,
+    wait: Option<Wait>,
+    short_waits: std::sync::Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field(
+                "mode",
+                &match self.conn {
+                    Conn::Single(_) => "standalone",
+                    Conn::Cluster(_) => "cluster",
+                },
+            )
+            .field("prefix", &self.prefix)
+            .field("wait", &self.wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    fn new(conn: Conn, prefix: String, wait: Option<Wait>) -> Self {
+        RedisStore {
+            conn,
+            prefix: prefix.into(),
+            wait,
+            short_waits: std::sync::Arc::default(),
+        }
+    }
+
+    /// Connects with the default settings (see [`RedisStoreBuilder::connect`] for the URLs).
+    ///
+    /// # Errors
+    /// [`RedisSetupError`].
+    pub async fn connect(url: &str) -> Result<Self, RedisSetupError> {
+        RedisStoreBuilder::default().connect(url).await
+    }
+
+    /// Settings before connecting.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder::default()
+    }
+
+    /// Whether this store talks to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster(_))
+    }
+
+    /// Claims and completions whose `WAIT` came back with fewer replicas than asked (see
+    /// [`RedisStoreBuilder::wait_for_replicas`]).
+    pub fn short_waits(&self) -> u64 {
+        self.short_waits.load(Ordering::Relaxed)
+    }
+
+    /// The Redis key that holds `key`'s record: `<prefix>{<len>:<scope>:<key>}`, scope and key
+    /// with `%` and `}` percent-escaped and the escaped scope's byte length in front, so no two
+    /// (scope, key) pairs share a key and the braces enclose the whole of both (the hash tag).
+    pub fn redis_key(&self, key: &RecordKey) -> Vec<u8> {
+        fn escape(out: &mut Vec<u8>, s: &str) {
+            for b in s.bytes() {
+                match b {
+                    b'%' => out.extend_from_slice(b"%25"),
+                    b'}' => out.extend_from_slice(b"%7D"),
+                    b => out.push(b),
+                }
+            }
+        }
+        let mut scope = Vec::with_capacity(key.scope.as_str().len());
+        escape(&mut scope, key.scope.as_str());
+        let mut out =
+            Vec::with_capacity(self.prefix.len() + scope.len() + key.key.as_str().len() + 16);
+        out.extend_from_slice(self.prefix.as_bytes());
+        out.push(b'{');
+        out.extend_from_slice(scope.len().to_string().as_bytes());
+        out.push(b':');
+        out.extend_from_slice(&scope);
+        out.push(b':');
+        escape(&mut out, key.key.as_str());
+        out.push(b'}');
+        out
+    }
+
+    /// Runs one of the store's scripts on the record's node.
+    async fn run(
+        &self,
+        script: &redis::Script,
+        key: &[u8],
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
+        let mut inv = script.key(key);
+        for a in args {
+            inv.arg(*a);
+        }
+        let result = match &self.conn {
+            Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+        };
+        result.map_err(redis_error)
+    }
+
+    /// `WAIT` on the primary that owns `key`: how many replicas acknowledged every write this
+    /// connection made to it so far (so ours too).
+    async fn wait_replicas(&self, key: &[u8], wait: Wait) -> Result<u32, StoreError> {
+        let timeout_ms = u64::try_from(wait.timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(wait.replicas).arg(timeout_ms);
+        let acked: i64 = match &self.conn {
+            Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => {
+                use redis::cluster_routing::{
+                    Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,
+                };
+                let route = Route::with_slot(Slot::for_key(key), SlotAddr::Master);
+                let v = c
+                    .clone()
+                    .route_command(
+                        cmd,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    )
+                    .await;
+                v.and_then(|v| redis::from_redis_value(v).map_err(redis::RedisError::from))
+            }
+        }
+        .map_err(redis_error)?;
+        Ok(u32::try_from(acked).unwrap_or(0))
+    }
+
+    /// Whether the replicas asked for acknowledged the writes so far (always, without a wait).
+    async fn replicated(&self, key: &[u8], what: &str) -> Result<bool, StoreError> {
+        let Some(wait) = self.wait else {
+            return Ok(true);
+        };
+        let acked = self.wait_replicas(key, wait).await?;
+        if acked >= wait.replicas {
+            return Ok(true);
+        }
+        self.short_waits.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            acked,
+            wanted = wait.replicas,
+            "redis store: {what} acknowledged by fewer replicas than asked within {:?}",
+            wait.timeout
+        );
+        Ok(false)
+    }
+
+    async fn claim_once(
+        &self,
+        rkey: &[u8],
+        req: &ClaimRequest<'_>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let token = LeaseToken::generate();
+        let fingerprint = req.fingerprint.to_stored();
+        let lease = millis(req.lease).min(MAX_MILLIS);
+        let expiry = lease.saturating_add(millis(req.ttl).min(MAX_MILLIS));
+        let v = self
+            .run(
+                &scripts().claim,
+                rkey,
+                &[
+                    &fingerprint,
+                    token.as_uuid().as_bytes(),
+                    lease.to_string().as_bytes(),
+                    expiry.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        let fields = array(v)?;
+        if int(&fields, 0)? == 1 {
+            return Ok(Some(claimed(token, int(&fields, 1)?, false)));
+        }
+        let row = ExistingRow {
+            fingerprint: bytes(&fields, 1)?.unwrap_or_default(),
+            done: int(&fields, 3)? == 1,
+            token: uuid(&fields, 2)?,
+            expired: int(&fields, 4)? == 1,
+            lease_over: int(&fields, 5)? == 1,
+            retry_ms: int(&fields, 6)?,
+            status: opt_num(&fields, 7)?,
+            headers: bytes(&fields, 8)?,
+            body: bytes(&fields, 9)?,
+            oversized: opt_num(&fields, 10)?,
+        };
+        match decide(row, req.fingerprint)? {
+            Decision::Report(outcome) => Ok(Some(outcome)),
+            Decision::TakeOver(old) => {
+                let token = LeaseToken::generate();
+                let v = self
+                    .run(
+                        &scripts().take_over,
+                        rkey,
+                        &[
+                            old.as_uuid().as_bytes(),
+                            &fingerprint,
+                            token.as_uuid().as_bytes(),
+                            lease.to_string().as_bytes(),
+                            expiry.to_string().as_bytes(),
+                        ],
+                    )
+                    .await?;
+                match v {
+                    Value::Nil => Ok(None),
+                    v => Ok(Some(claimed(token, num(&v)?, true))),
+                }
+            }
+        }
+    }
+
+    async fn fenced(
+        &self,
+        script: &redis::Script,
+        key: &RecordKey,
+        args: &[&[u8]],
+    ) -> Result<i64, StoreError> {
+        let v = self.run(script, &self.redis_key(key), args).await?;
+        let n = num(&v)?;
+        if n == 0 {
+            return Err(StoreError::StaleLease);
+        }
+        Ok(n)
+    }
+}
+
+/// Maps a client error: a script's own error or a type mismatch is a corrupt record (a key of
+/// ours that holds something else); everything else (I/O, timeouts, `MOVED` storms, a cluster
+/// down, `LOADING`, `READONLY`) is unavailable.
+fn redis_error(e: redis::RedisError) -> StoreError {
+    match e.kind() {
+        redis::ErrorKind::UnexpectedReturnType | redis::ErrorKind::Parse => {
+            StoreError::Corrupt(e.to_string())
+        }
+        _ if e.code() == Some("WRONGTYPE") => StoreError::Corrupt(e.to_string()),
+        _ => StoreError::unavailable(e),
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(format!("redis record: {what}"))
+}
+
+fn array(v: Value) -> Result<Vec<Value>, StoreError> {
+    match v {
+        Value::Array(a) => Ok(a),
+        _ => Err(corrupt("unexpected script reply")),
+    }
+}
+
+fn num(v: &Value) -> Result<i64, StoreError> {
+    match v {
+        Value::Int(n) => Ok(*n),
+        Value::BulkString(b) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| corrupt("a number field is not a number")),
+        _ => Err(corrupt("a number field is missing")),
+    }
+}
+
+fn int(f: &[Value], i: usize) -> Result<i64, StoreError> {
+    num(f.get(i).ok_or_else(|| corrupt("short script reply"))?)
+}
+
+fn opt_num<T: TryFrom<i64>>(f: &[Value], i: usize) -> Result<Option<T>, StoreError> {
+    match f.get(i) {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => T::try_from(num(v)?)
+            .map(Some)
+            .map_err(|_| corrupt("a number field is out of range")),
+    }
+}
+
+fn bytes(f: &[Value], i: usize) -> Result<Option<Vec<u8>>, StoreError> {
+    match f.get(i) {
+        None | Some(Value::Nil) => Ok(None),
+        Some(Value::BulkString(b)) => Ok(Some(b.clone())),
+        Some(_) => Err(corrupt("a byte field is not a string")),
+    }
+}
+
+fn uuid(f: &[Value], i: usize) -> Result<uuid::Uuid, StoreError> {
+    bytes(f, i)?
+        .and_then(|b| uuid::Uuid::from_slice(&b).ok())
+        .ok_or_else(|| corrupt("the token is not 16 bytes"))
+}
+
+/// A record from `get`'s or `delete`'s fields (see [`FIELDS`]), starting at `at`.
+fn record_from(key: &RecordKey, f: &[Value], at: usize) -> Result<Record, StoreError> {
+    let f = f.get(at..).ok_or_else(|| corrupt("short script reply"))?;
+    build_record(
+        key,
+        RecordColumns {
+            fingerprint: bytes(f, 0)?.unwrap_or_default(),
+            token: uuid(f, 1)?,
+            done: bytes(f, 2)?.as_deref() == Some(b"1"),
+            locked_until: opt_num(f, 3)?,
+            status: opt_num(f, 4)?,
+            headers: bytes(f, 5)?,
+            body: bytes(f, 6)?,
+            oversized: opt_num(f, 7)?,
+            created_at: opt_num(f, 8)?.unwrap_or_default(),
+            completed_at: opt_num(f, 9)?,
+            expires_at: opt_num(f, 10)?.unwrap_or_default(),
+        },
+    )
+}
+
+#[async_trait::async_trait]
+impl Store for RedisStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let rkey = self.redis_key(req.key);
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            let Some(outcome) = self.claim_once(&rkey, &req).await? else {
+                continue;
+            };
+            if let ClaimOutcome::Claimed(lease) = &outcome
+                && !self.replicated(&rkey, "a claim").await?
+            {
+                // Not on enough replicas: a failover could lose it, and a retry would run the
+                // handler again. Give the key back (best effort: a release lost with the
+                // primary leaves nothing either) and let the client retry.
+                let _ = Store::release(self, req.key, lease.token).await;
+                return Err(StoreError::unavailable(NotReplicated));
+            }
+            return Ok(outcome);
+        }
+        Err(StoreError::unavailable(Contention))
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let c = outcome_columns(outcome);
+        let status = c.status.to_string();
+        let oversized = c.oversized.map(|n| n.to_string()).unwrap_or_default();
+        let ttl = millis(ttl).min(MAX_MILLIS).to_string();
+        self.fenced(
+            &scripts().complete,
+            key,
+            &[
+                token.as_uuid().as_bytes(),
+                status.as_bytes(),
+                c.headers.as_deref().unwrap_or_default(),
+                c.body.as_deref().unwrap_or_default(),
+                oversized.as_bytes(),
+                ttl.as_bytes(),
+            ],
+        )
+        .await?;
+        // Stored on the primary: the handler ran, so its response is answered either way; a
+        // short acknowledgement is logged and counted (`short_waits`).
+        self.replicated(&self.redis_key(key), "a completion")
+            .await?;
+        Ok(())
+    }
+
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        self.fenced(&scripts().release, key, &[token.as_uuid().as_bytes()])
+            .await
+            .map(drop)
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        let lease = millis(lease).min(MAX_MILLIS).to_string();
+        let until = self
+            .fenced(
+                &scripts().extend,
+                key,
+                &[token.as_uuid().as_bytes(), lease.as_bytes()],
+            )
+            .await?;
+        Ok(crate::store::row::from_millis(until))
+    }
+
+    /// Redis deletes each record when its ttl passes (`PEXPIREAT`): nothing to purge.
+    async fn purge_expired(&self, _batch: usize) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        match self.run(&scripts().get, &self.redis_key(key), &[]).await? {
+            Value::Nil => Ok(None),
+            v => record_from(key, &array(v)?, 0).map(Some),
+        }
+    }
+
+    async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        let force: &[u8] = if force { b"1" } else { b"0" };
+        match self
+            .run(&scripts().delete, &self.redis_key(key), &[force])
+            .await?
+        {
+            Value::Nil => Ok(Deleted::Absent),
+            v => {
+                let f = array(v)?;
+                let record = record_from(key, &f, 1)?;
+                Ok(if int(&f, 0)? == 1 {
+                    Deleted::Deleted(record)
+                } else {
+                    Deleted::InProgress(record)
+                })
+            }
+        }
+    }
+
+    fn expires_by_itself(&self) -> bool {
+        true
+    }
+}
+
+/// A claim that fewer replicas acknowledged than [`RedisStoreBuilder::wait_for_replicas`]
+/// asks for.
+#[derive(Debug, thiserror::Error)]
+#[error("the claim was not acknowledged by enough replicas in time")]
+struct NotReplicated;
+
+/// Every claim attempt found the record changed under it.
+#[derive(Debug, thiserror::Error)]
+#[error("claim gave up after {MAX_CLAIM_ATTEMPTS} attempts under contention")]
+struct Contention;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IdempotencyKey, Scope};
+
+    fn store() -> RedisStore {
+        // The key layout needs no connection; a store over a lazy client is enough.
+        let client = redis::Client::open("redis://127.0.0.1:1").expect("url");
+        let conn = ConnectionManager::new_lazy_with_config(
+            client,
+            redis::aio::ConnectionManagerConfig::new(),
+        )
+        .expect("lazy");
+        RedisStore::new(Conn::Single(conn), "p:".to_owned(), None)
+    }
+
+    fn key(scope: &str, key: &str) -> RecordKey {
+        RecordKey::new(
+            Scope::new(scope).expect("scope"),
+            IdempotencyKey::parse(key.as_bytes()).expect("key"),
+        )
+    }
+
+    /// The hash tag Redis Cluster hashes: between the first `{` and the first `}` after it.
+    fn tag(k: &[u8]) -> &[u8] {
+        let open = k.iter().position(|&b| b == b'{').expect("{");
+        let close = open + k[open..].iter().position(|&b| b == b'}').expect("}");
+        &k[open + 1..close]
+    }
+
+    #[tokio::test]
+    async fn keys_never_collide_and_the_tag_is_the_whole_record_key() {
+        let s = store();
+        let pairs = [
+            ("a:b", "c"),
+            ("a", "b:c"),
+            ("a:", "b:c"),
+            ("a", ":b:c"),
+            ("a}", "b"),
+            ("a", "}b"),
+            ("a%7D", "b"),
+            ("a%", "7Db"),
+            ("1:a", "b"),
+            ("", "x"),
+        ];
+        let keys: Vec<Vec<u8>> = pairs
+            .iter()
+            .map(|(sc, k)| s.redis_key(&key(sc, k)))
+            .collect();
+        for (i, a) in keys.iter().enumerate() {
+            assert!(a.starts_with(b"p:{"), "{a:?}");
+            assert_eq!(a.last(), Some(&b'}'));
+            // One `}` only: the one that closes the tag, so the tag is all of scope and key.
+            assert_eq!(a.iter().filter(|&&b| b == b'}').count(), 1, "{a:?}");
+            assert_eq!(tag(a), &a[3..a.len() - 1]);
+            for b in &keys[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        assert_eq!(s.redis_key(&key("a}", "b")), b"p:{4:a%7D:b}".to_vec());
+    }
+}
