@@ -167,6 +167,9 @@ pub use idempotent_core::{
     engine::DEFAULT_LEASE, engine::DEFAULT_TTL, engine::Drained, engine::EngineBuilder,
     fingerprint::Fingerprint, parse_duration, store::Sweeper,
 };
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use idempotent_core::{RedisStore, store::RedisSetupError, store::RedisStoreBuilder};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use idempotent_core::{Transaction, sqlx, tx::TxDatabase};

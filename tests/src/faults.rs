@@ -171,4 +171,10 @@ impl Store for FaultyStore {
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         self.inner.get(key).await
     }
+    fn transactional(&self) -> Option<&dyn std::any::Any> {
+        self.inner.transactional()
+    }
+    fn expires_by_itself(&self) -> bool {
+        self.inner.expires_by_itself()
+    }
 }

@@ -147,11 +147,12 @@ impl Fixture for Postgres {
 }
 
 /// Redis from `REDIS_URL` (a standalone server) or `REDIS_CLUSTER_URL` (a Redis Cluster,
-/// `redis+cluster://host:port,…`): a fresh key prefix per store. Records expire by their ttl
-/// (an hour at most in the suite), so nothing is left for long.
+/// `redis+cluster://host:port,…`): a fresh key prefix per store, its keys deleted by
+/// [`Fixture::cleanup`].
 #[cfg(feature = "redis")]
 pub struct Redis {
     url: String,
+    prefixes: Mutex<Vec<String>>,
 }
 
 #[cfg(feature = "redis")]
@@ -161,9 +162,7 @@ impl Redis {
     /// # Panics
     /// When `REDIS_URL` is unset (the tests are compiled `#[ignore]`d then).
     pub fn standalone() -> Self {
-        Redis {
-            url: std::env::var("REDIS_URL").expect("REDIS_URL must point at Redis for these tests"),
-        }
+        Self::on(std::env::var("REDIS_URL").expect("REDIS_URL must point at Redis for these tests"))
     }
 
     /// The cluster of `REDIS_CLUSTER_URL`.
@@ -171,22 +170,113 @@ impl Redis {
     /// # Panics
     /// When `REDIS_CLUSTER_URL` is unset (the tests are compiled `#[ignore]`d then).
     pub fn cluster() -> Self {
-        Redis {
-            url: std::env::var("REDIS_CLUSTER_URL")
+        Self::on(
+            std::env::var("REDIS_CLUSTER_URL")
                 .expect("REDIS_CLUSTER_URL must point at a Redis Cluster for these tests"),
+        )
+    }
+
+    /// Stores on `url` (`redis://…` or `redis+cluster://…`).
+    pub fn on(url: String) -> Self {
+        Redis {
+            url,
+            prefixes: Mutex::new(Vec::new()),
         }
     }
 
-    /// A store on a fresh prefix.
+    /// The URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A store on a fresh prefix (`t_<uuid>:`).
     ///
     /// # Panics
     /// When Redis cannot be reached.
     pub async fn store(&self) -> idempotent_core::RedisStore {
+        let prefix = format!("{}:", unique_table("t"));
+        self.prefixes.lock().expect("lock").push(prefix.clone());
+        self.store_on(&prefix).await
+    }
+
+    /// A store on `prefix` (another instance's view of the same records).
+    ///
+    /// # Panics
+    /// When Redis cannot be reached.
+    pub async fn store_on(&self, prefix: &str) -> idempotent_core::RedisStore {
         idempotent_core::RedisStore::builder()
-            .prefix(&format!("{}:", unique_table("t")))
+            .prefix(prefix)
             .connect(&self.url)
             .await
             .unwrap_or_else(|e| panic!("Redis at {} is unreachable: {e}", self.url))
+    }
+}
+
+/// The primaries of the deployment `url` names, as `redis://host:port`: the server itself, or
+/// every primary a cluster's `CLUSTER NODES` lists (not failed).
+///
+/// # Panics
+/// When the server cannot be reached.
+#[cfg(feature = "redis")]
+pub async fn redis_primaries(url: &str) -> Vec<String> {
+    let Some(seeds) = url.strip_prefix("redis+cluster://") else {
+        return vec![url.to_owned()];
+    };
+    let seed = seeds.split(',').next().expect("a seed node");
+    let mut conn = redis_node(&format!("redis://{seed}")).await;
+    let nodes: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut conn)
+        .await
+        .expect("CLUSTER NODES");
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let flags = fields.get(2)?;
+            let addr = fields.get(1)?.split('@').next()?;
+            (flags.contains("master") && !flags.contains("fail")).then(|| format!("redis://{addr}"))
+        })
+        .collect()
+}
+
+/// A plain connection to one node.
+///
+/// # Panics
+/// When the node cannot be reached.
+#[cfg(feature = "redis")]
+pub async fn redis_node(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("Redis at {url} is unreachable: {e}"))
+}
+
+/// The keys under `prefix` on one node (`SCAN`).
+///
+/// # Panics
+/// When the node cannot be reached.
+#[cfg(feature = "redis")]
+pub async fn redis_keys(node: &str, prefix: &str) -> Vec<Vec<u8>> {
+    let mut conn = redis_node(node).await;
+    let mut cursor = 0u64;
+    let mut keys = Vec::new();
+    loop {
+        let (next, batch): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await
+            .expect("SCAN");
+        keys.extend(batch);
+        if next == 0 {
+            return keys;
+        }
+        cursor = next;
     }
 }
 
@@ -198,5 +288,17 @@ impl Fixture for Redis {
     }
     async fn advance(&self, by: Duration) {
         tokio::time::sleep(by).await;
+    }
+    async fn cleanup(&self) {
+        let prefixes = std::mem::take(&mut *self.prefixes.lock().expect("lock"));
+        for node in redis_primaries(&self.url).await {
+            let mut conn = redis_node(&node).await;
+            for prefix in &prefixes {
+                for key in redis_keys(&node, prefix).await {
+                    let _: Result<i64, _> =
+                        redis::cmd("UNLINK").arg(key).query_async(&mut conn).await;
+                }
+            }
+        }
     }
 }

@@ -428,6 +428,11 @@ impl RedisStore {
         RedisStoreBuilder::default()
     }
 
+    /// The prefix of every record's key.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// Whether this store talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         matches!(self.conn, Conn::Cluster(_))

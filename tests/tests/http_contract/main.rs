@@ -1,6 +1,6 @@
 //! The HTTP contract, written once and run against an Axum server and an Actix-web server
-//! exposing the same routes (`axum_app`, `actix_app`), on the memory, SQLite and PostgreSQL
-//! stores, through real servers on 127.0.0.1 with a real HTTP client (and raw TCP where the
+//! exposing the same routes (`axum_app`, `actix_app`), on the memory, SQLite, PostgreSQL and
+//! Redis (standalone and cluster) stores, through real servers on 127.0.0.1 with a real HTTP client (and raw TCP where the
 //! framing itself is under test): every row of DESIGN.md §1's table, the exactly-once cases
 //! (client timeouts and disconnects, path parameters, streamed responses) and the failure
 //! modes. A difference between the two frameworks on the wire is a bug; `wire_parity` compares
@@ -674,6 +674,30 @@ async fn contract_on_postgres_store(fw: Fw) {
     idempotent_tests::fixtures::pg_drop(&pool, &table).await;
 }
 
+/// The contract on Redis; its transactional routes refuse (no transaction spans Redis and a
+/// SQL database), and the automatic sweeper never starts (Redis expires records itself).
+async fn contract_on_redis(fw: Fw, fixture: idempotent_tests::fixtures::Redis) {
+    let config = config(fixture.store().await);
+    let engine = config.engine().clone();
+    contract(fw, config).await;
+    assert!(
+        !engine.sweeper_running(),
+        "the sweeper started on a store that expires records itself"
+    );
+    let s = serve(fw, self::config(fixture.store().await)).await;
+    refuses_the_wrong_database(&s, "/tx/postgres", "PostgreSQL").await;
+    refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
+    idempotent_tests::Fixture::cleanup(&fixture).await;
+}
+
+async fn contract_on_redis_standalone(fw: Fw) {
+    contract_on_redis(fw, idempotent_tests::fixtures::Redis::standalone()).await;
+}
+
+async fn contract_on_redis_cluster(fw: Fw) {
+    contract_on_redis(fw, idempotent_tests::fixtures::Redis::cluster()).await;
+}
+
 /// Transactional routes on a store of their database: a stored response commits the row with
 /// the record (then replays, nothing runs); a 5xx rolls it back and the retry runs again; a
 /// 4xx is stored and commits its row. `rows` counts the business table outside any
@@ -741,7 +765,7 @@ async fn refuses_the_wrong_database(s: &Server, path: &str, wanted: &str) {
         .unwrap();
     let body = problem(res, 500, "idempotency-misconfigured").await;
     let text = body.to_string().to_ascii_lowercase();
-    for product in [wanted, "postgres", "sqlite", "memory", "database"] {
+    for product in [wanted, "postgres", "sqlite", "memory", "redis", "database"] {
         assert!(
             !text.contains(&product.to_ascii_lowercase()),
             "the problem names {product}: {body}"
@@ -1426,6 +1450,16 @@ on_both!(
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
     )]
     contract_on_postgres_store,
+    #[cfg_attr(
+        not(redis_standalone),
+        ignore = "set REDIS_URL=redis://… to run the Redis tests"
+    )]
+    contract_on_redis_standalone,
+    #[cfg_attr(
+        not(redis_cluster),
+        ignore = "set REDIS_CLUSTER_URL=redis+cluster://host:port,… to run the Redis Cluster tests"
+    )]
+    contract_on_redis_cluster,
     transactional_routes_on_memory_and_sqlite,
     #[cfg_attr(
         not(pg),
