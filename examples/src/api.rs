@@ -22,10 +22,16 @@ pub struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:3000")]
     pub listen: String,
-    /// `sqlite://FILE` (created and migrated), `sqlite::memory:`, `memory` or `postgres://…`.
-    /// Defaults to `$DATABASE_URL`, then `sqlite://charges.db`.
+    /// `sqlite://FILE` (created and migrated), `sqlite::memory:`, `memory`, `postgres://…`,
+    /// `redis://host:port` or `redis+cluster://host:port,…` (the records in Redis, the
+    /// charges in this process's memory). Defaults to `$DATABASE_URL`, then
+    /// `sqlite://charges.db`.
     #[arg(long)]
     pub database: Option<String>,
+    /// Redis: how many replicas must acknowledge each claim and each stored response
+    /// (`WAIT n 1000`) before the handler runs or the response is answered; default none.
+    #[arg(long)]
+    pub redis_wait: Option<u32>,
     /// How long a crashed attempt blocks retries (heartbeat-extended while a handler runs).
     #[arg(long, default_value = "30s", value_parser = charges::parse_lease)]
     pub lease: Duration,
@@ -378,7 +384,7 @@ impl Api {
     /// Why it could not be opened.
     pub async fn open(args: &Args) -> Result<(Self, Arc<dyn Store>), charges::OpenError> {
         let url = args.database_url();
-        let (store, charges) = charges::open(&url).await?;
+        let (store, charges) = charges::open(&url, args.redis_wait).await?;
         let provider = Provider::open(&url).await?;
         Ok((
             Api {

@@ -1,6 +1,6 @@
 //! The charges API contract, independent of the web framework.
 
-use idempotent_core::{MemoryStore, PostgresStore, SqliteStore, Store};
+use idempotent_core::{MemoryStore, PostgresStore, RedisStore, SqliteStore, Store};
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -510,11 +510,14 @@ impl Charges {
 /// Why the database could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// Not `memory`, `sqlite:…` or `postgres://…`.
+    /// Not `memory`, `sqlite:…`, `postgres://…`, `redis://…` or `redis+cluster://…`.
     #[error(
-        "unsupported database URL `{0}`: use `memory`, `sqlite://FILE`, `sqlite::memory:` or `postgres://…`"
+        "unsupported database URL `{0}`: use `memory`, `sqlite://FILE`, `sqlite::memory:`, `postgres://…`, `redis://host:port` or `redis+cluster://host:port,…`"
     )]
     Unsupported(String),
+    /// Connecting to Redis failed.
+    #[error(transparent)]
+    Redis(#[from] idempotent_core::store::RedisSetupError),
     /// Setting up the idempotency store failed.
     #[error(transparent)]
     Setup(#[from] idempotent_core::SetupError),
@@ -523,12 +526,34 @@ pub enum OpenError {
     Db(#[from] sqlx::Error),
 }
 
+/// Whether `url` names Redis (`redis://`, `rediss://`, `redis+cluster://`, `rediss+cluster://`).
+pub fn is_redis(url: &str) -> bool {
+    url.starts_with("redis://")
+        || url.starts_with("rediss://")
+        || url.starts_with("redis+cluster://")
+        || url.starts_with("rediss+cluster://")
+}
+
 /// Opens the database named by `url`: the idempotency store (migrated) and the charges table
-/// (created if missing), on one database.
+/// (created if missing), on one database. On Redis (`redis://…`, `redis+cluster://…`) the
+/// records live in Redis and the charges in the process's memory (Redis holds no business
+/// tables: each instance lists the charges it made); `redis_wait` replicas must acknowledge
+/// each claim and each stored response there (`WAIT`, 1 s), when given.
 ///
 /// # Errors
 /// [`OpenError`].
-pub async fn open(url: &str) -> Result<(Arc<dyn Store>, Charges), OpenError> {
+pub async fn open(
+    url: &str,
+    redis_wait: Option<u32>,
+) -> Result<(Arc<dyn Store>, Charges), OpenError> {
+    if is_redis(url) {
+        let mut builder = RedisStore::builder();
+        if let Some(n) = redis_wait {
+            builder = builder.wait_for_replicas(n, Duration::from_secs(1));
+        }
+        let store = builder.connect(url).await?;
+        return Ok((Arc::new(store), Charges::Memory(Arc::default())));
+    }
     if url == "memory" {
         return Ok((
             Arc::new(MemoryStore::new()),

@@ -79,7 +79,7 @@ impl Provider {
             .await?;
             return Ok(Provider::Postgres(pool));
         }
-        if url == "memory" {
+        if url == "memory" || crate::charges::is_redis(url) {
             return Ok(Provider::Memory(Arc::default()));
         }
         use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};

@@ -202,7 +202,71 @@ pub enum RedisSetupError {
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(std::sync::Arc<Cluster>),
+}
+
+/// The cluster client and its current connection. Under load, the `redis` crate's cluster
+/// connection did not recover from a primary killed with SIGKILL (its requests to that shard
+/// kept timing out after the replica took over and the node came back as a replica; measured
+/// for minutes), so after a failure that is not the server's own answer the connection is
+/// rebuilt from the seed nodes (at most once a second, in the background): the new one reads
+/// the cluster's current slot map.
+struct Cluster {
+    client: redis::cluster::ClusterClient,
+    conn: std::sync::RwLock<ClusterConnection>,
+    /// When the last rebuild started.
+    rebuilt: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl Cluster {
+    async fn connect(client: redis::cluster::ClusterClient) -> Result<Self, redis::RedisError> {
+        let conn = client.get_async_connection().await?;
+        Ok(Cluster {
+            client,
+            conn: std::sync::RwLock::new(conn),
+            rebuilt: std::sync::Mutex::new(None),
+        })
+    }
+
+    fn conn(&self) -> ClusterConnection {
+        self.conn
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Rebuilds the connection in the background, unless one was started within the last
+    /// second.
+    fn rebuild(self: &std::sync::Arc<Self>) {
+        {
+            let mut last = self
+                .rebuilt
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let this = std::sync::Arc::clone(self);
+        runtime.spawn(async move {
+            match this.client.get_async_connection().await {
+                Ok(conn) => {
+                    *this
+                        .conn
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
+                    tracing::info!("redis store: cluster connection rebuilt after a failure");
+                }
+                Err(e) => {
+                    tracing::warn!("redis store: rebuilding the cluster connection failed: {e}");
+                }
+            }
+        });
+    }
 }
 
 /// How many replicas must acknowledge a claim and a completion, and how long to wait for them.
@@ -316,8 +380,14 @@ impl RedisStoreBuilder {
             .set_response_timeout(Some(self.response_timeout))
             .set_connection_timeout(Some(self.connection_timeout))
             .set_number_of_retries(2);
-        let conn = ConnectionManager::new_with_config(client, config).await?;
-        Ok(RedisStore::new(Conn::Single(conn), prefix, wait))
+        let conn = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        let durable = match wait {
+            Some(_) => Some(Conn::Single(
+                ConnectionManager::new_with_config(client, config).await?,
+            )),
+            None => None,
+        };
+        Ok(RedisStore::new(Conn::Single(conn), durable, prefix, wait))
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` each).
@@ -334,8 +404,14 @@ impl RedisStoreBuilder {
             .response_timeout(self.response_timeout)
             .connection_timeout(self.connection_timeout)
             .build()?;
-        let conn = client.get_async_connection().await?;
-        Ok(RedisStore::new(Conn::Cluster(conn), prefix, wait))
+        let conn = Conn::Cluster(std::sync::Arc::new(Cluster::connect(client.clone()).await?));
+        let durable = match wait {
+            Some(_) => Some(Conn::Cluster(std::sync::Arc::new(
+                Cluster::connect(client).await?,
+            ))),
+            None => None,
+        };
+        Ok(RedisStore::new(conn, durable, prefix, wait))
     }
 }
 
@@ -384,6 +460,10 @@ impl RedisStoreBuilder {
 #[derive(Clone)]
 pub struct RedisStore {
     conn: Conn,
+    /// With `wait_for_replicas`: the connection claims and completions go through, each
+    /// followed by its `WAIT` there (a `WAIT` holds up every later command on its connection,
+    /// so it never runs on the one replays and heartbeats use).
+    durable: Option<Conn>,
     prefix: std::sync::Arc<str>,
     wait: Option<Wait>,
     short_waits: std::sync::Arc<AtomicU64>,
@@ -406,9 +486,10 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    fn new(conn: Conn, prefix: String, wait: Option<Wait>) -> Self {
+    fn new(conn: Conn, durable: Option<Conn>, prefix: String, wait: Option<Wait>) -> Self {
         RedisStore {
             conn,
+            durable,
             prefix: prefix.into(),
             wait,
             short_waits: std::sync::Arc::default(),
@@ -479,15 +560,30 @@ impl RedisStore {
         key: &[u8],
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
+        self.run_on(&self.conn, script, key, args).await
+    }
+
+    /// The connection of the writes a `WAIT` follows (see `durable`).
+    fn durable(&self) -> &Conn {
+        self.durable.as_ref().unwrap_or(&self.conn)
+    }
+
+    async fn run_on(
+        &self,
+        conn: &Conn,
+        script: &redis::Script,
+        key: &[u8],
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
         let mut inv = script.key(key);
         for a in args {
             inv.arg(*a);
         }
-        let result = match &self.conn {
+        let result = match conn {
             Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
-            Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c) => inv.invoke_async(&mut c.conn()).await,
         };
-        result.map_err(redis_error)
+        result.map_err(|e| failed(conn, e))
     }
 
     /// `WAIT` on the primary that owns `key`: how many replicas acknowledged every write this
@@ -498,7 +594,7 @@ impl RedisStore {
             .max(1);
         let mut cmd = redis::cmd("WAIT");
         cmd.arg(wait.replicas).arg(timeout_ms);
-        let acked: i64 = match &self.conn {
+        let acked: i64 = match self.durable() {
             Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
             Conn::Cluster(c) => {
                 use redis::cluster_routing::{
@@ -506,7 +602,7 @@ impl RedisStore {
                 };
                 let route = Route::with_slot(Slot::for_key(key), SlotAddr::Master);
                 let v = c
-                    .clone()
+                    .conn()
                     .route_command(
                         cmd,
                         RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
@@ -515,7 +611,7 @@ impl RedisStore {
                 v.and_then(|v| redis::from_redis_value(v).map_err(redis::RedisError::from))
             }
         }
-        .map_err(redis_error)?;
+        .map_err(|e| failed(self.durable(), e))?;
         Ok(u32::try_from(acked).unwrap_or(0))
     }
 
@@ -548,7 +644,8 @@ impl RedisStore {
         let lease = millis(req.lease).min(MAX_MILLIS);
         let expiry = lease.saturating_add(millis(req.ttl).min(MAX_MILLIS));
         let v = self
-            .run(
+            .run_on(
+                self.durable(),
                 &scripts().claim,
                 rkey,
                 &[
@@ -580,7 +677,8 @@ impl RedisStore {
             Decision::TakeOver(old) => {
                 let token = LeaseToken::generate();
                 let v = self
-                    .run(
+                    .run_on(
+                        self.durable(),
                         &scripts().take_over,
                         rkey,
                         &[
@@ -602,17 +700,32 @@ impl RedisStore {
 
     async fn fenced(
         &self,
+        conn: &Conn,
         script: &redis::Script,
         key: &RecordKey,
         args: &[&[u8]],
     ) -> Result<i64, StoreError> {
-        let v = self.run(script, &self.redis_key(key), args).await?;
+        let v = self
+            .run_on(conn, script, &self.redis_key(key), args)
+            .await?;
         let n = num(&v)?;
         if n == 0 {
             return Err(StoreError::StaleLease);
         }
         Ok(n)
     }
+}
+
+/// The store error for a client error on `conn`; on a cluster, a failure that is not the
+/// server's own answer (I/O, timeouts, no connection) also rebuilds the connection (see
+/// [`Cluster`]).
+fn failed(conn: &Conn, e: redis::RedisError) -> StoreError {
+    if let Conn::Cluster(c) = conn
+        && !matches!(e.kind(), redis::ErrorKind::Server(_))
+    {
+        c.rebuild();
+    }
+    redis_error(e)
 }
 
 /// Maps a client error: a script's own error or a type mismatch is a corrupt record (a key of
@@ -732,6 +845,7 @@ impl Store for RedisStore {
         let oversized = c.oversized.map(|n| n.to_string()).unwrap_or_default();
         let ttl = millis(ttl).min(MAX_MILLIS).to_string();
         self.fenced(
+            self.durable(),
             &scripts().complete,
             key,
             &[
@@ -752,9 +866,14 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
-        self.fenced(&scripts().release, key, &[token.as_uuid().as_bytes()])
-            .await
-            .map(drop)
+        self.fenced(
+            &self.conn,
+            &scripts().release,
+            key,
+            &[token.as_uuid().as_bytes()],
+        )
+        .await
+        .map(drop)
     }
 
     async fn extend(
@@ -766,6 +885,7 @@ impl Store for RedisStore {
         let lease = millis(lease).min(MAX_MILLIS).to_string();
         let until = self
             .fenced(
+                &self.conn,
                 &scripts().extend,
                 key,
                 &[token.as_uuid().as_bytes(), lease.as_bytes()],
@@ -834,7 +954,7 @@ mod tests {
             redis::aio::ConnectionManagerConfig::new(),
         )
         .expect("lazy");
-        RedisStore::new(Conn::Single(conn), "p:".to_owned(), None)
+        RedisStore::new(Conn::Single(conn), None, "p:".to_owned(), None)
     }
 
     fn key(scope: &str, key: &str) -> RecordKey {
