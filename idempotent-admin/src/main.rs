@@ -5,6 +5,7 @@
 //! cargo install --path idempotent-admin     # from a checkout of the repository
 //! idempotent-admin --database sqlite://charges.db get --scope acct_1 --key 8e03978e-…
 //! idempotent-admin --database postgres://… delete --scope acct_1 --key 8e03978e-… [--force]
+//! idempotent-admin --database redis+cluster://127.0.0.1:7000 get --scope acct_1 --key 8e03978e-…
 //! ```
 //!
 //! `get` prints the record as one JSON object: its state (`done` or `in_progress`), the
@@ -21,12 +22,15 @@
 //! `call:<length of name>:<name>:<scope>`, which `--scope` alone refuses). The table is the
 //! stores' default (`idempotency_records`). `get` shows live records only; `delete` also
 //! removes an expired row the sweeper has not deleted yet. A single-commit claim inside its
-//! still open transaction is invisible to both until it commits.
+//! still open transaction is invisible to both until it commits. On Redis (`redis://host:port`,
+//! or `redis+cluster://host:port,…` for a cluster) the records are those under the store's
+//! default key prefix (`idempotent:`; `--prefix` for another), and an expired record is
+//! already gone.
 
 use clap::{Parser, Subcommand};
 use idempotent_core::{
-    IdempotencyKey, PostgresStore, Scope, SqliteStore, Store, store::Deleted, store::Record,
-    store::RecordKey, store::RecordState, store::StoredOutcome,
+    IdempotencyKey, PostgresStore, RedisStore, Scope, SqliteStore, Store, store::Deleted,
+    store::Record, store::RecordKey, store::RecordState, store::StoredOutcome,
 };
 use serde_json::{Value, json};
 use std::process::ExitCode;
@@ -37,9 +41,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 #[derive(Debug, Parser)]
 #[command(name = "idempotent-admin")]
 struct Args {
-    /// `sqlite://FILE` or `postgres://…` (defaults to `$DATABASE_URL`).
+    /// `sqlite://FILE`, `postgres://…`, `redis://host:port` or `redis+cluster://host:port,…`
+    /// (defaults to `$DATABASE_URL`).
     #[arg(long)]
     database: Option<String>,
+    /// Redis: the key prefix the application's store uses.
+    #[arg(long, default_value = "idempotent:")]
+    prefix: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -145,7 +153,23 @@ fn describe(record: &Record, show_body: bool) -> Value {
     out
 }
 
-async fn open(url: &str) -> Result<Box<dyn Store>, String> {
+async fn open(url: &str, prefix: &str) -> Result<Box<dyn Store>, String> {
+    if [
+        "redis://",
+        "rediss://",
+        "redis+cluster://",
+        "rediss+cluster://",
+    ]
+    .iter()
+    .any(|s| url.starts_with(s))
+    {
+        let store = RedisStore::builder()
+            .prefix(prefix)
+            .connect(url)
+            .await
+            .map_err(|e| format!("cannot open {url}: {e}"))?;
+        return Ok(Box::new(store));
+    }
     if url.starts_with("sqlite:") {
         // Never create a database: a mistyped path is an error, not a new empty file.
         let options = sqlx::sqlite::SqliteConnectOptions::from_str(url)
@@ -175,7 +199,7 @@ async fn open(url: &str) -> Result<Box<dyn Store>, String> {
         ));
     }
     Err(format!(
-        "unsupported database URL `{url}`: use sqlite://FILE or postgres://…"
+        "unsupported database URL `{url}`: use sqlite://FILE, postgres://…, redis://… or redis+cluster://…"
     ))
 }
 
@@ -184,7 +208,7 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         .database
         .or_else(|| std::env::var("DATABASE_URL").ok())
         .ok_or("give --database URL (or set DATABASE_URL)")?;
-    let store = open(&url).await?;
+    let store = open(&url, &args.prefix).await?;
     let print = |v: Value| println!("{v}");
     match args.command {
         Command::Get { record, show_body } => {

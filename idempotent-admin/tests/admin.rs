@@ -68,7 +68,13 @@ async fn create_charge(
 /// with a 2 s lease (heartbeat-extended while a charge runs); its base URL. It runs until the
 /// test ends.
 async fn serve(database: &str, work: Duration) -> String {
-    let idempotency = if database.starts_with("sqlite:") {
+    let idempotency = if database.starts_with("redis") {
+        configure(
+            idempotent_axum::RedisStore::connect(database)
+                .await
+                .unwrap(),
+        )
+    } else if database.starts_with("sqlite:") {
         let store = SqliteStore::connect(database).await.unwrap();
         store.migrate().await.unwrap();
         configure(store)
@@ -207,4 +213,13 @@ async fn admin_on_sqlite() {
 )]
 async fn admin_on_postgres() {
     inspect_and_delete(&std::env::var("DATABASE_URL").unwrap()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(redis_cluster),
+    ignore = "set REDIS_CLUSTER_URL=redis+cluster://host:port,… to run the Redis Cluster tests"
+)]
+async fn admin_on_redis_cluster() {
+    inspect_and_delete(&std::env::var("REDIS_CLUSTER_URL").unwrap()).await;
 }

@@ -81,6 +81,13 @@ local ex = tonumber(f[3]) or 0
 if f[1] ~= ARGV[1] or f[2] ~= '0' or ex <= now then return 0 end
 ";
 
+/// A record this token already completed: the completion is done (a retry of a completion
+/// whose answer or `WAIT` failed); nothing is written.
+const DONE_BY_US: &str = "
+local d = redis.call('HMGET', KEYS[1], 'tok', 'done')
+if d[1] == ARGV[1] and d[2] == '1' then return 1 end
+";
+
 /// Fenced: the record becomes done with the outcome; expires no sooner than ttl after now.
 /// ARGV: token, status, headers, body, oversized size or '', ttl ms. Returns 1, or 0 (stale).
 const COMPLETE: &str = "
@@ -146,6 +153,10 @@ struct Scripts {
     claim: redis::Script,
     take_over: redis::Script,
     complete: redis::Script,
+    /// The sources of the three above, sent whole (`EVAL`) in a pipeline with their `WAIT`.
+    claim_src: String,
+    take_over_src: String,
+    complete_src: String,
     release: redis::Script,
     extend: redis::Script,
     get: redis::Script,
@@ -155,10 +166,16 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         let fenced = |body: &str| redis::Script::new(&format!("{NOW}{FENCE}{body}"));
+        let claim_src = format!("{NOW}{CLAIM}");
+        let take_over_src = format!("{NOW}{TAKE_OVER}");
+        let complete_src = format!("{NOW}{DONE_BY_US}{FENCE}{COMPLETE}");
         Scripts {
-            claim: redis::Script::new(&format!("{NOW}{CLAIM}")),
-            take_over: redis::Script::new(&format!("{NOW}{TAKE_OVER}")),
-            complete: fenced(COMPLETE),
+            claim: redis::Script::new(&claim_src),
+            take_over: redis::Script::new(&take_over_src),
+            complete: redis::Script::new(&complete_src),
+            claim_src,
+            take_over_src,
+            complete_src,
             release: fenced(RELEASE),
             extend: fenced(EXTEND),
             get: redis::Script::new(&get_script()),
@@ -441,9 +458,18 @@ impl RedisStoreBuilder {
 /// that window for the replicas it counts: after each claim and each completion the store
 /// sends `WAIT n timeout` to the record's primary, and a claim that fewer than `n` replicas
 /// acknowledged in time is released and answered [`StoreError::Unavailable`] (503) before the
-/// handler runs. A completion that fewer replicas acknowledged is still answered (the handler
-/// has run and its response is stored on the primary), and logged. A graceful `CLUSTER
-/// FAILOVER` waits for the replica to catch up, so it loses nothing either way.
+/// handler runs. A completion that fewer replicas acknowledged is reported as
+/// [`StoreError::Unavailable`], so the engine retries it within the lease (a retry finds the
+/// record completed by the same token and only waits again, or, after a failover, completes
+/// the replicated claim on the new primary); if it never gets its acknowledgement the record
+/// stays in progress until its lease ends, as with any completion that could not be stored.
+/// A graceful `CLUSTER FAILOVER` waits for the replica to catch up, so it loses nothing
+/// either way.
+///
+/// Each `WAIT` holds up the commands queued behind it on its connection, so claims and
+/// completions (with their `WAIT`s) go through a connection of their own, apart from reads,
+/// releases and heartbeats. While a primary has fewer replicas than asked, every claim there
+/// (a replay included) waits for the timeout and answers 503; other shards are not held up.
 ///
 /// ```no_run
 /// use idempotent_core::store::RedisStore;
@@ -586,43 +612,47 @@ impl RedisStore {
         result.map_err(|e| failed(conn, e))
     }
 
-    /// `WAIT` on the primary that owns `key`: how many replicas acknowledged every write this
-    /// connection made to it so far (so ours too).
-    async fn wait_replicas(&self, key: &[u8], wait: Wait) -> Result<u32, StoreError> {
+    /// Runs a write that `WAIT` follows: without a wait, as any script; with one, the script
+    /// (`EVAL`, its whole source) and `WAIT` in one pipeline on the durable connection, so the
+    /// `WAIT` runs on the very connection and node that ran the write (a `WAIT` on another
+    /// connection, after a reconnection or a failover, would count replicas of nothing of
+    /// ours). Also returns how many replicas acknowledged, with a wait.
+    async fn run_durable(
+        &self,
+        src: &str,
+        script: &redis::Script,
+        key: &[u8],
+        args: &[&[u8]],
+    ) -> Result<(Value, Option<u32>), StoreError> {
+        let Some(wait) = self.wait else {
+            return Ok((self.run_on(&self.conn, script, key, args).await?, None));
+        };
         let timeout_ms = u64::try_from(wait.timeout.as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
-        let mut cmd = redis::cmd("WAIT");
-        cmd.arg(wait.replicas).arg(timeout_ms);
-        let acked: i64 = match self.durable() {
-            Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
-            Conn::Cluster(c) => {
-                use redis::cluster_routing::{
-                    Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,
-                };
-                let route = Route::with_slot(Slot::for_key(key), SlotAddr::Master);
-                let v = c
-                    .conn()
-                    .route_command(
-                        cmd,
-                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-                    )
-                    .await;
-                v.and_then(|v| redis::from_redis_value(v).map_err(redis::RedisError::from))
-            }
+        let mut pipe = redis::pipe();
+        let eval = pipe.cmd("EVAL").arg(src).arg(1).arg(key);
+        for a in args {
+            eval.arg(*a);
         }
-        .map_err(|e| failed(self.durable(), e))?;
-        Ok(u32::try_from(acked).unwrap_or(0))
+        pipe.cmd("WAIT").arg(wait.replicas).arg(timeout_ms);
+        let conn = self.durable();
+        let result: redis::RedisResult<(Value, i64)> = match conn {
+            Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => pipe.query_async(&mut c.conn()).await,
+        };
+        let (value, acked) = result.map_err(|e| failed(conn, e))?;
+        Ok((value, Some(u32::try_from(acked).unwrap_or(0))))
     }
 
-    /// Whether the replicas asked for acknowledged the writes so far (always, without a wait).
-    async fn replicated(&self, key: &[u8], what: &str) -> Result<bool, StoreError> {
-        let Some(wait) = self.wait else {
-            return Ok(true);
+    /// Whether the replicas asked for acknowledged a write (`acked` from
+    /// [`RedisStore::run_durable`]; always, without a wait).
+    fn replicated(&self, acked: Option<u32>, what: &str) -> bool {
+        let (Some(wait), Some(acked)) = (self.wait, acked) else {
+            return true;
         };
-        let acked = self.wait_replicas(key, wait).await?;
         if acked >= wait.replicas {
-            return Ok(true);
+            return true;
         }
         self.short_waits.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(
@@ -631,21 +661,23 @@ impl RedisStore {
             "redis store: {what} acknowledged by fewer replicas than asked within {:?}",
             wait.timeout
         );
-        Ok(false)
+        false
     }
 
+    /// One claim (and take-over) attempt: the outcome (`None`: the record changed between the
+    /// two scripts) and, with a wait, how many replicas acknowledged the script that decided it.
     async fn claim_once(
         &self,
         rkey: &[u8],
         req: &ClaimRequest<'_>,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
+    ) -> Result<(Option<ClaimOutcome>, Option<u32>), StoreError> {
         let token = LeaseToken::generate();
         let fingerprint = req.fingerprint.to_stored();
         let lease = millis(req.lease).min(MAX_MILLIS);
         let expiry = lease.saturating_add(millis(req.ttl).min(MAX_MILLIS));
-        let v = self
-            .run_on(
-                self.durable(),
+        let (v, acked) = self
+            .run_durable(
+                &scripts().claim_src,
                 &scripts().claim,
                 rkey,
                 &[
@@ -658,7 +690,7 @@ impl RedisStore {
             .await?;
         let fields = array(v)?;
         if int(&fields, 0)? == 1 {
-            return Ok(Some(claimed(token, int(&fields, 1)?, false)));
+            return Ok((Some(claimed(token, int(&fields, 1)?, false)), acked));
         }
         let row = ExistingRow {
             fingerprint: bytes(&fields, 1)?.unwrap_or_default(),
@@ -673,12 +705,12 @@ impl RedisStore {
             oversized: opt_num(&fields, 10)?,
         };
         match decide(row, req.fingerprint)? {
-            Decision::Report(outcome) => Ok(Some(outcome)),
+            Decision::Report(outcome) => Ok((Some(outcome), acked)),
             Decision::TakeOver(old) => {
                 let token = LeaseToken::generate();
-                let v = self
-                    .run_on(
-                        self.durable(),
+                let (v, acked) = self
+                    .run_durable(
+                        &scripts().take_over_src,
                         &scripts().take_over,
                         rkey,
                         &[
@@ -691,8 +723,8 @@ impl RedisStore {
                     )
                     .await?;
                 match v {
-                    Value::Nil => Ok(None),
-                    v => Ok(Some(claimed(token, num(&v)?, true))),
+                    Value::Nil => Ok((None, acked)),
+                    v => Ok((Some(claimed(token, num(&v)?, true)), acked)),
                 }
             }
         }
@@ -816,11 +848,11 @@ impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         let rkey = self.redis_key(req.key);
         for _ in 0..MAX_CLAIM_ATTEMPTS {
-            let Some(outcome) = self.claim_once(&rkey, &req).await? else {
+            let (Some(outcome), acked) = self.claim_once(&rkey, &req).await? else {
                 continue;
             };
             if let ClaimOutcome::Claimed(lease) = &outcome
-                && !self.replicated(&rkey, "a claim").await?
+                && !self.replicated(acked, "a claim")
             {
                 // Not on enough replicas: a failover could lose it, and a retry would run the
                 // handler again. Give the key back (best effort: a release lost with the
@@ -844,24 +876,32 @@ impl Store for RedisStore {
         let status = c.status.to_string();
         let oversized = c.oversized.map(|n| n.to_string()).unwrap_or_default();
         let ttl = millis(ttl).min(MAX_MILLIS).to_string();
-        self.fenced(
-            self.durable(),
-            &scripts().complete,
-            key,
-            &[
-                token.as_uuid().as_bytes(),
-                status.as_bytes(),
-                c.headers.as_deref().unwrap_or_default(),
-                c.body.as_deref().unwrap_or_default(),
-                oversized.as_bytes(),
-                ttl.as_bytes(),
-            ],
-        )
-        .await?;
-        // Stored on the primary: the handler ran, so its response is answered either way; a
-        // short acknowledgement is logged and counted (`short_waits`).
-        self.replicated(&self.redis_key(key), "a completion")
+        let (v, acked) = self
+            .run_durable(
+                &scripts().complete_src,
+                &scripts().complete,
+                &self.redis_key(key),
+                &[
+                    token.as_uuid().as_bytes(),
+                    status.as_bytes(),
+                    c.headers.as_deref().unwrap_or_default(),
+                    c.body.as_deref().unwrap_or_default(),
+                    oversized.as_bytes(),
+                    ttl.as_bytes(),
+                ],
+            )
             .await?;
+        if num(&v)? == 0 {
+            return Err(StoreError::StaleLease);
+        }
+        // Stored on the primary, but a failover now could lose it, and a retry would then run
+        // the handler again once the lease ran out. Reported as unavailable, so the engine
+        // retries the completion within the lease: a retry on this primary finds it done by
+        // this token (no write, `WAIT` again), one on a replica that took over finds the
+        // replicated claim and completes it there.
+        if !self.replicated(acked, "a completion") {
+            return Err(StoreError::unavailable(NotReplicated));
+        }
         Ok(())
     }
 
@@ -930,10 +970,10 @@ impl Store for RedisStore {
     }
 }
 
-/// A claim that fewer replicas acknowledged than [`RedisStoreBuilder::wait_for_replicas`]
-/// asks for.
+/// A claim or a completion that fewer replicas acknowledged than
+/// [`RedisStoreBuilder::wait_for_replicas`] asks for.
 #[derive(Debug, thiserror::Error)]
-#[error("the claim was not acknowledged by enough replicas in time")]
+#[error("the write was not acknowledged by enough replicas in time")]
 struct NotReplicated;
 
 /// Every claim attempt found the record changed under it.

@@ -1,5 +1,5 @@
 //! The HTTP benchmark: the same handler **bare** and **annotated** (`#[idempotent]`), on Axum
-//! and Actix-web, on the memory store, SQLite and PostgreSQL, driven by 64 keep-alive
+//! and Actix-web, on the memory store, SQLite, PostgreSQL and Redis, driven by 64 keep-alive
 //! connections for a fixed time, arms alternating round by round, medians reported with the
 //! ratio annotated ÷ bare from the same run.
 //!
@@ -60,7 +60,7 @@ struct RunArgs {
     #[arg(long)]
     observe: bool,
     /// Stores to measure.
-    #[arg(long, value_delimiter = ',', default_values = ["memory", "sqlite", "postgres"])]
+    #[arg(long, value_delimiter = ',', default_values = ["memory", "sqlite", "postgres", "redis"])]
     stores: Vec<StoreKind>,
     /// Frameworks to measure.
     #[arg(long, value_delimiter = ',', default_values = ["axum", "actix"])]
@@ -84,6 +84,11 @@ struct RunArgs {
     /// `bench_http`, dropped at the start of a run.
     #[arg(long)]
     database: Option<String>,
+    /// Redis URL for the Redis store (default `$REDIS_URL`, else `redis://127.0.0.1:6379`;
+    /// `redis+cluster://…` for a cluster). The records go under the prefix `bench-http:`,
+    /// deleted at the end of the run.
+    #[arg(long)]
+    redis: Option<String>,
     /// Do not pin the load generator and the servers to separate CPUs.
     #[arg(long)]
     no_pin: bool,
@@ -100,6 +105,7 @@ enum StoreKind {
     Memory,
     Sqlite,
     Postgres,
+    Redis,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -154,7 +160,7 @@ struct ServeArgs {
     framework: Framework,
     #[arg(long)]
     arm: Arm,
-    /// `memory`, `sqlite://FILE` or `postgres://…`.
+    /// `memory`, `sqlite://FILE`, `postgres://…` or `redis://…`.
     #[arg(long)]
     database: String,
     /// Makes the server's order ids unique.
@@ -376,7 +382,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 fn arms(store: StoreKind) -> &'static [Arm] {
     match store {
-        StoreKind::Memory => &[Arm::Bare, Arm::Plain],
+        StoreKind::Memory | StoreKind::Redis => &[Arm::Bare, Arm::Plain],
         StoreKind::Sqlite | StoreKind::Postgres => &[Arm::Bare, Arm::Tx, Arm::Plain],
     }
 }
@@ -407,6 +413,11 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
         }
         _ => None,
     };
+    let redis_url = args
+        .redis
+        .clone()
+        .or_else(|| std::env::var("REDIS_URL").ok())
+        .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
     let dir = std::env::temp_dir().join(format!("bench-http-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let mut report = String::new();
@@ -437,6 +448,7 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
                         format!("sqlite://{}", dir.join(format!("{tag}.db")).display())
                     }
                     StoreKind::Postgres => pg_url.clone().unwrap_or_default(),
+                    StoreKind::Redis => redis_url.clone(),
                 };
                 let server = Server::start(framework, arm, &database, &tag, pinned).await?;
                 load::seed_replays(server.addr, &format!("seed-{tag}")).await?;
@@ -487,6 +499,9 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    if args.stores.contains(&StoreKind::Redis) {
+        server::redis_cleanup(&redis_url).await;
+    }
     if let Some(out) = &args.out {
         std::fs::write(out, &report).map_err(|e| format!("{}: {e}", out.display()))?;
     }

@@ -119,7 +119,79 @@ pub(crate) fn created(id: &str, order: &NewOrder) -> serde_json::Value {
     })
 }
 
-/// Opens the database for a server: `memory`, `sqlite://FILE` or `postgres://…`, with the
+/// The prefix of the benchmark's Redis records (each server's tag follows it).
+const REDIS_PREFIX: &str = "bench-http:";
+
+/// Deletes the benchmark's records from every primary of `url` (best effort: a record left
+/// behind expires with its ttl).
+pub(crate) async fn redis_cleanup(url: &str) {
+    let nodes = match url.strip_prefix("redis+cluster://") {
+        Some(seeds) => cluster_primaries(seeds).await,
+        None => vec![url.to_owned()],
+    };
+    for node in nodes {
+        let Ok(client) = redis::Client::open(node.as_str()) else {
+            continue;
+        };
+        let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+            continue;
+        };
+        let mut cursor = 0u64;
+        loop {
+            let Ok((next, keys)): redis::RedisResult<(u64, Vec<Vec<u8>>)> = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{REDIS_PREFIX}*"))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+            else {
+                break;
+            };
+            for key in keys {
+                let _: redis::RedisResult<i64> =
+                    redis::cmd("UNLINK").arg(key).query_async(&mut conn).await;
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+}
+
+/// The primaries of the cluster whose nodes include `seeds` (`host:port,…`), as URLs.
+async fn cluster_primaries(seeds: &str) -> Vec<String> {
+    for seed in seeds.split(',') {
+        let Ok(client) = redis::Client::open(format!("redis://{seed}")) else {
+            continue;
+        };
+        let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+            continue;
+        };
+        let Ok(nodes): redis::RedisResult<String> = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async(&mut conn)
+            .await
+        else {
+            continue;
+        };
+        return nodes
+            .lines()
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split(' ').collect();
+                let addr = f.get(1)?.split('@').next()?;
+                f.get(2)?
+                    .contains("master")
+                    .then(|| format!("redis://{addr}"))
+            })
+            .collect();
+    }
+    Vec::new()
+}
+
+/// Opens the database for a server: `memory`, `sqlite://FILE`, `postgres://…` or `redis://…`, with the
 /// store the annotated arms use (the same database, so transactional mode can join it).
 pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>), String> {
     let err = |e: &dyn std::fmt::Display| format!("{url}: {e}");
@@ -137,6 +209,14 @@ pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>)
                     .build(),
             ),
         )
+    } else if idempotent_examples::charges::is_redis(url) {
+        // The bare handler writes nothing, as on memory: the arms differ by the store alone.
+        let store = idempotent_core::RedisStore::builder()
+            .prefix(&format!("{REDIS_PREFIX}{tag}:"))
+            .connect(url)
+            .await
+            .map_err(|e| err(&e))?;
+        (Db::Memory, Arc::new(store))
     } else if url.starts_with("sqlite:") {
         let store = SqliteStore::connect(url).await.map_err(|e| err(&e))?;
         store.migrate().await.map_err(|e| err(&e))?;
