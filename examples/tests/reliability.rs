@@ -586,6 +586,10 @@ async fn duplicates_after_a_primary_is_killed(wait: Option<u32>) -> usize {
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !running.is_finished(),
+        "the load ended before the kill; {seen}"
+    );
     cluster.signal(&victim, "KILL");
     cluster.signal(&replica, "CONT");
     // Its replica takes over; then it is started again (as an operator would) and rejoins as

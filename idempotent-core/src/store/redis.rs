@@ -37,6 +37,10 @@ local function ms(x) return string.format('%d', x) end
 /// ARGV: fingerprint, token, lease ms, expiry ms (lease + ttl).
 const CLAIM: &str = "
 local r = redis.call('HMGET', KEYS[1], 'fp', 'tok', 'done', 'lu', 'ex', 'st', 'hd', 'bd', 'ov')
+if r[2] == ARGV[2] and r[3] == '0' then
+  -- This very claim, sent again (the client retried a request whose answer it lost).
+  return {1, tonumber(r[4]) or 0}
+end
 if not r[1] then
   local lu = now + tonumber(ARGV[3])
   local ex = now + tonumber(ARGV[4])
@@ -60,6 +64,7 @@ return {0, r[1], r[2], done and 1 or 0, (ex <= now) and 1 or 0,
 /// ARGV: old token, fingerprint, new token, lease ms, expiry ms.
 const TAKE_OVER: &str = "
 local r = redis.call('HMGET', KEYS[1], 'tok', 'done', 'lu', 'ex')
+if r[1] == ARGV[3] and r[2] == '0' then return tonumber(r[3]) or 0 end
 if r[1] ~= ARGV[1] then return false end
 local ex = tonumber(r[4]) or 0
 local lu = tonumber(r[3]) or 0
@@ -81,11 +86,19 @@ local ex = tonumber(f[3]) or 0
 if f[1] ~= ARGV[1] or f[2] ~= '0' or ex <= now then return 0 end
 ";
 
-/// A record this token already completed: the completion is done (a retry of a completion
-/// whose answer or `WAIT` failed); nothing is written.
-const DONE_BY_US: &str = "
-local d = redis.call('HMGET', KEYS[1], 'tok', 'done')
-if d[1] == ARGV[1] and d[2] == '1' then return 1 end
+/// With `wait_for_replicas` only, after a completion the fence refused: whether the record is
+/// done by this very token (ARGV[1]: a retry of a completion whose answer or `WAIT` failed),
+/// 1 or 0. It then writes its completion time again, unchanged: a write that replicates after
+/// the first completion, so the `WAIT` after it covers that completion even on a new
+/// connection (whose own last write would otherwise be none, and whose `WAIT` would count
+/// replicas that never received it).
+const CONFIRM: &str = "
+local d = redis.call('HMGET', KEYS[1], 'tok', 'done', 'co')
+if d[1] == ARGV[1] and d[2] == '1' then
+  redis.call('HSET', KEYS[1], 'co', d[3] or '0')
+  return 1
+end
+return 0
 ";
 
 /// Fenced: the record becomes done with the outcome; expires no sooner than ttl after now.
@@ -153,10 +166,12 @@ struct Scripts {
     claim: redis::Script,
     take_over: redis::Script,
     complete: redis::Script,
-    /// The sources of the three above, sent whole (`EVAL`) in a pipeline with their `WAIT`.
+    confirm: redis::Script,
+    /// The sources of the four above, sent whole (`EVAL`) in a pipeline with their `WAIT`.
     claim_src: String,
     take_over_src: String,
     complete_src: String,
+    confirm_src: String,
     release: redis::Script,
     extend: redis::Script,
     get: redis::Script,
@@ -168,14 +183,17 @@ impl Scripts {
         let fenced = |body: &str| redis::Script::new(&format!("{NOW}{FENCE}{body}"));
         let claim_src = format!("{NOW}{CLAIM}");
         let take_over_src = format!("{NOW}{TAKE_OVER}");
-        let complete_src = format!("{NOW}{DONE_BY_US}{FENCE}{COMPLETE}");
+        let complete_src = format!("{NOW}{FENCE}{COMPLETE}");
+        let confirm_src = CONFIRM.to_owned();
         Scripts {
             claim: redis::Script::new(&claim_src),
             take_over: redis::Script::new(&take_over_src),
             complete: redis::Script::new(&complete_src),
+            confirm: redis::Script::new(&confirm_src),
             claim_src,
             take_over_src,
             complete_src,
+            confirm_src,
             release: fenced(RELEASE),
             extend: fenced(EXTEND),
             get: redis::Script::new(&get_script()),
@@ -205,8 +223,11 @@ pub enum RedisSetupError {
         "unsupported Redis URL `{0}`: use redis://host:port[/db] or redis+cluster://host:port[,host:port…]"
     )]
     InvalidUrl(String),
-    /// `wait_for_replicas` asked for no replica, or for a zero timeout.
-    #[error("wait_for_replicas needs at least one replica and a timeout above zero")]
+    /// `wait_for_replicas` asked for no replica, or for a timeout that is zero or not below
+    /// the response timeout.
+    #[error(
+        "wait_for_replicas needs at least one replica and a timeout above zero and below the response timeout"
+    )]
     InvalidWait,
     /// Connecting failed (or the URL's details were refused by the client).
     #[error("redis error: {0}")]
@@ -322,7 +343,9 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// After each claim and each completion, `WAIT replicas timeout` on the record's primary:
+    /// After each claim and each completion, `WAIT replicas timeout` on the record's primary
+    /// (the timeout must be below [`RedisStoreBuilder::response_timeout`], and should be well
+    /// below it: see the store's docs):
     /// the claim counts only once `replicas` replicas hold it, so a primary that dies before
     /// replicating it cannot lose it in a failover to one of them (see the store's docs). Off
     /// by default.
@@ -359,7 +382,9 @@ impl RedisStoreBuilder {
         let wait = match self.wait {
             None => None,
             Some((0, _)) => return Err(RedisSetupError::InvalidWait),
-            Some((_, t)) if t.is_zero() => return Err(RedisSetupError::InvalidWait),
+            Some((_, t)) if t.is_zero() || t >= self.response_timeout => {
+                return Err(RedisSetupError::InvalidWait);
+            }
             Some((replicas, timeout)) => Some(Wait { replicas, timeout }),
         };
         Ok((p.clone(), wait))
@@ -459,17 +484,35 @@ impl RedisStoreBuilder {
 /// sends `WAIT n timeout` to the record's primary, and a claim that fewer than `n` replicas
 /// acknowledged in time is released and answered [`StoreError::Unavailable`] (503) before the
 /// handler runs. A completion that fewer replicas acknowledged is reported as
-/// [`StoreError::Unavailable`], so the engine retries it within the lease (a retry finds the
-/// record completed by the same token and only waits again, or, after a failover, completes
-/// the replicated claim on the new primary); if it never gets its acknowledgement the record
-/// stays in progress until its lease ends, as with any completion that could not be stored.
+/// [`StoreError::Unavailable`], so the engine retries it within the lease: with a wait, a
+/// completion the fence refuses because this same token already completed the record answers
+/// `Ok` once the replicas hold it (it writes the completion time again, so its `WAIT` covers
+/// the first completion whatever connection it runs on), and after a failover the retry
+/// completes the replicated claim on the new primary. If it never gets its acknowledgement
+/// the record stays in progress (or done on the primary alone) until its lease ends, as with
+/// any completion that could not be stored.
 /// A graceful `CLUSTER FAILOVER` waits for the replica to catch up, so it loses nothing
 /// either way.
 ///
 /// Each `WAIT` holds up the commands queued behind it on its connection, so claims and
-/// completions (with their `WAIT`s) go through a connection of their own, apart from reads,
-/// releases and heartbeats. While a primary has fewer replicas than asked, every claim there
-/// (a replay included) waits for the timeout and answers 503; other shards are not held up.
+/// completions (with their `WAIT`s) go through a connection of their own, apart from releases
+/// and heartbeats. While a primary's replicas lag or are missing, its claims (replays
+/// included) queue behind one another's `WAIT`s, each up to the wait's timeout: they answer
+/// 503, and one whose answer times out after its script ran holds its key, answering 409,
+/// until its lease ends. Other shards are not held up.
+///
+/// # What else loses records
+/// Anything that drops a key lets a retry run the handler again: an eviction policy other
+/// than `noeviction` (every record has an expiry, so `volatile-*` policies evict them too),
+/// a standalone server restarted without persistence (or losing the last second of an
+/// `appendfsync everysec` log; `WAIT` counts replicas, not disks), and a primary without
+/// persistence that restarts before its replica took over (the replica then resyncs to
+/// empty). Run the store's Redis with `maxmemory-policy noeviction` and persistence, or with
+/// replicas and `wait_for_replicas`. Leases and expiry are absolute times taken from the
+/// primary's clock and keep running through a failover: a lease shorter than twice the
+/// failover time (`cluster-node-timeout` plus the election; its default is 15 s, half the
+/// default 30 s lease) can run out while the execution that holds it cannot reach the new
+/// primary, and a retry then takes it over.
 ///
 /// ```no_run
 /// use idempotent_core::store::RedisStore;
@@ -768,7 +811,10 @@ fn redis_error(e: redis::RedisError) -> StoreError {
         redis::ErrorKind::UnexpectedReturnType | redis::ErrorKind::Parse => {
             StoreError::Corrupt(e.to_string())
         }
-        _ if e.code() == Some("WRONGTYPE") => StoreError::Corrupt(e.to_string()),
+        // A pipeline reports a script's error without its code: look for it in the text.
+        _ if e.code() == Some("WRONGTYPE") || e.to_string().contains("WRONGTYPE") => {
+            StoreError::Corrupt(e.to_string())
+        }
         _ => StoreError::unavailable(e),
     }
 }
@@ -891,8 +937,25 @@ impl Store for RedisStore {
                 ],
             )
             .await?;
+        let mut acked = acked;
         if num(&v)? == 0 {
-            return Err(StoreError::StaleLease);
+            // Refused. With a wait, a retry of this token's own completion (its answer or its
+            // `WAIT` failed) is done once the replicas hold it.
+            if self.wait.is_none() {
+                return Err(StoreError::StaleLease);
+            }
+            let (done, confirmed) = self
+                .run_durable(
+                    &scripts().confirm_src,
+                    &scripts().confirm,
+                    &self.redis_key(key),
+                    &[token.as_uuid().as_bytes()],
+                )
+                .await?;
+            if num(&done)? == 0 {
+                return Err(StoreError::StaleLease);
+            }
+            acked = confirmed;
         }
         // Stored on the primary, but a failover now could lose it, and a retry would then run
         // the handler again once the lease ran out. Reported as unavailable, so the engine
@@ -1024,7 +1087,7 @@ mod tests {
             ("a%7D", "b"),
             ("a%", "7Db"),
             ("1:a", "b"),
-            ("", "x"),
+            ("1", ":a:b"),
         ];
         let keys: Vec<Vec<u8>> = pairs
             .iter()
