@@ -262,3 +262,52 @@ async fn cluster_with_wait_for_replicas() {
     }
     fixture.cleanup().await;
 }
+
+/// A key of ours that holds something else (another program wrote it) is a corrupt record,
+/// never "unavailable" (which a fail-open route would run unprotected on): with and without a
+/// wait, whose pipeline reports the script's error without its code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(redis_standalone),
+    ignore = "set REDIS_URL=redis://… to run the Redis tests"
+)]
+async fn a_key_holding_something_else_is_corrupt() {
+    use idempotent_core::store::ClaimRequest;
+    use idempotent_core::{Store, StoreError};
+    use idempotent_tests::Fixture;
+    use idempotent_tests::conformance::{fp, unique_key};
+    use std::time::Duration;
+
+    let fixture = Redis::standalone();
+    let plain = fixture.store().await;
+    let waiting = idempotent_core::RedisStore::builder()
+        .prefix(plain.prefix())
+        .wait_for_replicas(1, Duration::from_millis(100))
+        .connect(fixture.url())
+        .await
+        .unwrap();
+    let key = unique_key("wrongtype");
+    let mut conn = idempotent_tests::fixtures::redis_node(fixture.url()).await;
+    let _: () = redis::cmd("SET")
+        .arg(plain.redis_key(&key))
+        .arg("not a record")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let fingerprint = fp("a");
+    for store in [&plain, &waiting] {
+        let claimed = store
+            .claim(ClaimRequest {
+                key: &key,
+                fingerprint: &fingerprint,
+                lease: Duration::from_secs(5),
+                ttl: Duration::from_secs(5),
+            })
+            .await;
+        assert!(
+            matches!(claimed, Err(StoreError::Corrupt(_))),
+            "{claimed:?}"
+        );
+    }
+    fixture.cleanup().await;
+}

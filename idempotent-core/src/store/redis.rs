@@ -37,9 +37,12 @@ local function ms(x) return string.format('%d', x) end
 /// ARGV: fingerprint, token, lease ms, expiry ms (lease + ttl).
 const CLAIM: &str = "
 local r = redis.call('HMGET', KEYS[1], 'fp', 'tok', 'done', 'lu', 'ex', 'st', 'hd', 'bd', 'ov')
-if r[2] == ARGV[2] and r[3] == '0' then
-  -- This very claim, sent again (the client retried a request whose answer it lost).
-  return {1, tonumber(r[4]) or 0}
+if r[2] == ARGV[2] and r[3] == '0' and (tonumber(r[4]) or 0) > now then
+  -- This very claim, sent again (the client retried a request whose answer it lost). The
+  -- token is written again, unchanged: a write that replicates after the first, so the
+  -- `WAIT` after it covers the claim whatever connection it runs on.
+  redis.call('HSET', KEYS[1], 'tok', ARGV[2])
+  return {1, tonumber(r[4])}
 end
 if not r[1] then
   local lu = now + tonumber(ARGV[3])
@@ -64,7 +67,11 @@ return {0, r[1], r[2], done and 1 or 0, (ex <= now) and 1 or 0,
 /// ARGV: old token, fingerprint, new token, lease ms, expiry ms.
 const TAKE_OVER: &str = "
 local r = redis.call('HMGET', KEYS[1], 'tok', 'done', 'lu', 'ex')
-if r[1] == ARGV[3] and r[2] == '0' then return tonumber(r[3]) or 0 end
+if r[1] == ARGV[3] and r[2] == '0' and (tonumber(r[3]) or 0) > now then
+  -- This very take-over, sent again: as in the claim, a write for the `WAIT` to cover.
+  redis.call('HSET', KEYS[1], 'tok', ARGV[3])
+  return tonumber(r[3])
+end
 if r[1] ~= ARGV[1] then return false end
 local ex = tonumber(r[4]) or 0
 local lu = tonumber(r[3]) or 0
@@ -1072,6 +1079,48 @@ mod tests {
         let open = k.iter().position(|&b| b == b'{').expect("{");
         let close = open + k[open..].iter().position(|&b| b == b'}').expect("}");
         &k[open + 1..close]
+    }
+
+    /// Settings are checked before anything connects (the port here answers nothing).
+    #[tokio::test]
+    async fn bad_settings_are_refused_before_connecting() {
+        let url = "redis://127.0.0.1:1";
+        let second = Duration::from_secs(1);
+        for (builder, url) in [
+            (RedisStore::builder().wait_for_replicas(0, second), url),
+            (
+                RedisStore::builder().wait_for_replicas(1, Duration::ZERO),
+                url,
+            ),
+            // The wait must end before the answer is given up on.
+            (
+                RedisStore::builder()
+                    .response_timeout(second)
+                    .wait_for_replicas(1, second),
+                url,
+            ),
+            (
+                RedisStore::builder().wait_for_replicas(1, Duration::MAX),
+                "redis+cluster://127.0.0.1:1",
+            ),
+        ] {
+            assert!(matches!(
+                builder.connect(url).await,
+                Err(RedisSetupError::InvalidWait)
+            ));
+        }
+        for prefix in ["a{b", "a}b", "a b", &"x".repeat(65)] {
+            assert!(matches!(
+                RedisStore::builder().prefix(prefix).connect(url).await,
+                Err(RedisSetupError::InvalidPrefix(_))
+            ));
+        }
+        for url in ["http://x", "redis+cluster://", "postgres://x", ""] {
+            assert!(matches!(
+                RedisStore::connect(url).await,
+                Err(RedisSetupError::InvalidUrl(_))
+            ));
+        }
     }
 
     #[tokio::test]
