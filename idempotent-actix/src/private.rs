@@ -9,7 +9,7 @@ use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, Responder};
 use idempotent_core::__private::RequestHead;
 use idempotent_core::__private::driver::{self, Prepared};
 use idempotent_core::{IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue};
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use idempotent_core::{Transaction, tx::TxDatabase};
 use std::future::{Future, ready};
 use std::pin::Pin;
@@ -230,7 +230,7 @@ async fn joined(task: actix_rt::task::JoinHandle<HttpResponse>) -> HttpResponse 
 /// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
 /// (transactional mode): the stored response commits with the handler's writes, and nothing
 /// is sent before that commit. The handler's future is boxed as it is made (see [`run`]).
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub fn run_tx<DB, F, Fut, R>(
     ctx: Ready,
     route: &'static Route,

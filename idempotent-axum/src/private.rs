@@ -12,7 +12,7 @@ use idempotent_core::__private::driver::{self, Prepared};
 use idempotent_core::{
     __private::Detached, IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue,
 };
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use idempotent_core::{Transaction, tx::TxDatabase};
 use std::future::Future;
 
@@ -188,7 +188,7 @@ where
 /// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
 /// (transactional mode): the stored response commits with the handler's writes, and nothing
 /// is sent before that commit. The handler's future is boxed as it is made (see [`run`]).
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub fn run_tx<const REQUIRED: bool, DB, F, Fut, R>(
     ctx: Context<REQUIRED>,
     route: &'static Route,

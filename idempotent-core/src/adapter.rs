@@ -11,7 +11,7 @@ pub use crate::duration::format_duration;
 pub use crate::engine::detached::Detached;
 pub use crate::http::capture::{Capture, Recorder, ResponsePlan};
 pub use crate::http::reply::{FIRST_EXECUTION, Reply, Step, TxReply};
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub use crate::http::reply::{TxStep, begin_transactional, finish_transactional};
 pub use crate::http::request::{
     FINGERPRINT_INLINE_MAX, RequestHead, check_content_length, check_key, is_safe_method,

@@ -55,7 +55,7 @@
 //! problems, route settings) on plain types.
 //!
 //! # Features
-//! - `sqlite`, `postgres`: the SQL stores (sqlx).
+//! - `sqlite`, `postgres`, `mysql`: the SQL stores (sqlx; `mysql` serves MySQL and MariaDB).
 //! - `redis`: the Redis store, standalone and Redis Cluster ([`store::RedisStore`]).
 //!
 //! The client side, a retry middleware for reqwest that makes one `Idempotency-Key` per
@@ -88,26 +88,38 @@ pub use engine::{ConfigError, Engine};
 pub use key::{IdempotencyKey, KeyError};
 pub use problem::Problem;
 pub use scope::{Scope, ScopeError, ScopeValue};
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
+)]
 pub use sqlx;
 pub use store::MemoryStore;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::PostgresStore;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
+)]
 pub use store::SetupError;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::SqliteStore;
 pub use store::{Store, StoreError};
 pub use tx::CommitPath;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
+)]
 pub use tx::Transaction;
 pub use uuid;
 

@@ -146,6 +146,87 @@ impl Fixture for Postgres {
     }
 }
 
+/// The MySQL / MariaDB URL the tests use, from `MYSQL_URL`.
+///
+/// # Panics
+/// When `MYSQL_URL` is unset: the MySQL tests are compiled `#[ignore]`d in that case.
+#[cfg(feature = "mysql")]
+pub fn mysql_url() -> String {
+    std::env::var("MYSQL_URL").expect("MYSQL_URL must point at MySQL or MariaDB for these tests")
+}
+
+/// A pool on `MYSQL_URL` that does not ping before each use.
+///
+/// # Panics
+/// When the server cannot be reached.
+#[cfg(feature = "mysql")]
+pub async fn mysql_pool(max: u32) -> sqlx::MySqlPool {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&mysql_url())
+        .await
+        .expect("MySQL from MYSQL_URL is unreachable")
+}
+
+/// A migrated store on a fresh table.
+///
+/// # Panics
+/// When the migration fails.
+#[cfg(feature = "mysql")]
+pub async fn mysql_store(pool: sqlx::MySqlPool, table: &str) -> idempotent_core::MySqlStore {
+    let store = idempotent_core::MySqlStore::builder(pool)
+        .table(table)
+        .build()
+        .expect("valid name");
+    store.migrate().await.expect("migrate mysql");
+    store
+}
+
+/// Drops a table made by [`mysql_store`] and its migrations table.
+#[cfg(feature = "mysql")]
+pub async fn mysql_drop(pool: &sqlx::MySqlPool, table: &str) {
+    let sql = format!("DROP TABLE IF EXISTS {table}, {table}_migrations");
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await;
+}
+
+/// MySQL or MariaDB from `MYSQL_URL`: a fresh table per store.
+#[cfg(feature = "mysql")]
+#[derive(Default)]
+pub struct MySql {
+    tables: Mutex<Vec<(sqlx::MySqlPool, String)>>,
+}
+
+#[cfg(feature = "mysql")]
+impl MySql {
+    /// The fixture (connects lazily).
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+#[cfg(feature = "mysql")]
+#[async_trait::async_trait]
+impl Fixture for MySql {
+    async fn fresh(&self) -> Arc<dyn Store> {
+        let pool = mysql_pool(16).await;
+        let table = unique_table("t");
+        let store = mysql_store(pool.clone(), &table).await;
+        self.tables.lock().expect("lock").push((pool, table));
+        Arc::new(store)
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+    async fn cleanup(&self) {
+        let tables = std::mem::take(&mut *self.tables.lock().expect("lock"));
+        for (pool, table) in tables {
+            mysql_drop(&pool, &table).await;
+        }
+    }
+}
+
 /// Redis from `REDIS_URL` (a standalone server) or `REDIS_CLUSTER_URL` (a Redis Cluster,
 /// `redis+cluster://host:port,…`): a fresh key prefix per store, its keys deleted by
 /// [`Fixture::cleanup`].

@@ -514,7 +514,7 @@ impl Calls {
 /// default path of each database, [`crate::tx`]), or not at all. A consumer that books a
 /// payment row and acks: the row and the processed-message record commit together, so a
 /// redelivery after a crash either finds both or neither.
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod transactional {
     use super::*;
     use crate::tx::{

@@ -93,7 +93,10 @@ impl Execution {
     }
 
     /// The lease token this execution holds.
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn token(&self) -> LeaseToken {
         self.token
     }
@@ -271,7 +274,10 @@ impl Execution {
 
     /// Ends this execution without a write of its own: the caller settled the record (a
     /// transaction that completed it committed, or a write whose fate is unknown was logged).
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn settle(mut self) {
         self.done();
     }

@@ -270,7 +270,10 @@ pub(crate) struct Inner {
     /// The sweeper an adapter's configuration starts with the first request.
     pub(crate) auto_sweep: AutoSweep,
     /// Requests waiting for another transaction on their key, per key (transactional mode).
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) waiters: std::sync::Mutex<std::collections::HashMap<RecordKey, usize>>,
 }
 

@@ -486,10 +486,10 @@ pub fn no_runtime() {
     );
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub use transactional::{TxJob, prepare_tx};
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod transactional {
     use super::{Glue, execute_request, resolve};
     use crate::engine::{Engine, ExecuteRequest};

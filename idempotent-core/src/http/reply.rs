@@ -5,7 +5,7 @@ use crate::engine::{Begin, Execution, Unprotected};
 use crate::problem::Problem;
 use crate::store::record::{StoredOutcome, StoredResponse};
 use std::borrow::Cow;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use {super::capture::Capture, crate::engine::Engine, crate::tx::TxOptions};
 
 /// A response the library produces itself (a replay or a problem), on plain types.
@@ -110,7 +110,7 @@ impl From<Begin> for Step {
 
 /// What an adapter does next on a transactional route ([`TxBegin`](crate::tx::TxBegin) on the
 /// wire): run the handler with the execution's transaction, or answer.
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 #[derive(Debug)]
 // Made and taken apart once per request: boxing the large variant would only add an allocation.
 #[allow(clippy::large_enum_variant)]
@@ -122,7 +122,7 @@ pub enum TxStep<DB: crate::tx::TxDatabase> {
     Respond(Reply),
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 impl<DB: crate::tx::TxDatabase> From<crate::tx::TxBegin<DB>> for TxStep<DB> {
     fn from(begin: crate::tx::TxBegin<DB>) -> Self {
         match begin {
@@ -150,7 +150,7 @@ impl<DB: crate::tx::TxDatabase> From<crate::tx::TxBegin<DB>> for TxStep<DB> {
 /// Begins a transactional route's request: claimed under `options` when `request` is
 /// protected, or with a transaction and no record (`None`: a safe method, or no key where it
 /// is optional).
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub async fn begin_transactional<DB: crate::tx::TxDatabase>(
     engine: &Engine,
     request: Option<crate::engine::ExecuteRequest>,
@@ -186,7 +186,7 @@ pub enum TxReply {
 /// route does not store its status. Nothing can be sent before COMMIT, so the adapter reads
 /// the whole body first (a failed body: [`TxExecution::abort`](crate::tx::TxExecution::abort)
 /// and [`Problem::response_failed`]).
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub async fn finish_transactional<'a, DB: crate::tx::TxDatabase>(
     execution: crate::tx::TxExecution<DB>,
     status: u16,

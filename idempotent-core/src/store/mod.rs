@@ -1,4 +1,4 @@
-//! The `Store` trait: what every store (memory, SQLite, PostgreSQL, Redis) promises, the records
+//! The `Store` trait: what every store (memory, SQLite, PostgreSQL, MySQL, Redis) promises, the records
 //! stores keep, the stores themselves and the sweeper that purges them.
 
 pub(crate) mod fence;
@@ -6,9 +6,14 @@ pub(crate) mod memory;
 pub(crate) mod record;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "redis"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "redis"
+))]
 pub(crate) mod row;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) mod sql;
 pub(crate) mod sweeper;
 
@@ -18,9 +23,15 @@ pub use self::redis::{RedisSetupError, RedisStore, RedisStoreBuilder};
 pub use fence::{Lease, LeaseToken};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse, retry_after_secs};
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
+)]
 pub use sql::SetupError;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use sql::mysql::{MySqlStore, MySqlStoreBuilder};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use sql::postgres::{PostgresStore, PostgresStoreBuilder};

@@ -342,7 +342,7 @@ fn is_aborted(error: &StoreError) -> bool {
 
 async fn rollback<DB: TxDatabase>(tx: Held<DB>, policy: &Policy) {
     let rolled_back = bounded::<DB, _>(policy.lease, "ROLLBACK", async {
-        tx.rollback().await.map_err(db_error)
+        DB::rollback_tx(tx).await.map_err(db_error)
     });
     if let Err(e) = rolled_back.await {
         // The server rolls back a transaction whose connection failed.

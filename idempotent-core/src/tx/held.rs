@@ -18,6 +18,11 @@ use sqlx_core::transaction::TransactionManager;
 #[doc(hidden)]
 pub struct Held<DB: Database> {
     conn: PoolConnection<DB>,
+    /// Statements that must follow the end of this transaction on its session (MySQL: the
+    /// release of the key's named lock, the session's idle limit put back). Set: a drop
+    /// without them closes the connection instead of returning it to the pool, and the
+    /// server ends the session with everything it held.
+    pub(crate) after: Option<String>,
 }
 
 impl<DB: Database> Held<DB> {
@@ -37,7 +42,7 @@ impl<DB: Database> Held<DB> {
         let begun = DB::TransactionManager::begin(guard.get(), Some(begin)).await;
         let conn = guard.disarm();
         match begun {
-            Ok(()) => Ok(Held { conn }),
+            Ok(()) => Ok(Held { conn, after: None }),
             Err(e) => Err((e, conn)),
         }
     }
@@ -55,6 +60,10 @@ impl<DB: Database> Held<DB> {
 
 impl<DB: Database> Drop for Held<DB> {
     fn drop(&mut self) {
+        if self.after.is_some() {
+            self.conn.close_on_drop();
+            return;
+        }
         // Queued, not sent: the pool's release ping carries it (as `sqlx::Transaction`).
         if DB::TransactionManager::get_transaction_depth(&self.conn) > 0 {
             DB::TransactionManager::start_rollback(&mut self.conn);

@@ -169,9 +169,10 @@ impl TxDatabase for sqlx::Postgres {
 
     async fn claim_in(
         store: &PostgresStore,
-        conn: &mut PgConnection,
+        tx: &mut Held<sqlx::Postgres>,
         req: ClaimRequest<'_>,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let conn: &mut PgConnection = tx;
         let fp = req.fingerprint.to_stored();
         let lock = lock_id(&store.sql.table, req.key);
         for _ in 0..MAX_CLAIM_ATTEMPTS {

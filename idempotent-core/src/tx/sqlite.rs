@@ -68,10 +68,10 @@ impl TxDatabase for sqlx::Sqlite {
     /// The transaction holds the write lock, so the ordinary claim cannot race.
     async fn claim_in(
         store: &SqliteStore,
-        conn: &mut SqliteConnection,
+        tx: &mut Held<sqlx::Sqlite>,
         req: ClaimRequest<'_>,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        store.claim_on(conn, req).await.map(Some)
+        store.claim_on(tx, req).await.map(Some)
     }
 
     async fn complete_commit(

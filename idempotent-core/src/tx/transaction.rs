@@ -113,9 +113,12 @@ mod sealed {
 impl sealed::Sealed for sqlx::Postgres {}
 #[cfg(feature = "sqlite")]
 impl sealed::Sealed for sqlx::Sqlite {}
+#[cfg(feature = "mysql")]
+impl sealed::Sealed for sqlx::MySql {}
 
 /// A database whose store runs transactional executions: `sqlx::Postgres`
-/// ([`PostgresStore`](crate::PostgresStore)) and `sqlx::Sqlite`
+/// ([`PostgresStore`](crate::PostgresStore)), `sqlx::MySql`
+/// ([`MySqlStore`](crate::MySqlStore), MySQL and MariaDB) and `sqlx::Sqlite`
 /// ([`SqliteStore`](crate::SqliteStore)). Sealed.
 pub trait TxDatabase: sqlx::Database + sealed::Sealed {
     /// The store on this database.
@@ -181,13 +184,20 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
     ) -> impl Future<Output = Result<ReadFirst, StoreError>> + Send + 'a;
 
     /// Claims inside the transaction (single commit). `None`: another open transaction
-    /// holds the key (PostgreSQL's advisory lock); the caller may wait and call again.
+    /// holds the key (PostgreSQL's advisory lock, MySQL's named lock); the caller may wait
+    /// and call again.
     #[doc(hidden)]
     fn claim_in(
         store: &Self::Store,
-        conn: &mut Self::Connection,
+        tx: &mut Held<Self>,
         req: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
+
+    /// Rolls the transaction back (and runs what must follow its end on the session).
+    #[doc(hidden)]
+    fn rollback_tx(tx: Held<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        tx.rollback()
+    }
 
     /// Completes the record inside the transaction, fenced by `token`, and commits: in one
     /// round trip where the database allows (PostgreSQL), else one after the other. Between

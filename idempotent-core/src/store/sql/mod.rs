@@ -2,39 +2,30 @@
 
 /// The parts of a SQL store that are the same text for every database: the statement
 /// counter and accessors, the claim-shaped write, the fenced `complete`, and the `Store` impl
-/// around each store's own `claim_on`. (One macro rather than a generic over
+/// around each store's own `claim_on` (MySQL takes the `@common` part only). (One macro rather than a generic over
 /// `sqlx::Database`, whose executor bounds would drown the statements.) Self-contained: the
 /// expansion names everything by path inside its own `const _` block, so a call site imports
 /// nothing for it.
 macro_rules! sql_store_common {
     ($store:ident, $pool:ty, $db:ty, $conn:ty) => {
+        sql_store_common!(@returning $store, $db, $conn);
+        sql_store_common!(@common $store, $pool, $db, $conn);
+    };
+    // What a database whose statements can return rows they wrote (`RETURNING`: PostgreSQL,
+    // SQLite) shares: the claim-shaped write, the complete's parameters, the heartbeat and
+    // the delete. MySQL, without `RETURNING`, writes its own (`sql/mysql.rs`).
+    (@returning $store:ident, $db:ty, $conn:ty) => {
         const _: () = {
             use std::sync::Arc;
             use std::time::{Duration, SystemTime};
             use $crate::store::fence::LeaseToken;
-            use $crate::store::record::{Record, RecordKey, RecordState, StoredOutcome};
+            use $crate::store::record::{RecordKey, RecordState, StoredOutcome};
             use $crate::store::sql::{
-                build_record, db_error, existing_row, from_millis, millis, outcome_columns, q,
-                record_columns,
+                build_record, db_error, from_millis, millis, outcome_columns, q, record_columns,
             };
-            use $crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
+            use $crate::store::{ClaimRequest, Deleted, StoreError};
 
             impl $store {
-                /// The pool.
-                pub fn pool(&self) -> &$pool {
-                    &self.pool
-                }
-
-                /// The table name (schema-qualified for PostgreSQL).
-                pub fn table(&self) -> &str {
-                    &self.sql.table
-                }
-
-                /// Statements this store (and its clones) has sent so far.
-                pub fn statements_sent(&self) -> u64 {
-                    self.sent.get()
-                }
-
                 /// Runs a claim-shaped statement (the SQLite insert, either store's take-over):
                 /// binds scope, key, fingerprint, the new token, the lease and the initial expiry
                 /// (lease + ttl), then the old token when taking over; returns the new lease end
@@ -60,6 +51,126 @@ macro_rules! sql_store_common {
                         query = query.bind(old.as_uuid());
                     }
                     query.fetch_optional(&mut *conn).await.map_err(db_error)
+                }
+
+                /// The complete statement with its parameters bound: scope, key, token, the
+                /// outcome's columns and the ttl.
+                pub(crate) fn complete_query<'q>(
+                    &self,
+                    sql: &Arc<str>,
+                    key: &'q RecordKey,
+                    token: LeaseToken,
+                    outcome: &StoredOutcome,
+                    ttl: Duration,
+                ) -> sqlx::query::Query<'q, $db, <$db as sqlx::Database>::Arguments> {
+                    let c = outcome_columns(outcome);
+                    self.sent.bump();
+                    sqlx::query(q(sql))
+                        .bind(key.scope.as_str())
+                        .bind(key.key.as_str())
+                        .bind(token.as_uuid())
+                        .bind(c.status)
+                        .bind(c.headers)
+                        .bind(c.body)
+                        .bind(c.oversized)
+                        .bind(millis(ttl))
+                }
+
+                /// The fenced heartbeat: the new lease end, or `StaleLease`.
+                async fn extend_once(
+                    &self,
+                    key: &RecordKey,
+                    token: LeaseToken,
+                    lease: Duration,
+                ) -> Result<SystemTime, StoreError> {
+                    let mut conflicts = 0;
+                    loop {
+                        self.sent.bump();
+                        let until: Result<Option<i64>, _> = sqlx::query_scalar(q(&self.sql.extend))
+                            .bind(key.scope.as_str())
+                            .bind(key.key.as_str())
+                            .bind(token.as_uuid())
+                            .bind(millis(lease))
+                            .fetch_optional(&self.pool)
+                            .await
+                            .map_err(db_error);
+                        match until {
+                            Err(e)
+                                if $crate::store::sql::again_after_conflict(&e, &mut conflicts)
+                                    .await => {}
+                            until => return until?.map(from_millis).ok_or(StoreError::StaleLease),
+                        }
+                    }
+                }
+
+                /// [`Store::delete`](crate::Store::delete): the `DELETE … RETURNING`, and a
+                /// read that explains why nothing was deleted.
+                async fn delete_record(
+                    &self,
+                    key: &RecordKey,
+                    force: bool,
+                ) -> Result<Deleted, StoreError> {
+                    // A record that finishes between the DELETE and the read that explains why
+                    // nothing was deleted is deleted on the next round.
+                    let mut absent_once = false;
+                    for _ in 0..3 {
+                        self.sent.bump();
+                        let row = sqlx::query(q(&self.sql.delete))
+                            .bind(key.scope.as_str())
+                            .bind(key.key.as_str())
+                            .bind(force)
+                            .fetch_optional(&self.pool)
+                            .await
+                            .map_err(db_error)?;
+                        if let Some(row) = row {
+                            let columns = record_columns(&row).map_err(db_error)?;
+                            return Ok(Deleted::Deleted(build_record(key, columns)?));
+                        }
+                        // Nothing deleted: an in-progress record (without `force`), or none.
+                        match $crate::store::Store::get(self, key).await? {
+                            // Absent, or an in-progress row that expired since the DELETE:
+                            // one more DELETE removes that one.
+                            None if absent_once => return Ok(Deleted::Absent),
+                            None => absent_once = true,
+                            Some(record)
+                                if matches!(record.state, RecordState::InProgress { .. }) =>
+                            {
+                                return Ok(Deleted::InProgress(record));
+                            }
+                            Some(_) => {}
+                        }
+                    }
+                    Err(StoreError::Unavailable(
+                        "the record kept changing while it was being deleted; try again".into(),
+                    ))
+                }
+            }
+        };
+    };
+    // The rest: accessors, the fenced complete on a connection, and the `Store` impl around
+    // the store's own `claim_on`, `complete_query`, `extend_once` and `delete_record`.
+    (@common $store:ident, $pool:ty, $db:ty, $conn:ty) => {
+        const _: () = {
+            use std::time::{Duration, SystemTime};
+            use $crate::store::fence::LeaseToken;
+            use $crate::store::record::{Record, RecordKey, StoredOutcome};
+            use $crate::store::sql::{build_record, db_error, existing_row, q, record_columns};
+            use $crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
+
+            impl $store {
+                /// The pool.
+                pub fn pool(&self) -> &$pool {
+                    &self.pool
+                }
+
+                /// The table name (schema-qualified for PostgreSQL).
+                pub fn table(&self) -> &str {
+                    &self.sql.table
+                }
+
+                /// Statements this store (and its clones) has sent so far.
+                pub fn statements_sent(&self) -> u64 {
+                    self.sent.get()
                 }
 
                 /// Decodes the row a claim read and decides what to do about it.
@@ -105,29 +216,6 @@ macro_rules! sql_store_common {
                             done => return $crate::store::sql::fenced(done?.rows_affected()),
                         }
                     }
-                }
-
-                /// The complete statement with its parameters bound: scope, key, token, the
-                /// outcome's columns and the ttl.
-                pub(crate) fn complete_query<'q>(
-                    &self,
-                    sql: &Arc<str>,
-                    key: &'q RecordKey,
-                    token: LeaseToken,
-                    outcome: &StoredOutcome,
-                    ttl: Duration,
-                ) -> sqlx::query::Query<'q, $db, <$db as sqlx::Database>::Arguments> {
-                    let c = outcome_columns(outcome);
-                    self.sent.bump();
-                    sqlx::query(q(sql))
-                        .bind(key.scope.as_str())
-                        .bind(key.key.as_str())
-                        .bind(token.as_uuid())
-                        .bind(c.status)
-                        .bind(c.headers)
-                        .bind(c.body)
-                        .bind(c.oversized)
-                        .bind(millis(ttl))
                 }
 
                 async fn conn(&self) -> Result<sqlx::pool::PoolConnection<$db>, StoreError> {
@@ -183,24 +271,7 @@ macro_rules! sql_store_common {
                     token: LeaseToken,
                     lease: Duration,
                 ) -> Result<SystemTime, StoreError> {
-                    let mut conflicts = 0;
-                    loop {
-                        self.sent.bump();
-                        let until: Result<Option<i64>, _> = sqlx::query_scalar(q(&self.sql.extend))
-                            .bind(key.scope.as_str())
-                            .bind(key.key.as_str())
-                            .bind(token.as_uuid())
-                            .bind(millis(lease))
-                            .fetch_optional(&self.pool)
-                            .await
-                            .map_err(db_error);
-                        match until {
-                            Err(e)
-                                if $crate::store::sql::again_after_conflict(&e, &mut conflicts)
-                                    .await => {}
-                            until => return until?.map(from_millis).ok_or(StoreError::StaleLease),
-                        }
-                    }
+                    self.extend_once(key, token, lease).await
                 }
 
                 async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
@@ -230,39 +301,7 @@ macro_rules! sql_store_common {
                     key: &RecordKey,
                     force: bool,
                 ) -> Result<Deleted, StoreError> {
-                    // A record that finishes between the DELETE and the read that explains why
-                    // nothing was deleted is deleted on the next round.
-                    let mut absent_once = false;
-                    for _ in 0..3 {
-                        self.sent.bump();
-                        let row = sqlx::query(q(&self.sql.delete))
-                            .bind(key.scope.as_str())
-                            .bind(key.key.as_str())
-                            .bind(force)
-                            .fetch_optional(&self.pool)
-                            .await
-                            .map_err(db_error)?;
-                        if let Some(row) = row {
-                            let columns = record_columns(&row).map_err(db_error)?;
-                            return Ok(Deleted::Deleted(build_record(key, columns)?));
-                        }
-                        // Nothing deleted: an in-progress record (without `force`), or none.
-                        match self.get(key).await? {
-                            // Absent, or an in-progress row that expired since the DELETE:
-                            // one more DELETE removes that one.
-                            None if absent_once => return Ok(Deleted::Absent),
-                            None => absent_once = true,
-                            Some(record)
-                                if matches!(record.state, RecordState::InProgress { .. }) =>
-                            {
-                                return Ok(Deleted::InProgress(record));
-                            }
-                            Some(_) => {}
-                        }
-                    }
-                    Err(StoreError::Unavailable(
-                        "the record kept changing while it was being deleted; try again".into(),
-                    ))
+                    self.delete_record(key, force).await
                 }
 
                 fn transactional(&self) -> Option<&dyn std::any::Any> {
@@ -273,6 +312,8 @@ macro_rules! sql_store_common {
     };
 }
 
+#[cfg(feature = "mysql")]
+pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "sqlite")]

@@ -1,0 +1,492 @@
+//! The MySQL / MariaDB store.
+
+use super::{
+    Contention, Counter, Decision, MAX_CLAIM_ATTEMPTS, SetupError, build_record, claimed, db_error,
+    from_millis, identifier, millis, outcome_columns, q, record_columns,
+};
+use crate::store::fence::LeaseToken;
+use crate::store::record::{RecordKey, RecordState, StoredOutcome};
+use crate::store::{ClaimOutcome, ClaimRequest, Deleted, StoreError};
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::mysql::{MySqlConnection, MySqlPool};
+use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// The database clock, in integer milliseconds since the Unix epoch: the start of the current
+/// statement (MySQL and MariaDB evaluate `UTC_TIMESTAMP()` once per statement), in UTC, so
+/// neither the session's time zone nor a daylight-saving change moves it (`UNIX_TIMESTAMP(NOW())`
+/// would be ambiguous for an hour a year in a zone with DST).
+const NOW: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)";
+
+/// The longest lease, ttl or lease + ttl written, in milliseconds (about 3,170 years): keeps
+/// `now + duration` inside a signed BIGINT, which MySQL refuses to overflow.
+const MAX_MS: i64 = 100_000_000_000_000;
+
+/// Milliseconds of `d`, rounded up and bounded by [`MAX_MS`].
+pub(crate) fn bounded_millis(d: Duration) -> i64 {
+    millis(d).min(MAX_MS)
+}
+
+/// A store in a MySQL or MariaDB (InnoDB) table, on a pool you already have.
+///
+/// All times (leases, expiry) come from the database's clock (`UTC_TIMESTAMP(6)`, evaluated
+/// once per statement), so application servers with skewed clocks agree. A replay costs one
+/// `SELECT` that takes no lock; a first execution costs three statements (that `SELECT`, the
+/// `INSERT` that claims, the `UPDATE` that completes): MySQL has no `RETURNING` and no
+/// data-modifying CTE, so the read and the insert cannot be one statement as on PostgreSQL.
+/// The insert alone settles races: of concurrent claimers exactly one inserts, the others
+/// get a duplicate-key error and read the winner's row. sqlx pools ping every connection they
+/// hand out unless `test_before_acquire(false)` is set, which doubles the round trips of every
+/// statement: turn it off for this pool where your network allows.
+///
+/// Tested on MariaDB 10.11; the statements are also MySQL 8's (no `RETURNING`, no
+/// MariaDB-only syntax). Differences from [`PostgresStore`](crate::PostgresStore), all
+/// handled here:
+/// - **Isolation.** InnoDB's default is REPEATABLE READ. The store's own statements outside
+///   a transaction each run alone (autocommit), so they read what committed before them;
+///   transactional mode pins READ COMMITTED for its transactions. If you call
+///   [`MySqlStore::claim_on`] inside a transaction of yours, run that at READ COMMITTED
+///   (under REPEATABLE READ a concurrent claimer's row stays invisible to your snapshot and
+///   the claim gives up after a few attempts, `Unavailable`).
+/// - **Clock precision.** Milliseconds, as on the other stores (`UTC_TIMESTAMP(6)` rounded
+///   down to the millisecond; `NOW()` without a precision would be whole seconds).
+/// - **Errors.** A duplicate key (1062) means a concurrent claimer inserted first (read
+///   again); a deadlock (1213, SQLSTATE 40001) leaves nothing written and a fenced write runs
+///   again (bounded), as after PostgreSQL's serialization failures; a lock wait timeout
+///   (1205) is `Unavailable` (answered 503). Errors do not abort a MySQL transaction as they
+///   do a PostgreSQL one: only the failing statement is undone.
+/// - **Values.** Scope and key are `VARBINARY` (byte comparison: no case folding, no pad
+///   space); a response is one `LONGBLOB` row value, so keep the route's response limit below
+///   the server's `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8): a
+///   larger one fails to complete and is retried, then released with its lease.
+/// - **Lease ends.** The claim, the take-over and the heartbeat return the new lease end
+///   through `LAST_INSERT_ID(expr)` (the server reports it with the statement's row count),
+///   which stands in for `RETURNING`: in a transactional handler, `LAST_INSERT_ID()` read
+///   before the handler's own first insert returns that value, not one of yours.
+///
+/// ```no_run
+/// use idempotent_core::MySqlStore;
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::mysql::MySqlPoolOptions::new()
+///     .test_before_acquire(false)
+///     .connect("mysql://root@127.0.0.1:3306/app")
+///     .await?;
+/// let store = MySqlStore::builder(pool).table("idempotency_records").build()?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct MySqlStore {
+    pub(crate) pool: MySqlPool,
+    pub(crate) sql: Arc<Statements>,
+    pub(crate) sent: Arc<Counter>,
+}
+
+/// Builds a [`MySqlStore`].
+#[derive(Debug)]
+pub struct MySqlStoreBuilder {
+    pool: MySqlPool,
+    table: String,
+}
+
+impl MySqlStoreBuilder {
+    /// The table's name (default `idempotency_records`), in the pool's database.
+    #[must_use]
+    pub fn table(mut self, table: &str) -> Self {
+        table.clone_into(&mut self.table);
+        self
+    }
+
+    /// Checks the name and prepares the statements.
+    ///
+    /// # Errors
+    /// [`SetupError::InvalidIdentifier`] for a table name that is not `[a-z_][a-z0-9_]*`.
+    pub fn build(self) -> Result<MySqlStore, SetupError> {
+        let table = identifier(&self.table)?;
+        Ok(MySqlStore {
+            pool: self.pool,
+            sql: Arc::new(Statements::new(&table)),
+            sent: Arc::default(),
+        })
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(crate) table: String,
+    pub(crate) read: Arc<str>,
+    pub(crate) insert: Arc<str>,
+    pub(crate) tx_insert: Arc<str>,
+    take_over: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    release: Arc<str>,
+    extend: Arc<str>,
+    purge: Arc<str>,
+    get: Arc<str>,
+    read_any: Arc<str>,
+    delete: Arc<str>,
+}
+
+/// The columns `Store::get` and the delete read, times as epoch milliseconds.
+const RECORD_COLUMNS: &str = "fingerprint, done, token, locked_until, status, headers, body, \
+    oversized, created_at, completed_at, expires_at";
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        let s = |sql: &str| -> Arc<str> {
+            sql.replace("{t}", table)
+                .replace("{now}", NOW)
+                .replace("{record}", RECORD_COLUMNS)
+                .into()
+        };
+        Statements {
+            table: table.to_owned(),
+            // Read-only (a consistent read: no lock): settles replays, in-progress and
+            // mismatch. It never decides to insert; a miss goes to `insert`.
+            read: s("SELECT fingerprint, done, token,
+                    expires_at <= {now} AS expired,
+                    COALESCE(NOT done AND locked_until <= {now}, FALSE) AS lease_over,
+                    GREATEST(0, COALESCE(locked_until - {now}, 0)) AS retry_ms,
+                    status, headers, body, oversized
+                FROM {t} WHERE scope = ? AND `key` = ?"),
+            // The claim itself: one atomic statement on the primary key, so of N concurrent
+            // claimers exactly one inserts; the others get a duplicate-key error and read the
+            // winner's row. `LAST_INSERT_ID(expr)` hands the lease end back with the row count.
+            insert: s("INSERT INTO {t} (scope, `key`, fingerprint, done, token, locked_until, created_at, expires_at)
+                VALUES (?, ?, ?, FALSE, ?, LAST_INSERT_ID({now} + ?), {now}, {now} + ?)"),
+            // The claim inside a single-commit transaction: only the holder of the key's named
+            // lock inserts (see `tx/mysql.rs`). `GET_LOCK(…, 0)` never waits; no row inserted
+            // and no error means another session holds the key.
+            tx_insert: s("INSERT INTO {t} (scope, `key`, fingerprint, done, token, locked_until, created_at, expires_at)
+                SELECT ?, ?, ?, FALSE, ?, LAST_INSERT_ID({now} + ?), {now}, {now} + ?
+                FROM DUAL WHERE GET_LOCK(?, 0) = 1"),
+            // The rare path: take over an expired record, or a lease that ran out (the caller
+            // checked the fingerprint on the row it read). Compare-and-swap on the old token: of
+            // two racing retries only one matches it, and an unchanged token means an unchanged
+            // fingerprint (every claim or take-over writes a new token). MySQL evaluates the
+            // WHERE before the assignments.
+            take_over: s("UPDATE {t} SET fingerprint = ?, done = FALSE, token = ?,
+                    locked_until = LAST_INSERT_ID({now} + ?), created_at = {now}, completed_at = NULL,
+                    status = NULL, headers = NULL, body = NULL, oversized = NULL,
+                    expires_at = {now} + ?
+                WHERE scope = ? AND `key` = ? AND token = ?
+                  AND (expires_at <= {now} OR (NOT done AND locked_until <= {now}))"),
+            // Fenced: a stale owner (its lease taken over) matches no row and cannot overwrite.
+            // (`done` is assigned before `expires_at`, which does not read it.)
+            complete: s("UPDATE {t} SET done = TRUE, status = ?, headers = ?, body = ?, oversized = ?,
+                    completed_at = {now}, locked_until = NULL,
+                    expires_at = GREATEST(expires_at, {now} + ?)
+                WHERE scope = ? AND `key` = ? AND token = ? AND NOT done AND expires_at > {now}"),
+            // Fenced like complete: a stale owner cannot delete the new owner's record.
+            release: s("DELETE FROM {t}
+                WHERE scope = ? AND `key` = ? AND token = ? AND NOT done AND expires_at > {now}"),
+            // Fenced heartbeat; keeps the record alive at least as long as its lease. Both
+            // assignments spell the new lease end out: MySQL assigns left to right, each
+            // seeing the ones before it, and this does not depend on that.
+            extend: s("UPDATE {t} SET locked_until = LAST_INSERT_ID({now} + ?),
+                    expires_at = GREATEST(expires_at, {now} + ?)
+                WHERE scope = ? AND `key` = ? AND token = ? AND NOT done AND expires_at > {now}"),
+            // A bounded batch in expiry order through the expiry index; each batch is its
+            // own short transaction (autocommit).
+            purge: s("DELETE FROM {t} WHERE expires_at <= {now} ORDER BY expires_at LIMIT ?"),
+            get: s("SELECT {record} FROM {t} WHERE scope = ? AND `key` = ? AND expires_at > {now}"),
+            // The delete's read: the row whatever its expiry, and whether it expired.
+            read_any: s("SELECT {record}, expires_at <= {now} AS expired
+                FROM {t} WHERE scope = ? AND `key` = ?"),
+            // Compare-and-delete on what the read saw: the same token and state (a completed
+            // record's content never changes under one token; a take-over writes a new one).
+            delete: s("DELETE FROM {t} WHERE scope = ? AND `key` = ? AND token = ? AND done = ?"),
+        }
+    }
+}
+
+impl MySqlStore {
+    /// A store on `pool` with the default table (`idempotency_records`).
+    ///
+    /// # Errors
+    /// Never for the default; see [`MySqlStoreBuilder::build`].
+    pub fn new(pool: MySqlPool) -> Result<Self, SetupError> {
+        Self::builder(pool).build()
+    }
+
+    /// Starts a builder to choose the table.
+    pub fn builder(pool: MySqlPool) -> MySqlStoreBuilder {
+        MySqlStoreBuilder {
+            pool,
+            table: "idempotency_records".into(),
+        }
+    }
+
+    /// Runs the store's migrations: the table and its expiry index (safe to call from every
+    /// instance at start-up: sqlx serialises concurrent runs with a named lock). Applied
+    /// versions are tracked in `<table>_migrations`, apart from your own migrations.
+    ///
+    /// # Errors
+    /// [`SetupError::Database`] or [`SetupError::Migrate`].
+    pub async fn migrate(&self) -> Result<(), SetupError> {
+        let sql = include_str!("../../../migrations/mysql/0001_create_records.sql")
+            .replace("{table}", &self.sql.table)
+            .replace("{name}", &self.sql.table);
+        let mut migrator = Migrator::with_migrations(vec![Migration::new(
+            1,
+            "create records".into(),
+            MigrationType::Simple,
+            AssertSqlSafe(sql).into_sql_str(),
+            // MySQL commits DDL implicitly: a transaction around it would hold nothing.
+            true,
+        )]);
+        migrator.dangerous_set_table_name(format!("{}_migrations", self.sql.table));
+        migrator.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// [`Store::claim`](crate::Store::claim) on a connection or transaction you provide
+    /// (inside a transaction, at READ COMMITTED: see the [type's docs](MySqlStore)).
+    ///
+    /// # Errors
+    /// As [`Store::claim`](crate::Store::claim).
+    pub async fn claim_on(
+        &self,
+        conn: &mut MySqlConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            let row = self.read_row(conn, &req).await?;
+            let token = LeaseToken::generate();
+            let Some(row) = row else {
+                match self
+                    .insert(conn, &self.sql.insert, &req, token, None)
+                    .await?
+                {
+                    Inserted::Claimed(until) => return Ok(claimed(token, until, false)),
+                    // A concurrent claimer inserted first: read its row.
+                    Inserted::Duplicate | Inserted::NotLocked => continue,
+                }
+            };
+            match Self::decide_row(&row, &req)? {
+                Decision::Report(outcome) => return Ok(outcome),
+                Decision::TakeOver(old) => {
+                    if let Some(outcome) = self.take_over(conn, &req, token, old).await? {
+                        return Ok(outcome);
+                    }
+                }
+            }
+        }
+        Err(StoreError::unavailable(Contention))
+    }
+
+    /// The claim's read (`read`): the row as the claim decides on it, or none.
+    pub(crate) async fn read_row(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Option<sqlx::mysql::MySqlRow>, StoreError> {
+        self.sent.bump();
+        sqlx::query(q(&self.sql.read))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db_error)
+    }
+
+    /// Runs an insert-shaped claim (`insert`, or `tx_insert` with the named lock `lock`).
+    pub(crate) async fn insert(
+        &self,
+        conn: &mut MySqlConnection,
+        sql: &Arc<str>,
+        req: &ClaimRequest<'_>,
+        token: LeaseToken,
+        lock: Option<&str>,
+    ) -> Result<Inserted, StoreError> {
+        self.sent.bump();
+        let fingerprint = req.fingerprint.to_stored();
+        let mut query = sqlx::query(q(sql))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .bind(&fingerprint[..])
+            .bind(token.as_uuid())
+            .bind(bounded_millis(req.lease))
+            .bind(bounded_millis(req.lease.saturating_add(req.ttl)));
+        if let Some(lock) = lock {
+            query = query.bind(lock);
+        }
+        match query.execute(&mut *conn).await {
+            Ok(done) if done.rows_affected() == 1 => Ok(Inserted::Claimed(lease_end(&done)?)),
+            Ok(_) => Ok(Inserted::NotLocked),
+            Err(e) if is_duplicate(&e) => Ok(Inserted::Duplicate),
+            Err(e) => Err(db_error(e)),
+        }
+    }
+
+    /// Takes over a record whose lease or ttl ran out (the `take_over` statement): the new
+    /// claim, or `None` when another claimer took it over first (read it again). A row lock
+    /// held by another transaction (an owner between its complete and its COMMIT) makes it
+    /// wait, up to the session's `innodb_lock_wait_timeout`, then answer in progress.
+    pub(crate) async fn take_over(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+        token: LeaseToken,
+        old: LeaseToken,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        self.sent.bump();
+        let fingerprint = req.fingerprint.to_stored();
+        let done = sqlx::query(q(&self.sql.take_over))
+            .bind(&fingerprint[..])
+            .bind(token.as_uuid())
+            .bind(bounded_millis(req.lease))
+            .bind(bounded_millis(req.lease.saturating_add(req.ttl)))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .bind(old.as_uuid())
+            .execute(&mut *conn)
+            .await;
+        match done {
+            Ok(done) if done.rows_affected() == 1 => {
+                Ok(Some(claimed(token, lease_end(&done)?, true)))
+            }
+            Ok(_) => Ok(None),
+            Err(e) if is_lock_wait_timeout(&e) => Ok(Some(ClaimOutcome::InProgress {
+                retry_after: ROW_LOCKED_RETRY_AFTER,
+            })),
+            Err(e) => Err(db_error(e)),
+        }
+    }
+
+    /// The complete statement with its parameters bound: the outcome's columns and the ttl,
+    /// then scope, key and token (MySQL's parameters are positional, in the text's order).
+    pub(crate) fn complete_query<'q>(
+        &self,
+        sql: &Arc<str>,
+        key: &'q RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+        let c = outcome_columns(outcome);
+        self.sent.bump();
+        sqlx::query(q(sql))
+            .bind(c.status)
+            .bind(c.headers)
+            .bind(c.body)
+            .bind(c.oversized)
+            .bind(bounded_millis(ttl))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+    }
+
+    /// The fenced heartbeat: the new lease end, or `StaleLease`.
+    async fn extend_once(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        let mut conflicts = 0;
+        loop {
+            self.sent.bump();
+            let lease = bounded_millis(lease);
+            let done = sqlx::query(q(&self.sql.extend))
+                .bind(lease)
+                .bind(lease)
+                .bind(key.scope.as_str())
+                .bind(key.key.as_str())
+                .bind(token.as_uuid())
+                .execute(&self.pool)
+                .await
+                .map_err(db_error);
+            match done {
+                Err(e) if super::again_after_conflict(&e, &mut conflicts).await => {}
+                // The pool's connections report rows matched (sqlx asks for FOUND_ROWS), so a
+                // heartbeat within the same millisecond as the last still counts.
+                Ok(done) if done.rows_affected() == 1 => return Ok(from_millis(lease_end(&done)?)),
+                Ok(_) => return Err(StoreError::StaleLease),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// [`Store::delete`](crate::Store::delete): a read, then a compare-and-delete on what it
+    /// read (MySQL's `DELETE` returns no rows).
+    async fn delete_record(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        for _ in 0..3 {
+            self.sent.bump();
+            let row = sqlx::query(q(&self.sql.read_any))
+                .bind(key.scope.as_str())
+                .bind(key.key.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_error)?;
+            let Some(row) = row else {
+                return Ok(Deleted::Absent);
+            };
+            let expired: bool = row.try_get("expired").map_err(db_error)?;
+            let columns = record_columns(&row).map_err(db_error)?;
+            let (token, done) = (columns.token, columns.done);
+            let record = build_record(key, columns)?;
+            if !force && !expired && matches!(record.state, RecordState::InProgress { .. }) {
+                return Ok(Deleted::InProgress(record));
+            }
+            self.sent.bump();
+            let deleted = sqlx::query(q(&self.sql.delete))
+                .bind(key.scope.as_str())
+                .bind(key.key.as_str())
+                .bind(token)
+                .bind(done)
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)?;
+            if deleted.rows_affected() == 1 {
+                return Ok(Deleted::Deleted(record));
+            }
+            // Changed between the read and the delete (completed, taken over, released):
+            // read it again.
+        }
+        Err(StoreError::Unavailable(
+            "the record kept changing while it was being deleted; try again".into(),
+        ))
+    }
+}
+
+/// What an insert-shaped claim did.
+pub(crate) enum Inserted {
+    /// Inserted; the lease ends at these epoch milliseconds.
+    Claimed(i64),
+    /// A row with this key exists (committed, or this session's own).
+    Duplicate,
+    /// Nothing inserted and no error: `tx_insert` did not get the key's named lock.
+    NotLocked,
+}
+
+/// What a request whose record's row is locked by an open transaction is told to wait.
+const ROW_LOCKED_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The value a statement passed to `LAST_INSERT_ID(expr)`, as the server reported it.
+fn lease_end(done: &sqlx::mysql::MySqlQueryResult) -> Result<i64, StoreError> {
+    i64::try_from(done.last_insert_id())
+        .ok()
+        .filter(|ms| *ms > 0)
+        .ok_or_else(|| StoreError::Corrupt("the server reported no lease end".into()))
+}
+
+/// MySQL's error number of a database error.
+pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .map(sqlx::mysql::MySqlDatabaseError::number)
+}
+
+/// `ER_DUP_ENTRY` (1062): a row with this primary key exists.
+fn is_duplicate(e: &sqlx::Error) -> bool {
+    error_number(e) == Some(1062)
+}
+
+/// `ER_LOCK_WAIT_TIMEOUT` (1205).
+fn is_lock_wait_timeout(e: &sqlx::Error) -> bool {
+    error_number(e) == Some(1205)
+}
+
+sql_store_common!(@common MySqlStore, MySqlPool, sqlx::MySql, MySqlConnection);

@@ -1,0 +1,273 @@
+//! Transactional mode on MySQL and MariaDB: how the MySQL store opens a handler's transaction
+//! (READ COMMITTED, an idle limit) and claims and completes inside it, with a named lock
+//! (`GET_LOCK`) standing for a key's uncommitted claim.
+//!
+//! Why a named lock: a duplicate's `INSERT` meets the first attempt's uncommitted row on the
+//! primary key and InnoDB makes it wait for that row's lock, as long as the first
+//! transaction lives (the handler's whole run) or `innodb_lock_wait_timeout` (whole seconds,
+//! at least 1 on MySQL, 50 by default). `GET_LOCK(name, 0)` never waits: only its holder
+//! inserts, a duplicate learns at once that the key is held and polls for the route's `wait`
+//! (50 ms by default) under the library's control, and the handler's own statements keep the
+//! session's lock wait timeout untouched. The alternative, a per-statement lock wait timeout,
+//! needs MariaDB's `SET STATEMENT … FOR` (MySQL has no such syntax) and cannot go below one
+//! second on MySQL. The cost: a named lock belongs to the session, not the transaction, so
+//! the transaction's end is followed by `RELEASE_LOCK` (in the same round trip as COMMIT or
+//! ROLLBACK), and a transaction dropped without that closes its connection (the server then
+//! releases everything the session held). Named locks are server-wide: the name is 40 hex
+//! digits of SHA-256 over the table, scope and key, so two stores share one only when
+//! they have the same table name in two databases and a request of the same scope and key,
+//! and then a duplicate merely waits or gets 409.
+
+use super::held::Held;
+use super::{CommitPath, FinishError, ReadFirst, TxDatabase};
+use crate::MySqlStore;
+use crate::store::fence::LeaseToken;
+use crate::store::record::{RecordKey, StoredOutcome};
+use crate::store::sql::mysql::Inserted;
+use crate::store::sql::{Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error};
+use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
+use sqlx::mysql::MySqlConnection;
+use sqlx::{AssertSqlSafe, SqlSafeStr};
+use std::time::Duration;
+
+/// How every transaction on this store begins: READ COMMITTED for this transaction only,
+/// whatever the session's default (the claim's retry loop and the fenced complete rely on
+/// each statement seeing what committed before it).
+const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// Puts back the session's idle limit that [`TxDatabase::begin_tx`] lowered.
+const RESTORE_IDLE: &str = "SET SESSION wait_timeout = @idempotent_wait_timeout";
+
+impl TxDatabase for sqlx::MySql {
+    type Store = MySqlStore;
+    const LABEL: &'static str = "MySQL";
+    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
+    const ALWAYS_READ_FIRST: bool = false;
+
+    /// `SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION` in one round trip,
+    /// and, with `idle` (single commit: the lease), the session's `wait_timeout` lowered to it
+    /// (whole seconds, rounded up) until the transaction ends, so a session frozen inside it
+    /// (a stopped process) is ended by the server, which rolls its claim back and releases
+    /// its named lock. (`wait_timeout` exists on MySQL and MariaDB alike; MariaDB's
+    /// `idle_transaction_timeout` does not exist on MySQL.)
+    async fn begin_tx(
+        store: &MySqlStore,
+        idle: Option<Duration>,
+        conn: Option<sqlx::pool::PoolConnection<sqlx::MySql>>,
+    ) -> Result<Held<sqlx::MySql>, StoreError> {
+        let conn = match conn {
+            Some(conn) => conn,
+            None => store.pool.acquire().await.map_err(db_error)?,
+        };
+        let mut begin = String::new();
+        if let Some(idle) = idle {
+            let secs = idle.as_secs() + u64::from(idle.subsec_nanos() > 0);
+            begin.push_str(&format!(
+                "SET @idempotent_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {}; ",
+                secs.clamp(1, 31_536_000)
+            ));
+        }
+        begin.push_str(BEGIN);
+        store.sent.bump();
+        match Held::begin(conn, AssertSqlSafe(begin).into_sql_str()).await {
+            Ok(mut tx) => {
+                if idle.is_some() {
+                    tx.after = Some(RESTORE_IDLE.to_owned());
+                }
+                Ok(tx)
+            }
+            Err((e, mut conn)) => {
+                // The batch may have changed the session before it failed: never reuse it.
+                conn.close_on_drop();
+                Err(db_error(e))
+            }
+        }
+    }
+
+    async fn acquire(
+        store: &MySqlStore,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::MySql>, StoreError> {
+        store.pool.acquire().await.map_err(db_error)
+    }
+
+    async fn read<'a>(
+        store: &'a MySqlStore,
+        conn: &'a mut MySqlConnection,
+        req: ClaimRequest<'a>,
+    ) -> Result<ReadFirst, StoreError> {
+        let Some(row) = store.read_row(conn, &req).await? else {
+            return Ok(ReadFirst::Absent);
+        };
+        match MySqlStore::decide_row(&row, &req)? {
+            Decision::Report(outcome) => Ok(ReadFirst::Settled(outcome)),
+            Decision::TakeOver(_) => Ok(ReadFirst::Stale),
+        }
+    }
+
+    /// The key's named lock and the insert in one statement (`tx_insert`); from the moment
+    /// it may have taken the lock, the transaction's end releases it (see the module docs).
+    async fn claim_in(
+        store: &MySqlStore,
+        tx: &mut Held<sqlx::MySql>,
+        req: ClaimRequest<'_>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let lock = lock_name(&store.sql.table, req.key);
+        let release = format!("DO RELEASE_LOCK('{lock}')");
+        match &mut tx.after {
+            Some(after) if after.contains(&release) => {}
+            Some(after) => *after = format!("{release}; {after}"),
+            None => tx.after = Some(release),
+        }
+        let conn: &mut MySqlConnection = tx;
+        // Whether this session holds the lock: taken at most once per transaction (a
+        // session may hold a named lock several times, and the end releases it once).
+        let mut locked = false;
+        for _ in 0..MAX_CLAIM_ATTEMPTS {
+            let token = LeaseToken::generate();
+            let inserted = if locked {
+                store
+                    .insert(conn, &store.sql.insert, &req, token, None)
+                    .await?
+            } else {
+                store
+                    .insert(conn, &store.sql.tx_insert, &req, token, Some(&lock))
+                    .await?
+            };
+            match inserted {
+                Inserted::Claimed(until) => return Ok(Some(claimed(token, until, false))),
+                // The insert ran, so `GET_LOCK` had answered 1: the lock is ours, and a
+                // row with this key exists.
+                Inserted::Duplicate => locked = true,
+                Inserted::NotLocked if !locked => {
+                    // Another session holds the key. A record committed meanwhile may settle
+                    // the request; else (or to take a record over, which only the lock's
+                    // holder may) the caller waits and calls again.
+                    return match store.read_row(conn, &req).await? {
+                        None => Ok(None),
+                        Some(row) => match MySqlStore::decide_row(&row, &req)? {
+                            Decision::Report(outcome) => Ok(Some(outcome)),
+                            Decision::TakeOver(_) => Ok(None),
+                        },
+                    };
+                }
+                Inserted::NotLocked => {}
+            }
+            // A row exists (read it under this transaction's READ COMMITTED).
+            let Some(row) = store.read_row(conn, &req).await? else {
+                continue;
+            };
+            match MySqlStore::decide_row(&row, &req)? {
+                Decision::Report(outcome) => return Ok(Some(outcome)),
+                Decision::TakeOver(old) => {
+                    if let Some(outcome) = store.take_over(conn, &req, token, old).await? {
+                        return Ok(Some(outcome));
+                    }
+                }
+            }
+        }
+        Err(StoreError::unavailable(Contention))
+    }
+
+    /// The ROLLBACK and what must follow it (the lock's release, the idle limit put back) in
+    /// one round trip.
+    async fn rollback_tx(tx: Held<sqlx::MySql>) -> Result<(), sqlx::Error> {
+        let mut tx = tx;
+        let Some(after) = tx.after.clone() else {
+            return tx.rollback().await;
+        };
+        sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {after}")))
+            .execute(&mut *tx)
+            .await?;
+        // Done: dropped, `tx` queues the ROLLBACK sqlx still counts, which does nothing now.
+        tx.after = None;
+        Ok(())
+    }
+
+    /// The fenced complete, then COMMIT with what must follow it (the lock's release, the
+    /// idle limit put back) in one round trip. MySQL has no way to make a multi-statement
+    /// query stop at an `UPDATE` that matched no row, so the complete goes alone first: a
+    /// complete the fence refused never reaches the COMMIT.
+    async fn complete_commit(
+        store: &MySqlStore,
+        tx: Held<sqlx::MySql>,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), FinishError<sqlx::MySql>> {
+        let mut tx = tx;
+        if let Err(error) = store.complete_on(&mut tx, key, token, outcome, ttl).await {
+            return Err(FinishError::Complete(error, tx));
+        }
+        store.sent.bump();
+        let Some(after) = tx.after.clone() else {
+            return tx
+                .commit()
+                .await
+                .map_err(|e| FinishError::Commit(db_error(e)));
+        };
+        match sqlx::raw_sql(AssertSqlSafe(format!("COMMIT; {after}")))
+            .execute(&mut *tx)
+            .await
+        {
+            Ok(_) => {
+                tx.after = None;
+                Ok(())
+            }
+            // Whether COMMIT applied is unknown; `tx` is dropped with `after` still set, so
+            // its connection is closed.
+            Err(e) => Err(FinishError::Commit(db_error(e))),
+        }
+    }
+
+    /// The lease, and at least 10 s: past it the server has ended a single-commit session
+    /// that stalled idle (the bound its BEGIN set), so no answer is coming; the floor keeps a
+    /// COMMIT that is merely slow (a loaded disk) from being given up on.
+    fn finish_bound(lease: Duration) -> Option<Duration> {
+        Some(lease.max(Duration::from_secs(10)))
+    }
+}
+
+/// The named lock that stands for a key's uncommitted claim: `idempotent:` and 40 hex digits
+/// of SHA-256 over the table and the length-prefixed (scope, key) (51 characters: MySQL
+/// takes at most 64), so keys never share a lock by concatenation. Only hex digits and the
+/// prefix, so the name can be written into a statement's text.
+fn lock_name(table: &str, key: &RecordKey) -> String {
+    use sha2::{Digest, Sha256};
+    use std::fmt::Write;
+    let mut h = Sha256::new();
+    for part in [table, key.scope.as_str(), key.key.as_str()] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let digest = h.finalize();
+    let mut name = String::with_capacity(51);
+    name.push_str("idempotent:");
+    for b in &digest[..20] {
+        let _ = write!(name, "{b:02x}");
+    }
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IdempotencyKey, Scope};
+
+    #[test]
+    fn lock_names_are_short_plain_and_distinct() {
+        let key = |scope: &str, key: &str| {
+            RecordKey::new(
+                Scope::new(scope).unwrap(),
+                IdempotencyKey::parse(key).unwrap(),
+            )
+        };
+        let a = lock_name("t", &key("ab", "c"));
+        assert_eq!(a.len(), 51);
+        assert!(a[11..].bytes().all(|b| b.is_ascii_hexdigit()));
+        // No collision by concatenation, across tables, or across scopes.
+        assert_ne!(a, lock_name("t", &key("a", "bc")));
+        assert_ne!(a, lock_name("u", &key("ab", "c")));
+        assert_eq!(a, lock_name("t", &key("ab", "c")));
+    }
+}
