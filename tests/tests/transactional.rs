@@ -663,17 +663,13 @@ async fn postgres_duplicate_while_the_first_runs_falls_back_cleanly() {
     assert_eq!(db.rows().await, 2);
 }
 
-/// 64 concurrent duplicates of one key (single commit, PostgreSQL): exactly one runs; the
-/// others get 409 (the key is held by an open transaction) or, once it committed, the replay.
-/// With a long `wait`, every duplicate gets the replay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn postgres_concurrent_duplicates_run_once() {
-    let (db, _) = pg_db(pg_pool(80).await).await;
-    let db = Arc::new(db);
+/// 64 concurrent duplicates of one key (single commit): exactly one runs; the others get 409
+/// (the key is held by an open transaction) or, once it committed, the replay. With a long
+/// `wait`, every duplicate gets the replay.
+async fn concurrent_duplicates_run_once<DB: TxDatabase>(db: Arc<Db<DB>>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
     for wait in [Duration::from_millis(50), Duration::from_secs(10)] {
         let runs = Arc::new(AtomicUsize::new(0));
         let key = unique_key("dup");
@@ -689,7 +685,7 @@ async fn postgres_concurrent_duplicates_run_once() {
                 };
                 let begin = db
                     .engine
-                    .begin_transactional::<sqlx::Postgres>(
+                    .begin_transactional::<DB>(
                         request(&key, "a"),
                         &policy(Duration::from_secs(10)),
                         &opts,
@@ -726,6 +722,16 @@ async fn postgres_concurrent_duplicates_run_once() {
             assert!(answers.contains_key("409"), "{answers:?}");
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_concurrent_duplicates_run_once() {
+    let (db, _) = pg_db(pg_pool(80).await).await;
+    concurrent_duplicates_run_once(Arc::new(db)).await;
 }
 
 /// 1,000 keys × 8 duplicates across two pools (two "instances"), single commit: 1,000 rows,
@@ -886,49 +892,39 @@ async fn postgres_two_commits_stale_owner_rolls_back() {
     .await;
 }
 
-/// PostgreSQL, single commit: a session frozen inside its transaction (no statement for
-/// longer than the lease) is ended by the server (`idle_in_transaction_session_timeout`, set
-/// to the lease by the transaction's BEGIN), which releases the key: a retry runs once, and
-/// the frozen execution's commit fails with nothing of it written. Two commits: see below.
-#[tokio::test]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn postgres_frozen_transaction_gives_the_key_back() {
-    let (db, _) = pg_db(pg_pool(4).await).await;
+/// Single commit: a session frozen inside its transaction (no statement for longer than the
+/// lease) is ended by the server (PostgreSQL: `idle_in_transaction_session_timeout`; MySQL:
+/// the session's `wait_timeout`, in whole seconds; both set to the lease by the transaction's
+/// BEGIN), which releases the key: a retry runs once, and the frozen execution's commit fails
+/// with nothing of it written.
+///
+/// Two commits: no idle limit on the handler. Its claim committed alone and the heartbeat
+/// keeps it past the lease while the handler waits on something else (2.5 leases without a
+/// statement): retries get 409 meanwhile, and the handler's transaction still commits.
+async fn frozen_transaction_gives_the_key_back<DB: TxDatabase>(
+    db: &Db<DB>,
+    lease: Duration,
+    frozen_for: Duration,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
     let before = db.rows().await;
     let key = unique_key("frozen");
-    let p = policy(Duration::from_millis(300));
-    let mut frozen = claimed::<sqlx::Postgres>(
-        &db.engine,
-        request(&key, "a"),
-        &p,
-        &options(CommitPath::Single),
-    )
-    .await;
+    let p = policy(lease);
+    let single = options(CommitPath::Single);
+    let mut frozen = claimed::<DB>(&db.engine, request(&key, "a"), &p, &single).await;
     let mut tx = frozen.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     // While it holds the key: 409.
     assert!(matches!(
         db.engine
-            .begin_transactional::<sqlx::Postgres>(
-                request(&key, "a"),
-                &p,
-                &options(CommitPath::Single)
-            )
+            .begin_transactional::<DB>(request(&key, "a"), &p, &single)
             .await,
         TxBegin::Respond(Begin::InProgress { .. })
     ));
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    tokio::time::sleep(frozen_for).await;
     let runs = AtomicUsize::new(0);
-    let mut retry = claimed::<sqlx::Postgres>(
-        &db.engine,
-        request(&key, "a"),
-        &p,
-        &options(CommitPath::Single),
-    )
-    .await;
+    let mut retry = claimed::<DB>(&db.engine, request(&key, "a"), &p, &single).await;
     runs.fetch_add(1, Ordering::SeqCst);
     let mut tx2 = retry.transaction().unwrap();
     insert(&mut tx2, &db.business).await;
@@ -944,14 +940,10 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
     assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
     assert_eq!(db.rows().await, before + 1);
 
-    // Two commits: no idle limit on the handler. Its claim committed alone and the
-    // heartbeat keeps it past the lease while the handler waits on something else (here, 2.5
-    // leases without a statement): retries get 409 meanwhile, and the handler's transaction
-    // still commits.
     let key = unique_key("idle2");
     let p = policy(Duration::from_secs(1));
     let two = options(CommitPath::Two);
-    let mut slow = claimed::<sqlx::Postgres>(&db.engine, request(&key, "a"), &p, &two).await;
+    let mut slow = claimed::<DB>(&db.engine, request(&key, "a"), &p, &two).await;
     let mut tx = slow.transaction().unwrap();
     insert(&mut tx, &db.business).await;
     slow.run(tokio::time::sleep(Duration::from_millis(2_500)))
@@ -959,7 +951,7 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
         .unwrap();
     let busy = db
         .engine
-        .begin_transactional::<sqlx::Postgres>(request(&key, "a"), &p, &two)
+        .begin_transactional::<DB>(request(&key, "a"), &p, &two)
         .await;
     assert!(
         matches!(busy, TxBegin::Respond(Begin::InProgress { .. })),
@@ -971,6 +963,21 @@ async fn postgres_frozen_transaction_gives_the_key_back() {
     assert!(matches!(out, TxFinished::Committed), "{out:?}");
     assert_eq!(db.rows().await, before + 3);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_frozen_transaction_gives_the_key_back() {
+    let (db, _) = pg_db(pg_pool(4).await).await;
+    frozen_transaction_gives_the_key_back(
+        &db,
+        Duration::from_millis(300),
+        Duration::from_millis(1_000),
+    )
+    .await;
 }
 
 /// A store on another database (or the memory store) is refused: the route never runs
@@ -1015,34 +1022,35 @@ async fn a_store_on_another_database_is_refused() {
     assert!(engine.transactional_store::<sqlx::Sqlite>().is_some());
 }
 
-/// The handler's connection is killed mid-transaction (`pg_terminate_backend`): the finish
-/// fails (503 for the client), nothing is half-written, and the retry runs once.
-#[tokio::test]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn postgres_killed_connection_mid_transaction() {
-    let pool = pg_pool(4).await;
-    let (db, _) = pg_db(pool.clone()).await;
+/// The handler's connection is killed mid-transaction (PostgreSQL's `pg_terminate_backend`,
+/// MySQL's `KILL`): the finish fails (503 for the client), nothing is half-written, and the
+/// retry runs once. `id_sql` reads the session's id as a BIGINT; `kill` ends that session
+/// from another connection.
+async fn killed_connection_mid_transaction<DB: TxDatabase, F, Fut>(
+    db: &Db<DB>,
+    id_sql: &'static str,
+    kill: F,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    F: Fn(i64) -> Fut,
+    Fut: Future<Output = ()>,
+{
     for commit in [CommitPath::Single, CommitPath::Two] {
         let before = db.rows().await;
         let key = unique_key("killed");
         let p = policy(Duration::from_millis(500));
         let mut execution =
-            claimed::<sqlx::Postgres>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
+            claimed::<DB>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
         let mut tx = execution.transaction().unwrap();
         insert(&mut tx, &db.business).await;
-        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        let id: i64 = sqlx::query_scalar(id_sql)
             .fetch_one(&mut *tx)
             .await
             .unwrap();
-        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-            .bind(pid)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        assert!(killed);
+        kill(id).await;
         drop(tx);
         let out = execution.finish(StoredResponse::new(201, "x").into()).await;
         assert!(matches!(out, TxFinished::Failed(_)), "{commit:?}: {out:?}");
@@ -1052,7 +1060,7 @@ async fn postgres_killed_connection_mid_transaction() {
         let runs = AtomicUsize::new(0);
         let mut settled = false;
         for _ in 0..40 {
-            match one(&db, &key, commit, 201, &runs).await {
+            match one(db, &key, commit, 201, &runs).await {
                 Ok(TxFinished::Committed) => {
                     settled = true;
                     break;
@@ -1069,8 +1077,28 @@ async fn postgres_killed_connection_mid_transaction() {
     }
 }
 
-/// SQLite always reads first: a replay never waits for the database's write lock, which an
-/// open transactional handler holds for its whole run (here another connection holds it).
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_killed_connection_mid_transaction() {
+    let pool = pg_pool(4).await;
+    let (db, _) = pg_db(pool.clone()).await;
+    killed_connection_mid_transaction(&db, "SELECT pg_backend_pid()::int8", |pid| {
+        let pool = pool.clone();
+        async move {
+            let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1::int4)")
+                .bind(pid)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert!(killed);
+        }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn sqlite_replays_never_wait_for_the_write_lock() {
     let dir = tempfile::tempdir().unwrap();
@@ -1266,4 +1294,294 @@ async fn postgres_owner_stalled_before_commit_never_blocks_its_key() {
     let drained = owner.drain(Duration::from_secs(5)).await;
     assert_eq!(drained.still_running, 0);
     drop(proxy);
+}
+
+// MySQL / MariaDB (`MYSQL_URL`).
+
+async fn mysql_db(pool: sqlx::MySqlPool) -> (Db<sqlx::MySql>, MySqlStore) {
+    let table = unique_table("txr");
+    let store = mysql_store(pool.clone(), &table).await;
+    let business = unique_table("biz");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {business} (id VARCHAR(64) PRIMARY KEY) ENGINE = InnoDB"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let count_sql: Arc<str> = format!("SELECT count(*) FROM {business}").into();
+    let db = Db {
+        engine: Engine::new(store.clone()),
+        business,
+        count: Box::new(move || {
+            let (pool, sql) = (pool.clone(), Arc::clone(&count_sql));
+            Box::pin(async move {
+                sqlx::query_scalar(AssertSqlSafe(sql.to_string()))
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+            })
+        }),
+        _db: std::marker::PhantomData,
+    };
+    (db, store)
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_commit_iff_stored_on_both_paths() {
+    let (db, _) = mysql_db(mysql_pool(4).await).await;
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        commit_iff_stored(&db, commit).await;
+        panics_and_escapes_roll_back(&db, commit).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_concurrent_duplicates_run_once() {
+    let (db, _) = mysql_db(mysql_pool(70).await).await;
+    concurrent_duplicates_run_once(Arc::new(db)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_thousand_keys_by_eight_across_two_pools() {
+    let (a, store) = mysql_db(mysql_pool(24).await).await;
+    let other = MySqlStore::builder(mysql_pool(24).await)
+        .table(store.table())
+        .build()
+        .unwrap();
+    let b = Db {
+        engine: Engine::new(other),
+        business: a.business.clone(),
+        count: Box::new(|| Box::pin(async { 0 })),
+        _db: std::marker::PhantomData,
+    };
+    many_keys(Arc::new(a), Arc::new(b), 1_000).await;
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_two_commits_stale_owner_rolls_back() {
+    let (db, store) = mysql_db(mysql_pool(4).await).await;
+    let pool = store.pool().clone();
+    let sql = format!(
+        "UPDATE {} SET locked_until = locked_until - 3600000 WHERE NOT done",
+        store.table()
+    );
+    stale_owner_rolls_back(&db, async move {
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_frozen_transaction_gives_the_key_back() {
+    let (db, _) = mysql_db(mysql_pool(4).await).await;
+    // `wait_timeout` counts whole seconds: a lease of 1 s, frozen for 2.5.
+    frozen_transaction_gives_the_key_back(
+        &db,
+        Duration::from_secs(1),
+        Duration::from_millis(2_500),
+    )
+    .await;
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_killed_connection_mid_transaction() {
+    let pool = mysql_pool(4).await;
+    let (db, _) = mysql_db(pool.clone()).await;
+    killed_connection_mid_transaction(&db, "SELECT CAST(CONNECTION_ID() AS SIGNED)", |id| {
+        let pool = pool.clone();
+        async move {
+            sqlx::raw_sql(AssertSqlSafe(format!("KILL {id}")))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+}
+
+/// The named lock a single-commit claim takes (`tx/mysql.rs`): `idempotent:` and 40 hex
+/// digits of SHA-256 over the length-prefixed table, scope and key. Checked to be held while
+/// an execution runs, so a change of the name fails this test instead of making it vacuous.
+fn mysql_lock_name(table: &str, key: &RecordKey) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [table, key.scope.as_str(), key.key.as_str()] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let hex: String = h.finalize()[..20]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("idempotent:{hex}")
+}
+
+/// Every way a single-commit transaction ends gives its session back clean: the key's named
+/// lock released (no other session sees it used) and the idle limit its BEGIN lowered put
+/// back. On a pool of one connection, so every execution reuses the session the one before
+/// it ended on: a leaked lock would answer 409 to every later claim of its key on any other
+/// instance, for as long as the pooled connection lives.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_transactions_leave_their_sessions_clean() {
+    let (db, store) = mysql_db(mysql_pool(1).await).await;
+    let watcher = mysql_pool(1).await;
+    let other_pool = mysql_pool(2).await;
+    let other = Engine::new(
+        MySqlStore::builder(other_pool.clone())
+            .table(store.table())
+            .build()
+            .unwrap(),
+    );
+    let used = |key: &RecordKey| {
+        let name = mysql_lock_name(store.table(), key);
+        let watcher = watcher.clone();
+        async move {
+            let holder: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?)")
+                .bind(name)
+                .fetch_one(&watcher)
+                .await
+                .unwrap();
+            holder.is_some()
+        }
+    };
+    let clean = || async {
+        let restored: bool =
+            sqlx::query_scalar("SELECT @@SESSION.wait_timeout = @@GLOBAL.wait_timeout")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+        assert!(restored, "the session's wait_timeout was not put back");
+    };
+    let p = policy(Duration::from_secs(10));
+    let opts = options(CommitPath::Single);
+    let no_read = TxOptions {
+        read_first: false,
+        ..opts
+    };
+    let runs = AtomicUsize::new(0);
+
+    // Committed: held while it runs, free after.
+    let key = unique_key("commit");
+    let mut execution = claimed::<sqlx::MySql>(&db.engine, request(&key, "a"), &p, &opts).await;
+    assert!(used(&key).await, "the claim holds the key's named lock");
+    let mut tx = execution.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    let out = execution.finish(StoredResponse::new(201, "x").into()).await;
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    assert!(!used(&key).await);
+    clean().await;
+
+    // Replayed and refused inside the transaction (no read first): the claim took the lock,
+    // found the record, rolled back.
+    for (label, want_replay) in [("a", true), ("b", false)] {
+        match db
+            .engine
+            .begin_transactional::<sqlx::MySql>(request(&key, label), &p, &no_read)
+            .await
+        {
+            TxBegin::Respond(Begin::Replay(_)) if want_replay => {}
+            TxBegin::Respond(Begin::Mismatch { .. }) if !want_replay => {}
+            other => panic!("{label}: {other:?}"),
+        }
+        assert!(!used(&key).await, "{label}");
+        clean().await;
+    }
+
+    // Released (5xx): rolled back, free.
+    let key = unique_key("release");
+    let out = one(&db, &key, CommitPath::Single, 500, &runs)
+        .await
+        .unwrap();
+    assert!(matches!(out, TxFinished::RolledBack), "{out:?}");
+    assert!(!used(&key).await);
+    clean().await;
+
+    // A panic: aborted, free.
+    let mut execution = claimed::<sqlx::MySql>(&db.engine, request(&key, "a"), &p, &opts).await;
+    assert!(used(&key).await);
+    assert!(execution.run(async { panic!("boom") }).await.is_err());
+    execution.abort().await;
+    assert!(!used(&key).await);
+    clean().await;
+
+    // The handler keeps its transaction: nothing commits, and the connection is closed
+    // rather than pooled with the lock (a new session serves the next request).
+    let mut execution = claimed::<sqlx::MySql>(&db.engine, request(&key, "a"), &p, &opts).await;
+    let kept = execution.transaction().unwrap();
+    let out = execution.finish(StoredResponse::new(201, "x").into()).await;
+    assert!(matches!(out, TxFinished::Escaped), "{out:?}");
+    drop(kept);
+    // The pool closes it in the background; the server frees the lock when it sees that.
+    let mut freed = false;
+    for _ in 0..100 {
+        if !used(&key).await {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(freed, "the closed session's lock was never freed");
+    clean().await;
+
+    // Held by another instance's open transaction: 409 here without taking the lock; once
+    // that one commits, the replay, and the key free.
+    let mut first = claimed::<sqlx::MySql>(&other, request(&key, "a"), &p, &opts).await;
+    for options in [opts, no_read] {
+        let begin = db
+            .engine
+            .begin_transactional::<sqlx::MySql>(request(&key, "a"), &p, &options)
+            .await;
+        assert!(
+            matches!(begin, TxBegin::Respond(Begin::InProgress { .. })),
+            "{begin:?}"
+        );
+        clean().await;
+    }
+    let mut tx = first.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    let out = first.finish(StoredResponse::new(201, "first").into()).await;
+    assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    assert!(!used(&key).await);
+    assert!(matches!(
+        db.engine
+            .begin_transactional::<sqlx::MySql>(request(&key, "a"), &p, &no_read)
+            .await,
+        TxBegin::Respond(Begin::Replay(_))
+    ));
+    assert!(!used(&key).await);
+    clean().await;
+    assert_eq!(db.rows().await, 2);
 }
