@@ -5,7 +5,7 @@ use actix_web::dev::Payload;
 use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer};
-use idempotent_actix::sqlx::{Postgres, Sqlite};
+use idempotent_actix::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_actix::{Idempotency, Idempotent, Transaction, idempotent};
 use idempotent_core::http::Config;
 use serde_json::{Value, json};
@@ -202,6 +202,18 @@ async fn tx_sqlite(
 }
 
 #[idempotent(unscoped)]
+async fn tx_mysql(
+    app: web::Data<App>,
+    mut tx: Transaction<MySql>,
+    v: web::Json<Value>,
+) -> HttpResponse {
+    crate::tx_work(&app, &mut tx).await;
+    crate::tx_record_mysql_id(&app, &mut tx).await;
+    crate::tx_hold(&app).await;
+    HttpResponse::build(status_of(&v)).finish()
+}
+
+#[idempotent(unscoped)]
 async fn tx_postgres(
     app: web::Data<App>,
     mut tx: Transaction<Postgres>,
@@ -249,6 +261,7 @@ fn routes(cfg: &mut web::ServiceConfig) {
         .route("/short-ttl", web::post().to(short_ttl))
         .route("/tx/sqlite", web::post().to(tx_sqlite))
         .route("/tx/postgres", web::post().to(tx_postgres))
+        .route("/tx/mysql", web::post().to(tx_mysql))
         .route("/derive", web::post().to(derive))
         .route("/derive", web::get().to(derive));
 }

@@ -7,7 +7,7 @@ use axum::http::{StatusCode, request::Parts};
 use axum::response::AppendHeaders;
 use axum::routing::post;
 use axum::{Json, Router};
-use idempotent_axum::sqlx::{Postgres, Sqlite};
+use idempotent_axum::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_axum::{Idempotency, Idempotent, Transaction, idempotent};
 use idempotent_core::http::Config;
 use serde_json::{Value, json};
@@ -237,6 +237,18 @@ async fn tx_postgres(
     status_of(&v)
 }
 
+#[idempotent(unscoped)]
+async fn tx_mysql(
+    State(app): State<App>,
+    mut tx: Transaction<MySql>,
+    Json(v): Json<Value>,
+) -> StatusCode {
+    crate::tx_work(&app, &mut tx).await;
+    crate::tx_record_mysql_id(&app, &mut tx).await;
+    crate::tx_hold(&app).await;
+    status_of(&v)
+}
+
 fn router(app: &App, idempotency: &Idempotency) -> Router {
     let nested = Router::new().route("/orders/{order}/refund", post(refund_order));
     Router::new()
@@ -256,6 +268,7 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/short-ttl", post(short_ttl))
         .route("/tx/sqlite", post(tx_sqlite))
         .route("/tx/postgres", post(tx_postgres))
+        .route("/tx/mysql", post(tx_mysql))
         .route("/derive", post(derive).get(derive))
         .layer(idempotency.layer())
         // Outside the idempotency layer, as an application would put it: the fingerprint

@@ -1,6 +1,7 @@
 //! The HTTP contract, written once and run against an Axum server and an Actix-web server
-//! exposing the same routes (`axum_app`, `actix_app`), on the memory, SQLite, PostgreSQL and
-//! Redis (standalone and cluster) stores, through real servers on 127.0.0.1 with a real HTTP client (and raw TCP where the
+//! exposing the same routes (`axum_app`, `actix_app`), on the memory, SQLite, PostgreSQL,
+//! MySQL (MariaDB) and Redis (standalone and cluster) stores, through real servers on
+//! 127.0.0.1 with a real HTTP client (and raw TCP where the
 //! framing itself is under test): every row of DESIGN.md §1's table, the exactly-once cases
 //! (client timeouts and disconnects, path parameters, streamed responses) and the failure
 //! modes. A difference between the two frameworks on the wire is a bug; `wire_parity` compares
@@ -35,7 +36,8 @@ pub(crate) struct App {
     pub(crate) panicked_once: Arc<AtomicBool>,
     /// Releases the second half of `/stream/gate`.
     pub(crate) gate: Arc<tokio::sync::Notify>,
-    /// What the transactional routes (`/tx/sqlite`, `/tx/postgres`) write and report.
+    /// What the transactional routes (`/tx/sqlite`, `/tx/postgres`, `/tx/mysql`) write and
+    /// report.
     pub(crate) tx: Arc<TxHooks>,
 }
 
@@ -45,6 +47,8 @@ pub(crate) struct App {
 pub(crate) struct TxHooks {
     pub(crate) table: std::sync::Mutex<String>,
     pub(crate) pid: std::sync::Mutex<Option<i32>>,
+    /// The MySQL connection id of the last handler, for the fault test.
+    pub(crate) mysql_id: std::sync::Mutex<Option<i64>>,
     pub(crate) hold_ms: std::sync::atomic::AtomicU64,
 }
 
@@ -86,6 +90,18 @@ pub(crate) async fn tx_record_pid(
         .await
         .unwrap();
     *app.tx.pid.lock().unwrap() = Some(pid);
+}
+
+/// Records the handler's MySQL connection id, for the fault test.
+pub(crate) async fn tx_record_mysql_id(
+    app: &App,
+    tx: &mut idempotent_core::Transaction<sqlx::MySql>,
+) {
+    let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap();
+    *app.tx.mysql_id.lock().unwrap() = Some(id);
 }
 
 /// Which framework serves the routes.
@@ -674,6 +690,14 @@ async fn contract_on_postgres_store(fw: Fw) {
     idempotent_tests::fixtures::pg_drop(&pool, &table).await;
 }
 
+async fn contract_on_mysql_store(fw: Fw) {
+    let pool = idempotent_tests::fixtures::mysql_pool(16).await;
+    let table = idempotent_tests::fixtures::unique_table("e2e");
+    let store = idempotent_tests::fixtures::mysql_store(pool.clone(), &table).await;
+    contract(fw, config(store)).await;
+    idempotent_tests::fixtures::mysql_drop(&pool, &table).await;
+}
+
 /// The contract on Redis; its transactional routes refuse (no transaction spans Redis and a
 /// SQL database), and the automatic sweeper never starts (Redis expires records itself).
 async fn contract_on_redis(fw: Fw, fixture: idempotent_tests::fixtures::Redis) {
@@ -687,6 +711,7 @@ async fn contract_on_redis(fw: Fw, fixture: idempotent_tests::fixtures::Redis) {
     let s = serve(fw, self::config(fixture.store().await)).await;
     refuses_the_wrong_database(&s, "/tx/postgres", "PostgreSQL").await;
     refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
+    refuses_the_wrong_database(&s, "/tx/mysql", "MySQL").await;
     idempotent_tests::Fixture::cleanup(&fixture).await;
 }
 
@@ -765,7 +790,9 @@ async fn refuses_the_wrong_database(s: &Server, path: &str, wanted: &str) {
         .unwrap();
     let body = problem(res, 500, "idempotency-misconfigured").await;
     let text = body.to_string().to_ascii_lowercase();
-    for product in [wanted, "postgres", "sqlite", "memory", "redis", "database"] {
+    for product in [
+        wanted, "postgres", "sqlite", "mysql", "mariadb", "memory", "redis", "database",
+    ] {
         assert!(
             !text.contains(&product.to_ascii_lowercase()),
             "the problem names {product}: {body}"
@@ -778,6 +805,7 @@ async fn transactional_routes_on_memory_and_sqlite(fw: Fw) {
     let s = serve(fw, config(MemoryStore::new())).await;
     refuses_the_wrong_database(&s, "/tx/postgres", "PostgreSQL").await;
     refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
+    refuses_the_wrong_database(&s, "/tx/mysql", "MySQL").await;
     let dir = tempfile::tempdir().unwrap();
     let store = idempotent_core::SqliteStore::connect(&format!(
         "sqlite://{}",
@@ -828,6 +856,7 @@ async fn transactional_routes_on_postgres(fw: Fw) {
     };
     tx_cycle(&s, "/tx/postgres", rows).await;
     refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
+    refuses_the_wrong_database(&s, "/tx/mysql", "MySQL").await;
 
     let (runs, before) = (s.runs(), rows().await);
     *s.app.tx.pid.lock().unwrap() = None;
@@ -865,6 +894,72 @@ async fn transactional_routes_on_postgres(fw: Fw) {
     assert_eq!(retry.headers()["idempotent-replayed"], "false");
     assert_eq!((s.runs() - runs, rows().await), (2, before + 1));
     idempotent_tests::fixtures::pg_drop(&pool, &table).await;
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {business}")))
+        .execute(&pool)
+        .await;
+}
+
+/// On MySQL (MariaDB): the cycle, and the fault: the handler's connection is killed (`KILL`)
+/// while it holds its transaction (and the key's named lock): 503 with `Retry-After`,
+/// nothing half-written, and the retry runs once (the server released the lock with the
+/// session).
+async fn transactional_routes_on_mysql(fw: Fw) {
+    let pool = idempotent_tests::fixtures::mysql_pool(16).await;
+    let table = idempotent_tests::fixtures::unique_table("e2etx");
+    let store = idempotent_tests::fixtures::mysql_store(pool.clone(), &table).await;
+    let business = format!("{table}_biz");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {business} (id VARCHAR(64) PRIMARY KEY) ENGINE = InnoDB"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let s = serve(fw, config(store)).await;
+    s.app.tx.table.lock().unwrap().clone_from(&business);
+    let count = format!("SELECT count(*) FROM {business}");
+    let rows = || async {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(count.clone()))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    tx_cycle(&s, "/tx/mysql", rows).await;
+    refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
+    refuses_the_wrong_database(&s, "/tx/postgres", "PostgreSQL").await;
+
+    let (runs, before) = (s.runs(), rows().await);
+    *s.app.tx.mysql_id.lock().unwrap() = None;
+    s.app.tx.hold_ms.store(1_000, Ordering::SeqCst);
+    let k = key();
+    let pending = tokio::spawn(
+        s.post("/tx/mysql", "", Some(&k), r#"{"status": 201}"#)
+            .send(),
+    );
+    let mut id = None;
+    for _ in 0..1_000 {
+        id = *s.app.tx.mysql_id.lock().unwrap();
+        if id.is_some() || pending.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let id = id.expect("the handler reached its hold");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let res = pending.await.unwrap().unwrap();
+    assert_eq!(res.headers()["retry-after"], "1");
+    problem(res, 503, "idempotency-store-unavailable").await;
+    assert_eq!(rows().await, before, "nothing half-written");
+    s.app.tx.hold_ms.store(0, Ordering::SeqCst);
+    let retry = s
+        .until_not_busy(|| s.post("/tx/mysql", "", Some(&k), r#"{"status": 201}"#))
+        .await;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "false");
+    assert_eq!((s.runs() - runs, rows().await), (2, before + 1));
+    idempotent_tests::fixtures::mysql_drop(&pool, &table).await;
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {business}")))
         .execute(&pool)
         .await;
@@ -1451,6 +1546,11 @@ on_both!(
     )]
     contract_on_postgres_store,
     #[cfg_attr(
+        not(mysql_db),
+        ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+    )]
+    contract_on_mysql_store,
+    #[cfg_attr(
         not(redis_standalone),
         ignore = "set REDIS_URL=redis://… to run the Redis tests"
     )]
@@ -1466,6 +1566,11 @@ on_both!(
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
     )]
     transactional_routes_on_postgres,
+    #[cfg_attr(
+        not(mysql_db),
+        ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+    )]
+    transactional_routes_on_mysql,
     failing_store_answers_503_and_never_runs_the_handler,
     a_full_store_answers_503_and_never_runs_the_handler,
     problems_carry_no_internals,
