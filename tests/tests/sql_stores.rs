@@ -816,3 +816,214 @@ async fn postgres_claim_on_inside_a_callers_transaction() {
     );
     pg_drop(&pool, &table).await;
 }
+
+// MySQL / MariaDB (`MYSQL_URL`).
+
+/// Plain mode: a first execution is three statements (the read that misses, the `INSERT`
+/// that claims, the `UPDATE` that completes) and a replay one; a replay takes no lock: it
+/// answers while another transaction holds the record's row locked (a locking read or a
+/// write would wait for it).
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_round_trips_and_no_lock_on_replay() {
+    let pool = mysql_pool(4).await;
+    let table = unique_table("rt");
+    let store = mysql_store(pool.clone(), &table).await;
+    let engine = Engine::new(store.clone());
+    round_trips(&engine, || store.statements_sent(), 3).await;
+
+    let key = unique_key("locked");
+    engine
+        .execute(request(&key), &Policy::default(), || async { handled() })
+        .await;
+    let mut locker = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE"
+    )))
+    .bind(key.scope.as_str())
+    .bind(key.key.as_str())
+    .fetch_one(&mut *locker)
+    .await
+    .unwrap();
+    for _ in 0..3 {
+        let out = tokio::time::timeout(
+            Duration::from_secs(5),
+            engine.execute(request(&key), &Policy::default(), || async { handled() }),
+        )
+        .await
+        .expect("a replay waited for the row's lock");
+        assert!(matches!(out, Outcome::Replayed(_)), "{out:?}");
+    }
+    locker.rollback().await.unwrap();
+    mysql_drop(&pool, &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_two_pools_race_one_winner_per_key() {
+    let table = unique_table("race");
+    let a = mysql_store(mysql_pool(8).await, &table).await;
+    let b = idempotent_core::MySqlStore::builder(mysql_pool(8).await)
+        .table(&table)
+        .build()
+        .unwrap();
+    b.migrate().await.unwrap(); // a second instance migrating the same table is a no-op
+    let seen = race(vec![Arc::new(a.clone()), Arc::new(b)], 1000, 8).await;
+    assert_one_winner_each(&seen, 1000, 8);
+    let done: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {table} WHERE done"
+    )))
+    .fetch_one(a.pool())
+    .await
+    .unwrap();
+    assert_eq!(done, 1000);
+    mysql_drop(a.pool(), &table).await;
+}
+
+/// Leases are stamped and compared in the database's time: two instances whose sessions run
+/// an hour ahead (the session's `timestamp`, which `UTC_TIMESTAMP()` follows; it also stops
+/// that clock, so no expiry is waited for here) stamp the lease an hour ahead of this
+/// process and see each other's claim in progress.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_leases_follow_the_database_clock() {
+    let skewed = || async {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(2)
+            .test_before_acquire(false)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::raw_sql("SET SESSION timestamp = UNIX_TIMESTAMP(NOW(6)) + 3600")
+                        .execute(conn)
+                        .await
+                        .map(|_| ())
+                })
+            })
+            .connect(&mysql_url())
+            .await
+            .unwrap()
+    };
+    let table = unique_table("clock");
+    let a = mysql_store(skewed().await, &table).await;
+    let b = idempotent_core::MySqlStore::builder(skewed().await)
+        .table(&table)
+        .build()
+        .unwrap();
+    let db_now: i64 = sqlx::query_scalar(
+        "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000",
+    )
+    .fetch_one(a.pool())
+    .await
+    .unwrap();
+    let local_now = epoch_ms(SystemTime::now());
+    assert!(
+        (db_now - local_now - 3_600_000).abs() < 60_000,
+        "the skew is in place: db {db_now} vs local {local_now}"
+    );
+    let key = unique_key("clock");
+    let lease = Duration::from_millis(1500);
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("c"),
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    let ClaimOutcome::Claimed(l) = a.claim(req).await.unwrap() else {
+        panic!("not claimed")
+    };
+    let until = epoch_ms(l.locked_until);
+    assert!(
+        (until - (db_now + 1500)).abs() < 1000,
+        "lease end {until} is stamped in database time ({db_now} + 1500), not local time ({local_now} + 1500)"
+    );
+    let record = b.get(&key).await.unwrap().expect("record");
+    assert!((epoch_ms(record.expires_at) - (db_now + 61_500)).abs() < 1000);
+    match b.claim(req).await.unwrap() {
+        ClaimOutcome::InProgress { retry_after } => assert!(retry_after <= lease),
+        other => panic!("{other:?}"),
+    }
+    // A heartbeat from the other instance's clock: the new end, in database time too.
+    let until = b.extend(&key, l.token, lease).await.unwrap();
+    assert!((epoch_ms(until) - (db_now + 1500)).abs() < 1000);
+    mysql_drop(a.pool(), &table).await;
+}
+
+/// A take-over never waits on the record's row lock (held here by another transaction, as an
+/// owner between its complete and its COMMIT holds it): plain mode and single commit answer
+/// in progress at once (where an `UPDATE` would wait `innodb_lock_wait_timeout`, 50 s);
+/// once the lock goes, the take-over runs.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_take_over_never_waits_on_a_row_lock() {
+    let table = unique_table("nowait");
+    let pool = mysql_pool(4).await;
+    let store = mysql_store(pool.clone(), &table).await;
+    let key = unique_key("locked");
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("rt"),
+        lease: Duration::from_millis(200),
+        ttl: Duration::from_secs(3600),
+    };
+    assert!(matches!(
+        store.claim(req).await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(400)).await; // the lease ends
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE"
+    )))
+    .bind(key.scope.as_str())
+    .bind(key.key.as_str())
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let second = Duration::from_secs(1);
+    let plain = tokio::time::timeout(second, store.claim(req))
+        .await
+        .expect("plain mode's take-over waited on the row lock");
+    assert!(
+        matches!(plain, Ok(ClaimOutcome::InProgress { retry_after }) if retry_after > Duration::ZERO),
+        "{plain:?}"
+    );
+    let engine = Engine::new(store.clone());
+    let policy = Policy {
+        lease: Duration::from_millis(200),
+        ..Policy::default()
+    };
+    let single = TxOptions {
+        commit: CommitPath::Single,
+        wait: Duration::from_millis(50),
+        max_waiters: 4,
+        read_first: true,
+    };
+    let begin = tokio::time::timeout(
+        second,
+        engine.begin_transactional::<sqlx::MySql>(request(&key), &policy, &single),
+    )
+    .await
+    .expect("single commit's take-over waited on the row lock");
+    assert!(
+        matches!(begin, TxBegin::Respond(Begin::InProgress { .. })),
+        "{begin:?}"
+    );
+    holder.rollback().await.unwrap();
+    assert!(matches!(
+        store.claim(req).await.unwrap(),
+        ClaimOutcome::Claimed(lease) if lease.took_over
+    ));
+    mysql_drop(&pool, &table).await;
+}

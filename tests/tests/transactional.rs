@@ -1503,8 +1503,27 @@ async fn mysql_transactions_leave_their_sessions_clean() {
     assert!(!used(&key).await);
     clean().await;
 
-    // Replayed and refused inside the transaction (no read first): the claim took the lock,
-    // found the record, rolled back.
+    // The claim that goes with BEGIN, on a key whose record committed after the read that
+    // found none (here: no read at all): it takes the lock, meets the row, rolls back and
+    // gives a clean connection back.
+    let req = request(&key, "a");
+    let claim = ClaimRequest {
+        key: &key,
+        fingerprint: &req.fingerprint,
+        lease: p.lease,
+        ttl: p.ttl,
+    };
+    let conn = store.pool().acquire().await.unwrap();
+    match <sqlx::MySql as TxDatabase>::claim_first(&store, conn, p.lease, claim).await {
+        Ok(FirstClaim::Fallback(conn)) => drop(conn),
+        Ok(FirstClaim::Claimed(..)) => panic!("claimed a key that has a record"),
+        Err(e) => panic!("{e}"),
+    }
+    assert!(!used(&key).await);
+    clean().await;
+
+    // Replayed and refused inside the transaction (no read first): the claim inside it reads
+    // the record and rolls back.
     for (label, want_replay) in [("a", true), ("b", false)] {
         match db
             .engine

@@ -13,7 +13,8 @@
 //!   for. A concurrent duplicate meets the uncommitted claim: on PostgreSQL it waits a short,
 //!   bounded time ([`TxOptions::wait`], through a transaction-scoped advisory lock on the key,
 //!   so the wait never applies to the handler's own statements and never holds up other keys),
-//!   then gets the replay if the first committed meanwhile, else 409. On SQLite the
+//!   then gets the replay if the first committed meanwhile, else 409. MySQL and MariaDB do the
+//!   same with a named lock (`GET_LOCK(…, 0)`, released with COMMIT or ROLLBACK). On SQLite the
 //!   transaction holds the database's single write lock (`BEGIN IMMEDIATE`), so duplicates and
 //!   every other writer wait for it (the busy timeout).
 //! - **two commits**: the claim commits alone (duplicates see it and get 409 at once) → BEGIN
@@ -70,9 +71,10 @@ pub const DEFAULT_MAX_WAITERS: usize = 4;
 pub struct TxOptions {
     /// Single or two commits.
     pub commit: CommitPath,
-    /// Single commit on PostgreSQL: how long a request whose key is held by another open
-    /// transaction waits for it (polling, bounded) before it gets 409; if the other commits
-    /// meanwhile, the waiter gets the replay. Never applies to the handler's own statements.
+    /// Single commit on PostgreSQL and MySQL: how long a request whose key is held by another
+    /// open transaction waits for it (polling, bounded) before it gets 409; if the other
+    /// commits meanwhile, the waiter gets the replay. Never applies to the handler's own
+    /// statements.
     /// (SQLite waits for its write lock through the pool's busy timeout instead.)
     pub wait: Duration,
     /// At most this many requests per key wait in one process; more get 409 at once, so
@@ -83,8 +85,12 @@ pub struct TxOptions {
     /// that found nothing, BEGIN and the claim share one round trip, so a first execution
     /// costs five round trips either way. With `false` a replay costs three statements
     /// (BEGIN, the claim statement, which writes nothing, and ROLLBACK) and a first
-    /// execution gains nothing measurable: leave it on. SQLite always reads first (a claim
-    /// there takes the database's one write lock).
+    /// execution gains nothing measurable: leave it on. On MySQL, with `true`, a replay is
+    /// one read and a first execution five round trips (the read, BEGIN, the lock with the
+    /// insert, the complete, COMMIT); with `false` the claim inside the transaction reads
+    /// first all the same (an insert over an existing row would wait for its lock), so a
+    /// replay costs three. SQLite always reads first (a claim there takes the database's one
+    /// write lock).
     pub read_first: bool,
 }
 

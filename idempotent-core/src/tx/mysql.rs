@@ -19,12 +19,12 @@
 //! and then a duplicate merely waits or gets 409.
 
 use super::held::Held;
-use super::{CommitPath, FinishError, ReadFirst, TxDatabase};
+use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::MySqlStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
-use crate::store::sql::mysql::Inserted;
-use crate::store::sql::{Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error};
+use crate::store::sql::mysql::{BEGIN_READ_COMMITTED, Inserted};
+use crate::store::sql::{Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error, q};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::mysql::MySqlConnection;
 use sqlx::{AssertSqlSafe, SqlSafeStr};
@@ -33,7 +33,7 @@ use std::time::Duration;
 /// How every transaction on this store begins: READ COMMITTED for this transaction only,
 /// whatever the session's default (the claim's retry loop and the fenced complete rely on
 /// each statement seeing what committed before it).
-const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+const BEGIN: &str = BEGIN_READ_COMMITTED;
 
 /// Puts back the session's idle limit that [`TxDatabase::begin_tx`] lowered.
 const RESTORE_IDLE: &str = "SET SESSION wait_timeout = @idempotent_wait_timeout";
@@ -104,61 +104,93 @@ impl TxDatabase for sqlx::MySql {
         }
     }
 
-    /// The key's named lock and the insert in one statement (`tx_insert`); from the moment
-    /// it may have taken the lock, the transaction's end releases it (see the module docs).
+    /// After a read that found no record: BEGIN (with the idle limit), then the key's named
+    /// lock and the insert in one statement (`tx_insert`): two round trips. Anything but an
+    /// insert (another session holds the key, or a record appeared since the read) rolls back,
+    /// releasing the lock if it was taken, and the ordinary path settles the request.
+    async fn claim_first(
+        store: &MySqlStore,
+        conn: sqlx::pool::PoolConnection<sqlx::MySql>,
+        idle: Duration,
+        req: ClaimRequest<'_>,
+    ) -> Result<FirstClaim<sqlx::MySql>, StoreError> {
+        let mut tx = Self::begin_tx(store, Some(idle), Some(conn)).await?;
+        let lock = lock_name(&store.sql.table, req.key);
+        release_at_end(&mut tx, &lock);
+        let token = LeaseToken::generate();
+        let inserted = store
+            .insert(&mut tx, &store.sql.tx_insert, &req, token, Some(&lock))
+            .await;
+        match inserted {
+            Ok(Inserted::Claimed(_)) => Ok(FirstClaim::Claimed(tx, token)),
+            Ok(Inserted::Duplicate | Inserted::NotLocked) => {
+                Self::rollback_tx(tx).await.map_err(db_error)?;
+                // The connection went back to the pool clean; the ordinary path takes one.
+                Ok(FirstClaim::Fallback(Self::acquire(store).await?))
+            }
+            Err(e) => {
+                let _ = Self::rollback_tx(tx).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads the record first (a consistent read: no lock, so never a wait), then inserts
+    /// only where there is none, as the holder of the key's named lock (`tx_insert`: the lock
+    /// and the insert in one statement), or takes a stale record over once the lock is
+    /// held. Never an insert over an existing row: InnoDB's duplicate check would wait for
+    /// that row's lock (an owner between its complete and its COMMIT holds it). From the
+    /// moment the lock may be taken, the transaction's end releases it (module docs).
     async fn claim_in(
         store: &MySqlStore,
         tx: &mut Held<sqlx::MySql>,
         req: ClaimRequest<'_>,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
         let lock = lock_name(&store.sql.table, req.key);
-        let release = format!("DO RELEASE_LOCK('{lock}')");
-        match &mut tx.after {
-            Some(after) if after.contains(&release) => {}
-            Some(after) => *after = format!("{release}; {after}"),
-            None => tx.after = Some(release),
-        }
+        release_at_end(tx, &lock);
         let conn: &mut MySqlConnection = tx;
         // Whether this session holds the lock: taken at most once per transaction (a
         // session may hold a named lock several times, and the end releases it once).
         let mut locked = false;
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
-            let inserted = if locked {
-                store
-                    .insert(conn, &store.sql.insert, &req, token, None)
-                    .await?
-            } else {
-                store
-                    .insert(conn, &store.sql.tx_insert, &req, token, Some(&lock))
-                    .await?
-            };
-            match inserted {
-                Inserted::Claimed(until) => return Ok(Some(claimed(token, until, false))),
-                // The insert ran, so `GET_LOCK` had answered 1: the lock is ours, and a
-                // row with this key exists.
-                Inserted::Duplicate => locked = true,
-                Inserted::NotLocked if !locked => {
-                    // Another session holds the key. A record committed meanwhile may settle
-                    // the request; else (or to take a record over, which only the lock's
-                    // holder may) the caller waits and calls again.
-                    return match store.read_row(conn, &req).await? {
-                        None => Ok(None),
-                        Some(row) => match MySqlStore::decide_row(&row, &req)? {
-                            Decision::Report(outcome) => Ok(Some(outcome)),
-                            Decision::TakeOver(_) => Ok(None),
-                        },
-                    };
-                }
-                Inserted::NotLocked => {}
-            }
-            // A row exists (read it under this transaction's READ COMMITTED).
             let Some(row) = store.read_row(conn, &req).await? else {
+                let inserted = if locked {
+                    store
+                        .insert(conn, &store.sql.insert, &req, token, None)
+                        .await?
+                } else {
+                    store
+                        .insert(conn, &store.sql.tx_insert, &req, token, Some(&lock))
+                        .await?
+                };
+                match inserted {
+                    Inserted::Claimed(until) => return Ok(Some(claimed(token, until, false))),
+                    // The insert ran, so `GET_LOCK` had answered 1: the lock is ours, and a
+                    // record appeared since the read: read it.
+                    Inserted::Duplicate => locked = true,
+                    // Another session holds the key (its claim uncommitted): the caller
+                    // waits and calls again.
+                    Inserted::NotLocked => return Ok(None),
+                }
                 continue;
             };
             match MySqlStore::decide_row(&row, &req)? {
                 Decision::Report(outcome) => return Ok(Some(outcome)),
                 Decision::TakeOver(old) => {
+                    // Taking over writes the row: only the lock's holder may.
+                    if !locked {
+                        store.sent.bump();
+                        let got: Option<i64> = sqlx::query_scalar(q(&store.sql.get_lock))
+                            .bind(&lock)
+                            .fetch_one(&mut *conn)
+                            .await
+                            .map_err(db_error)?;
+                        if got != Some(1) {
+                            return Ok(None);
+                        }
+                        locked = true;
+                    }
                     if let Some(outcome) = store.take_over(conn, &req, token, old).await? {
                         return Ok(Some(outcome));
                     }
@@ -225,6 +257,16 @@ impl TxDatabase for sqlx::MySql {
     /// COMMIT that is merely slow (a loaded disk) from being given up on.
     fn finish_bound(lease: Duration) -> Option<Duration> {
         Some(lease.max(Duration::from_secs(10)))
+    }
+}
+
+/// Makes the end of `tx` release the named lock `lock` (before what else must follow it).
+fn release_at_end(tx: &mut Held<sqlx::MySql>, lock: &str) {
+    let release = format!("DO RELEASE_LOCK('{lock}')");
+    match &mut tx.after {
+        Some(after) if after.contains(&release) => {}
+        Some(after) => *after = format!("{release}; {after}"),
+        None => tx.after = Some(release),
     }
 }
 

@@ -40,9 +40,9 @@ pub(crate) fn bounded_millis(d: Duration) -> i64 {
 /// hand out unless `test_before_acquire(false)` is set, which doubles the round trips of every
 /// statement: turn it off for this pool where your network allows.
 ///
-/// Tested on MariaDB 10.11; the statements are also MySQL 8's (no `RETURNING`, no
-/// MariaDB-only syntax). Differences from [`PostgresStore`](crate::PostgresStore), all
-/// handled here:
+/// Tested on MariaDB 10.11. The statements are written for MySQL 8 as well (no `RETURNING`,
+/// no `SET STATEMENT`, nothing else MariaDB alone has), but no MySQL server has run them
+/// yet. Differences from [`PostgresStore`](crate::PostgresStore), all handled here:
 /// - **Isolation.** InnoDB's default is REPEATABLE READ. The store's own statements outside
 ///   a transaction each run alone (autocommit), so they read what committed before them;
 ///   transactional mode pins READ COMMITTED for its transactions. If you call
@@ -118,6 +118,8 @@ pub(crate) struct Statements {
     pub(crate) read: Arc<str>,
     pub(crate) insert: Arc<str>,
     pub(crate) tx_insert: Arc<str>,
+    lock_row: Arc<str>,
+    pub(crate) get_lock: Arc<str>,
     take_over: Arc<str>,
     pub(crate) complete: Arc<str>,
     release: Arc<str>,
@@ -161,6 +163,12 @@ impl Statements {
             tx_insert: s("INSERT INTO {t} (scope, `key`, fingerprint, done, token, locked_until, created_at, expires_at)
                 SELECT ?, ?, ?, FALSE, ?, LAST_INSERT_ID({now} + ?), {now}, {now} + ?
                 FROM DUAL WHERE GET_LOCK(?, 0) = 1"),
+            // Locks the row a take-over is about to write, without waiting: an error at once
+            // (1205 on MariaDB, 3572 on MySQL) when another transaction holds it.
+            lock_row: s("SELECT 1 FROM {t} WHERE scope = ? AND `key` = ? AND token = ?
+                FOR UPDATE NOWAIT"),
+            // The key's named lock, without waiting (1: taken; 0: another session holds it).
+            get_lock: s("SELECT GET_LOCK(?, 0)"),
             // The rare path: take over an expired record, or a lease that ran out (the caller
             // checked the fingerprint on the row it read). Compare-and-swap on the old token: of
             // two racing retries only one matches it, and an unchanged token means an unchanged
@@ -320,10 +328,13 @@ impl MySqlStore {
         }
     }
 
-    /// Takes over a record whose lease or ttl ran out (the `take_over` statement): the new
-    /// claim, or `None` when another claimer took it over first (read it again). A row lock
-    /// held by another transaction (an owner between its complete and its COMMIT) makes it
-    /// wait, up to the session's `innodb_lock_wait_timeout`, then answer in progress.
+    /// Takes over a record whose lease or ttl ran out: the new claim; in progress when another
+    /// transaction holds the row's lock (an owner between its complete and its COMMIT: the
+    /// take-over never waits for it); `None` when another claimer took it over first (read it
+    /// again). Outside a transaction, in a short one of its own (READ COMMITTED): the row is
+    /// locked with `FOR UPDATE NOWAIT` (MySQL 8 and MariaDB 10.3+), which fails at once where
+    /// an `UPDATE` would wait up to `innodb_lock_wait_timeout` (50 s by default) holding a
+    /// pooled connection. The rare path: BEGIN, the lock, the `UPDATE`, COMMIT.
     pub(crate) async fn take_over(
         &self,
         conn: &mut MySqlConnection,
@@ -331,6 +342,50 @@ impl MySqlStore {
         token: LeaseToken,
         old: LeaseToken,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
+        if sqlx::Connection::is_in_transaction(&*conn) {
+            return self.take_over_in(conn, req, token, old).await;
+        }
+        self.sent.bump();
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, BEGIN_READ_COMMITTED)
+            .await
+            .map_err(db_error)?;
+        let outcome = self.take_over_in(&mut tx, req, token, old).await;
+        self.sent.bump();
+        if matches!(outcome, Ok(Some(ClaimOutcome::Claimed(_)))) {
+            tx.commit().await.map_err(db_error)?;
+        } else {
+            tx.rollback().await.map_err(db_error)?;
+        }
+        outcome
+    }
+
+    /// [`MySqlStore::take_over`] inside a transaction: the row locked without waiting, then the
+    /// `take_over` statement.
+    async fn take_over_in(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+        token: LeaseToken,
+        old: LeaseToken,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        self.sent.bump();
+        let locked = sqlx::query(q(&self.sql.lock_row))
+            .bind(req.key.scope.as_str())
+            .bind(req.key.key.as_str())
+            .bind(old.as_uuid())
+            .fetch_optional(&mut *conn)
+            .await;
+        match locked {
+            Ok(Some(_)) => {}
+            // Changed since the read (taken over, completed, released): read it again.
+            Ok(None) => return Ok(None),
+            Err(e) if is_lock_wait_timeout(&e) => {
+                return Ok(Some(ClaimOutcome::InProgress {
+                    retry_after: ROW_LOCKED_RETRY_AFTER,
+                }));
+            }
+            Err(e) => return Err(db_error(e)),
+        }
         self.sent.bump();
         let fingerprint = req.fingerprint.to_stored();
         let done = sqlx::query(q(&self.sql.take_over))
@@ -342,16 +397,12 @@ impl MySqlStore {
             .bind(req.key.key.as_str())
             .bind(old.as_uuid())
             .execute(&mut *conn)
-            .await;
-        match done {
-            Ok(done) if done.rows_affected() == 1 => {
-                Ok(Some(claimed(token, lease_end(&done)?, true)))
-            }
-            Ok(_) => Ok(None),
-            Err(e) if is_lock_wait_timeout(&e) => Ok(Some(ClaimOutcome::InProgress {
-                retry_after: ROW_LOCKED_RETRY_AFTER,
-            })),
-            Err(e) => Err(db_error(e)),
+            .await
+            .map_err(db_error)?;
+        if done.rows_affected() == 1 {
+            Ok(Some(claimed(token, lease_end(&done)?, true)))
+        } else {
+            Ok(None)
         }
     }
 
@@ -484,9 +535,15 @@ fn is_duplicate(e: &sqlx::Error) -> bool {
     error_number(e) == Some(1062)
 }
 
-/// `ER_LOCK_WAIT_TIMEOUT` (1205).
+/// A lock not granted: `ER_LOCK_WAIT_TIMEOUT` (1205; MariaDB's answer to `NOWAIT` too) or
+/// MySQL's `ER_LOCK_NOWAIT` (3572).
 fn is_lock_wait_timeout(e: &sqlx::Error) -> bool {
-    error_number(e) == Some(1205)
+    matches!(error_number(e), Some(1205 | 3572))
 }
+
+/// How the store's own transactions begin (a take-over outside one; transactional mode's
+/// BEGIN adds an idle limit, see `tx/mysql.rs`): READ COMMITTED for this transaction only.
+pub(crate) const BEGIN_READ_COMMITTED: &str =
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
 sql_store_common!(@common MySqlStore, MySqlPool, sqlx::MySql, MySqlConnection);
