@@ -7,7 +7,9 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use idempotent_core::{engine::*, fingerprint::*, store::*, *};
 use idempotent_tests::execute::{Execute, Handled, Outcome};
-use idempotent_tests::fixtures::{pg_drop, pg_pool, pg_store, unique_table};
+use idempotent_tests::fixtures::{
+    mysql_drop, mysql_pool, mysql_store, pg_drop, pg_pool, pg_store, unique_table,
+};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -185,6 +187,67 @@ fn postgres(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
     });
 }
 
+fn mysql(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
+    if std::env::var("MYSQL_URL").is_err() {
+        eprintln!("mysql benches skipped: MYSQL_URL is not set");
+        return;
+    }
+    let table = unique_table("bench");
+    let (store, pool) = rt.block_on(async {
+        let pool = mysql_pool(4).await;
+        let store = mysql_store(pool.clone(), &table).await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {table}_floor (k VARCHAR(64) PRIMARY KEY, v LONGBLOB NOT NULL) ENGINE = InnoDB"
+        )))
+        .execute(&pool)
+        .await
+        .expect("floor table");
+        (store, pool)
+    });
+    let insert = format!("INSERT INTO {table}_floor (k, v) VALUES (?, ?)");
+    let select = format!("SELECT v FROM {table}_floor WHERE k = ?");
+    let engine = Engine::new(store);
+    c.bench_function("mysql/floor_insert", |b| {
+        b.to_async(rt).iter(|| async {
+            sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
+                .bind(next_key())
+                .bind(BODY)
+                .execute(&pool)
+                .await
+                .expect("insert");
+        })
+    });
+    first_execution(c, rt, "mysql", &engine);
+    let k = next_key();
+    rt.block_on(
+        sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
+            .bind(&k)
+            .bind(BODY)
+            .execute(&pool),
+    )
+    .expect("seed");
+    c.bench_function("mysql/floor_select", |b| {
+        b.to_async(rt).iter(|| async {
+            let v: Vec<u8> = sqlx::query_scalar(sqlx::AssertSqlSafe(select.as_str()))
+                .bind(&k)
+                .fetch_one(&pool)
+                .await
+                .expect("select");
+            assert_eq!(v.len(), BODY.len());
+        })
+    });
+    replay(c, rt, "mysql", &engine);
+    rt.block_on(async {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {table}_floor"
+        )))
+        .execute(&pool)
+        .await
+        .expect("drop floor");
+        mysql_drop(&pool, &table).await;
+    });
+}
+
 fn benches(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -193,6 +256,7 @@ fn benches(c: &mut Criterion) {
         .expect("runtime");
     sqlite(c, &rt);
     postgres(c, &rt);
+    mysql(c, &rt);
 }
 
 criterion_group! {

@@ -1,8 +1,8 @@
 //! Transactional mode's commit paths under concurrency, through the engine (no HTTP): first
 //! executions per second with 64 concurrent tasks, each inserting one business row, against
 //! a bare handler doing the same INSERT in its own transaction. Arms alternate, 3 rounds,
-//! medians. `cargo bench -p idempotent-tests --bench tx_paths` (PostgreSQL from
-//! `DATABASE_URL`, skipped without it).
+//! medians. `cargo bench -p idempotent-tests --bench tx_paths` (MySQL from `MYSQL_URL` and
+//! PostgreSQL from `DATABASE_URL`, each skipped without it).
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use idempotent_core::sqlx::{self, AssertSqlSafe};
@@ -164,6 +164,36 @@ fn main() {
             .unwrap();
         compare::<sqlx::Sqlite>("sqlite", Engine::new(store), "business").await;
         let _ = std::fs::remove_dir_all(&dir);
+
+        if let Ok(url) = std::env::var("MYSQL_URL") {
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(TASKS as u32 + 8)
+                .test_before_acquire(false)
+                .connect(&url)
+                .await
+                .unwrap();
+            let table = format!("bench_{}", uuid::Uuid::new_v4().simple());
+            let store = MySqlStore::builder(pool.clone())
+                .table(&table)
+                .build()
+                .unwrap();
+            store.migrate().await.unwrap();
+            let business = format!("{table}_biz");
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE TABLE {business} (id VARCHAR(64) PRIMARY KEY) ENGINE = InnoDB"
+            )))
+            .execute(&pool)
+            .await
+            .unwrap();
+            compare::<sqlx::MySql>("mysql", Engine::new(store), &business).await;
+            let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+                "DROP TABLE {business}, {table}, {table}_migrations"
+            )))
+            .execute(&pool)
+            .await;
+        } else {
+            println!("mysql      skipped: set MYSQL_URL");
+        }
 
         let Ok(url) = std::env::var("DATABASE_URL") else {
             println!("postgres   skipped: set DATABASE_URL");

@@ -1426,6 +1426,57 @@ async fn mysql_killed_connection_mid_transaction() {
     .await;
 }
 
+/// Single commit on MySQL, counted at the store: a first execution is five round trips (the
+/// read that misses, BEGIN, the named lock with the insert, the complete, COMMIT with the
+/// lock's release; the handler's INSERT is not the store's), a replay one read. Without the
+/// read first, the claim inside the transaction reads all the same: five again.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_single_commit_round_trips() {
+    let (db, store) = mysql_db(mysql_pool(4).await).await;
+    let runs = AtomicUsize::new(0);
+    let key = unique_key("stmts");
+    let before = store.statements_sent();
+    let out = one(&db, &key, CommitPath::Single, 201, &runs)
+        .await
+        .unwrap();
+    assert!(matches!(out, TxFinished::Committed));
+    assert_eq!(
+        store.statements_sent() - before,
+        5,
+        "read, BEGIN, lock + insert, complete, COMMIT"
+    );
+    let before = store.statements_sent();
+    assert!(matches!(
+        one(&db, &key, CommitPath::Single, 201, &runs).await,
+        Err(Begin::Replay(_))
+    ));
+    assert_eq!(store.statements_sent() - before, 1, "a replay is one read");
+    let key = unique_key("stmts-nr");
+    let opts = TxOptions {
+        read_first: false,
+        ..options(CommitPath::Single)
+    };
+    let p = policy(Duration::from_secs(10));
+    let before = store.statements_sent();
+    let mut execution = claimed::<sqlx::MySql>(&db.engine, request(&key, "a"), &p, &opts).await;
+    let mut tx = execution.transaction().unwrap();
+    insert(&mut tx, &db.business).await;
+    drop(tx);
+    assert!(matches!(
+        execution.finish(StoredResponse::new(201, "x").into()).await,
+        TxFinished::Committed
+    ));
+    assert_eq!(
+        store.statements_sent() - before,
+        5,
+        "BEGIN, read, lock + insert, complete, COMMIT"
+    );
+}
+
 /// The named lock a single-commit claim takes (`tx/mysql.rs`): `idempotent:` and 40 hex
 /// digits of SHA-256 over the length-prefixed table, scope and key. Checked to be held while
 /// an execution runs, so a change of the name fails this test instead of making it vacuous.
