@@ -208,7 +208,7 @@ impl<DB: TxDatabase> TxExecution<DB> {
         let (key, token) = match &claim {
             Claim::None { .. } => {
                 let committed = bounded::<DB, _>(policy.lease, "COMMIT", async {
-                    tx.commit().await.map_err(db_error)
+                    DB::commit_tx(tx).await.map_err(db_error)
                 })
                 .await;
                 observe::store_time("commit", commit_started.elapsed());

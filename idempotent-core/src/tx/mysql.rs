@@ -23,7 +23,7 @@ use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::MySqlStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
-use crate::store::sql::mysql::{BEGIN_READ_COMMITTED, Inserted};
+use crate::store::sql::mysql::Inserted;
 use crate::store::sql::{Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error, q};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::mysql::MySqlConnection;
@@ -32,8 +32,19 @@ use std::time::Duration;
 
 /// How every transaction on this store begins: READ COMMITTED for this transaction only,
 /// whatever the session's default (the claim's retry loop and the fenced complete rely on
-/// each statement seeing what committed before it).
-const BEGIN: &str = BEGIN_READ_COMMITTED;
+/// each statement seeing what committed before it), with the session's autocommit off until
+/// it ends. Why: InnoDB ends a transaction it picks as a deadlock's victim (and, with
+/// `innodb_rollback_on_timeout`, one whose lock wait timed out) by rolling it back whole, and
+/// with autocommit on, the statements a handler runs after that error (if it goes on) would
+/// each commit on their own, outside the transaction the record commits with. With it off
+/// they open a new transaction, which only the library's COMMIT ends: in single commit the
+/// claim rolled back with the rest, so the fenced complete finds no row and everything rolls
+/// back (`mysql_statements_after_a_rolled_back_transaction_never_commit_alone`).
+const BEGIN: &str = "SET @idempotent_autocommit = @@SESSION.autocommit, SESSION autocommit = 0; \
+    SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// Puts back the session's autocommit that [`BEGIN`] turned off.
+const RESTORE_AUTOCOMMIT: &str = "SET SESSION autocommit = @idempotent_autocommit";
 
 /// Puts back the session's idle limit that [`TxDatabase::begin_tx`] lowered.
 const RESTORE_IDLE: &str = "SET SESSION wait_timeout = @idempotent_wait_timeout";
@@ -71,9 +82,11 @@ impl TxDatabase for sqlx::MySql {
         store.sent.bump();
         match Held::begin(conn, AssertSqlSafe(begin).into_sql_str()).await {
             Ok(mut tx) => {
-                if idle.is_some() {
-                    tx.after = Some(RESTORE_IDLE.to_owned());
-                }
+                tx.after = Some(if idle.is_some() {
+                    format!("{RESTORE_AUTOCOMMIT}; {RESTORE_IDLE}")
+                } else {
+                    RESTORE_AUTOCOMMIT.to_owned()
+                });
                 Ok(tx)
             }
             Err((e, mut conn)) => {
@@ -200,19 +213,15 @@ impl TxDatabase for sqlx::MySql {
         Err(StoreError::unavailable(Contention))
     }
 
-    /// The ROLLBACK and what must follow it (the lock's release, the idle limit put back) in
-    /// one round trip.
+    /// COMMIT and what must follow it (the lock's release, the session's settings put back)
+    /// in one round trip.
+    async fn commit_tx(tx: Held<sqlx::MySql>) -> Result<(), sqlx::Error> {
+        end(tx, "COMMIT").await
+    }
+
+    /// ROLLBACK and what must follow it, in one round trip.
     async fn rollback_tx(tx: Held<sqlx::MySql>) -> Result<(), sqlx::Error> {
-        let mut tx = tx;
-        let Some(after) = tx.after.clone() else {
-            return tx.rollback().await;
-        };
-        sqlx::raw_sql(AssertSqlSafe(format!("ROLLBACK; {after}")))
-            .execute(&mut *tx)
-            .await?;
-        // Done: dropped, `tx` queues the ROLLBACK sqlx still counts, which does nothing now.
-        tx.after = None;
-        Ok(())
+        end(tx, "ROLLBACK").await
     }
 
     /// The fenced complete, then COMMIT with what must follow it (the lock's release, the
@@ -232,24 +241,11 @@ impl TxDatabase for sqlx::MySql {
             return Err(FinishError::Complete(error, tx));
         }
         store.sent.bump();
-        let Some(after) = tx.after.clone() else {
-            return tx
-                .commit()
-                .await
-                .map_err(|e| FinishError::Commit(db_error(e)));
-        };
-        match sqlx::raw_sql(AssertSqlSafe(format!("COMMIT; {after}")))
-            .execute(&mut *tx)
+        // On failure `tx` is dropped with `after` still set, so its connection is closed; and
+        // whether COMMIT applied is unknown.
+        Self::commit_tx(tx)
             .await
-        {
-            Ok(_) => {
-                tx.after = None;
-                Ok(())
-            }
-            // Whether COMMIT applied is unknown; `tx` is dropped with `after` still set, so
-            // its connection is closed.
-            Err(e) => Err(FinishError::Commit(db_error(e))),
-        }
+            .map_err(|e| FinishError::Commit(db_error(e)))
     }
 
     /// The lease, and at least 10 s: past it the server has ended a single-commit session
@@ -258,6 +254,20 @@ impl TxDatabase for sqlx::MySql {
     fn finish_bound(lease: Duration) -> Option<Duration> {
         Some(lease.max(Duration::from_secs(10)))
     }
+}
+
+/// Ends `tx` with `verb` (COMMIT or ROLLBACK) and what must follow it on the session, in one
+/// round trip. sqlx still counts the transaction: dropped, `tx` queues a ROLLBACK that does
+/// nothing now (it goes out with the connection's next statement). If this fails, `tx` keeps
+/// `after` and its drop closes the connection.
+async fn end(mut tx: Held<sqlx::MySql>, verb: &str) -> Result<(), sqlx::Error> {
+    let sql = match tx.after.as_deref() {
+        Some(after) => format!("{verb}; {after}"),
+        None => verb.to_owned(),
+    };
+    sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
+    tx.after = None;
+    Ok(())
 }
 
 /// Makes the end of `tx` release the named lock `lock` (before what else must follow it).

@@ -193,6 +193,12 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
         req: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Option<ClaimOutcome>, StoreError>> + Send;
 
+    /// Commits the transaction (and runs what must follow its end on the session).
+    #[doc(hidden)]
+    fn commit_tx(tx: Held<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        tx.commit()
+    }
+
     /// Rolls the transaction back (and runs what must follow its end on the session).
     #[doc(hidden)]
     fn rollback_tx(tx: Held<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send {

@@ -55,7 +55,13 @@ pub(crate) fn bounded_millis(d: Duration) -> i64 {
 ///   again); a deadlock (1213, SQLSTATE 40001) leaves nothing written and a fenced write runs
 ///   again (bounded), as after PostgreSQL's serialization failures; a lock wait timeout
 ///   (1205) is `Unavailable` (answered 503). Errors do not abort a MySQL transaction as they
-///   do a PostgreSQL one: only the failing statement is undone.
+///   do a PostgreSQL one: only the failing statement is undone, except a deadlock, whose
+///   victim InnoDB rolls back whole. In transactional mode the session's autocommit is off
+///   for the transaction, so a handler's statements after such a rollback open a new
+///   transaction instead of each committing alone; in single commit the claim rolled back
+///   too, so the fenced complete is refused and nothing commits. In two commits the claim
+///   committed before, so a handler that answers a success after that error has its later
+///   writes stored without its earlier ones: answer a database error with a 5xx (or `?`).
 /// - **Values.** Scope and key are `VARBINARY` (byte comparison: no case folding, no pad
 ///   space); a response is one `LONGBLOB` row value, so keep the route's response limit below
 ///   the server's `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8): a
