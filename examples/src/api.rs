@@ -23,9 +23,9 @@ pub struct Args {
     #[arg(long, default_value = "127.0.0.1:3000")]
     pub listen: String,
     /// `sqlite://FILE` (created and migrated), `sqlite::memory:`, `memory`, `postgres://…`,
-    /// `redis://host:port` or `redis+cluster://host:port,…` (the records in Redis, the
-    /// charges in this process's memory). Defaults to `$DATABASE_URL`, then
-    /// `sqlite://charges.db`.
+    /// `mysql://…` (MySQL or MariaDB; `mariadb://…` too), `redis://host:port` or
+    /// `redis+cluster://host:port,…` (the records in Redis, the charges in this process's
+    /// memory). Defaults to `$DATABASE_URL`, then `sqlite://charges.db`.
     #[arg(long)]
     pub database: Option<String>,
     /// Redis: how many replicas must acknowledge each claim and each stored response
@@ -38,11 +38,11 @@ pub struct Args {
     /// How long the "payment provider" takes per charge.
     #[arg(long, default_value = "0ms", value_parser = charges::parse_delay)]
     pub work_delay: Duration,
-    /// Transactional mode (SQLite, PostgreSQL): `single` (the claim, the charge and the stored
+    /// Transactional mode (SQLite, PostgreSQL, MySQL): `single` (the claim, the charge and the stored
     /// response in one commit) or `two` (the claim commits first). Default: single.
     #[arg(long, value_parser = parse_commit)]
     pub commit: Option<CommitPath>,
-    /// SQLite, PostgreSQL: plain mode instead of transactional (the charge commits on its own,
+    /// SQLite, PostgreSQL, MySQL: plain mode instead of transactional (the charge commits on its own,
     /// apart from the stored response, as on `memory`). For comparison and the reliability
     /// tests: a process frozen past its lease can then still write its charge after a retry
     /// took over.
@@ -397,7 +397,8 @@ impl Api {
         ))
     }
 
-    /// The database kind: transactional handlers on SQLite and PostgreSQL, plain on memory.
+    /// The database kind: transactional handlers on SQLite, PostgreSQL and MySQL, plain on
+    /// memory.
     pub fn kind(&self) -> Kind {
         self.charges.kind()
     }

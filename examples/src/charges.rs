@@ -1,6 +1,6 @@
 //! The charges API contract, independent of the web framework.
 
-use idempotent_core::{MemoryStore, PostgresStore, RedisStore, SqliteStore, Store};
+use idempotent_core::{MemoryStore, MySqlStore, PostgresStore, RedisStore, SqliteStore, Store};
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -244,6 +244,8 @@ pub enum Charges {
     Sqlite(sqlx::SqlitePool),
     /// A PostgreSQL table.
     Postgres(sqlx::PgPool),
+    /// A MySQL or MariaDB table.
+    MySql(sqlx::MySqlPool),
 }
 
 /// Where a route's writes go: the tables' pools (plain mode, and the memory store), or the
@@ -257,6 +259,8 @@ pub enum Writer<'a> {
     Sqlite(&'a mut sqlx::SqliteConnection),
     /// A PostgreSQL transaction.
     Postgres(&'a mut sqlx::PgConnection),
+    /// A MySQL or MariaDB transaction.
+    MySql(&'a mut sqlx::MySqlConnection),
 }
 
 /// A charges-table failure.
@@ -299,8 +303,38 @@ fn from_row((id, account, amount, currency, customer, created): Row) -> Charge {
     }
 }
 
+// MySQL: the columns compared in a `WHERE` (ids, accounts) are `VARBINARY`, compared byte for
+// byte as on PostgreSQL and SQLite (under a text collation `Acct` and `acct`, or `ch_1` and
+// `ch_1 `, could be one value); they are read back as text with `CAST(… AS CHAR)`.
+
+/// MySQL: this account's charges, oldest first.
+const MYSQL_LIST: &str = "SELECT CAST(id AS CHAR), CAST(account AS CHAR), amount, currency, customer, created FROM charges WHERE account = ? ORDER BY seq";
+
+/// MySQL: one charge of an account.
+const MYSQL_GET: &str = "SELECT CAST(id AS CHAR), CAST(account AS CHAR), amount, currency, customer, created FROM charges WHERE account = ? AND id = ?";
+
+/// MySQL: a charge's refunds, oldest first.
+const MYSQL_REFUNDS: &str = "SELECT CAST(id AS CHAR), CAST(charge AS CHAR), amount, created FROM refunds WHERE charge = ? ORDER BY seq";
+
+/// MySQL: the tables, created if missing. InnoDB, text in `utf8mb4`; `seq` orders the lists as
+/// the other databases' do. (`CREATE TABLE IF NOT EXISTS` is safe against itself on MySQL,
+/// which serialises it on the table's metadata lock: no lock of our own, unlike PostgreSQL.)
+/// The indexes are declared in the tables (MySQL has no `CREATE INDEX IF NOT EXISTS`); an
+/// account is a scope (at most 1,024 bytes), indexed on its first 255 bytes.
+const MYSQL_TABLES: &str = "CREATE TABLE IF NOT EXISTS charges (
+        seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, id VARBINARY(64) NOT NULL UNIQUE,
+        account VARBINARY(1024) NOT NULL, amount BIGINT NOT NULL, currency VARCHAR(3) NOT NULL,
+        customer MEDIUMTEXT NOT NULL, created BIGINT NOT NULL,
+        KEY charges_account (account(255), seq)
+    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;
+    CREATE TABLE IF NOT EXISTS refunds (
+        seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, id VARBINARY(64) NOT NULL UNIQUE,
+        charge VARBINARY(64) NOT NULL, amount BIGINT NOT NULL, created BIGINT NOT NULL,
+        KEY refunds_charge (charge, seq)
+    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;";
+
 /// Which database the tables (and the idempotency store) are on: it picks the handlers
-/// (transactional on SQLite and PostgreSQL, plain on memory).
+/// (transactional on SQLite, PostgreSQL and MySQL, plain on memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// `--database memory`.
@@ -309,6 +343,8 @@ pub enum Kind {
     Sqlite,
     /// PostgreSQL.
     Postgres,
+    /// MySQL or MariaDB.
+    MySql,
 }
 
 impl Charges {
@@ -318,6 +354,7 @@ impl Charges {
             Charges::Memory(_) => Kind::Memory,
             Charges::Sqlite(_) => Kind::Sqlite,
             Charges::Postgres(_) => Kind::Postgres,
+            Charges::MySql(_) => Kind::MySql,
         }
     }
 
@@ -353,6 +390,15 @@ impl Charges {
                 };
                 Ok(())
             }
+            Charges::MySql(pool) => {
+                let q = sqlx::query("INSERT INTO charges (id, account, amount, currency, customer, created) VALUES (?, ?, ?, ?, ?, ?)")
+                    .bind(&c.id).bind(&c.account).bind(c.amount).bind(&c.currency).bind(&c.customer).bind(c.created);
+                match w {
+                    Writer::MySql(tx) => q.execute(&mut **tx).await?,
+                    _ => q.execute(pool).await?,
+                };
+                Ok(())
+            }
         }
     }
 
@@ -379,6 +425,13 @@ impl Charges {
             }
             Charges::Postgres(pool) => {
                 let rows: Vec<Row> = sqlx::query_as("SELECT id, account, amount, currency, customer, created FROM charges WHERE account = $1 ORDER BY seq")
+                    .bind(account)
+                    .fetch_all(pool)
+                    .await?;
+                Ok(rows.into_iter().map(from_row).collect())
+            }
+            Charges::MySql(pool) => {
+                let rows: Vec<Row> = sqlx::query_as(MYSQL_LIST)
                     .bind(account)
                     .fetch_all(pool)
                     .await?;
@@ -423,6 +476,14 @@ impl Charges {
                     .bind(account).bind(id);
                 let row: Option<Row> = match w {
                     Writer::Postgres(tx) => q.fetch_optional(&mut **tx).await?,
+                    _ => q.fetch_optional(pool).await?,
+                };
+                Ok(row.map(from_row))
+            }
+            Charges::MySql(pool) => {
+                let q = sqlx::query_as(MYSQL_GET).bind(account).bind(id);
+                let row: Option<Row> = match w {
+                    Writer::MySql(tx) => q.fetch_optional(&mut **tx).await?,
                     _ => q.fetch_optional(pool).await?,
                 };
                 Ok(row.map(from_row))
@@ -472,6 +533,20 @@ impl Charges {
                 };
                 Ok(())
             }
+            Charges::MySql(pool) => {
+                let q = sqlx::query(
+                    "INSERT INTO refunds (id, charge, amount, created) VALUES (?, ?, ?, ?)",
+                )
+                .bind(&r.id)
+                .bind(&r.charge)
+                .bind(r.amount)
+                .bind(r.created);
+                match w {
+                    Writer::MySql(tx) => q.execute(&mut **tx).await?,
+                    _ => q.execute(pool).await?,
+                };
+                Ok(())
+            }
         }
     }
 
@@ -503,6 +578,13 @@ impl Charges {
                     .await?;
                 Ok(rows.into_iter().map(refund_from_row).collect())
             }
+            Charges::MySql(pool) => {
+                let rows: Vec<RefundRow> = sqlx::query_as(MYSQL_REFUNDS)
+                    .bind(charge)
+                    .fetch_all(pool)
+                    .await?;
+                Ok(rows.into_iter().map(refund_from_row).collect())
+            }
         }
     }
 }
@@ -510,9 +592,10 @@ impl Charges {
 /// Why the database could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// Not `memory`, `sqlite:…`, `postgres://…`, `redis://…` or `redis+cluster://…`.
+    /// Not `memory`, `sqlite:…`, `postgres://…`, `mysql://…`, `mariadb://…`, `redis://…` or
+    /// `redis+cluster://…`.
     #[error(
-        "unsupported database URL `{0}`: use `memory`, `sqlite://FILE`, `sqlite::memory:`, `postgres://…`, `redis://host:port` or `redis+cluster://host:port,…`"
+        "unsupported database URL `{0}`: use `memory`, `sqlite://FILE`, `sqlite::memory:`, `postgres://…`, `mysql://…` (or `mariadb://…`), `redis://host:port` or `redis+cluster://host:port,…`"
     )]
     Unsupported(String),
     /// Connecting to Redis failed.
@@ -524,6 +607,11 @@ pub enum OpenError {
     /// Creating the charges table (or the provider's) failed.
     #[error(transparent)]
     Db(#[from] sqlx::Error),
+}
+
+/// Whether `url` names MySQL or MariaDB (`mysql://`, `mariadb://`: sqlx accepts both).
+pub fn is_mysql(url: &str) -> bool {
+    url.starts_with("mysql://") || url.starts_with("mariadb://")
 }
 
 /// Whether `url` names Redis (`redis://`, `rediss://`, `redis+cluster://`, `rediss+cluster://`).
@@ -605,6 +693,19 @@ pub async fn open(
         .await?;
         return Ok((Arc::new(store), Charges::Postgres(pool)));
     }
+    if is_mysql(url) {
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(16)
+            // A ping before every statement would double its round trips.
+            .test_before_acquire(false)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await?;
+        let store = MySqlStore::new(pool.clone())?;
+        store.migrate().await?;
+        sqlx::raw_sql(MYSQL_TABLES).execute(&pool).await?;
+        return Ok((Arc::new(store), Charges::MySql(pool)));
+    }
     Err(OpenError::Unsupported(url.to_owned()))
 }
 
@@ -661,6 +762,18 @@ async fn setting(charges: &Charges, name: &str, value: &str) -> Result<Option<St
             sqlx::query("INSERT INTO example_settings (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
                 .bind(name).bind(value).execute(pool).await?;
             sqlx::query_scalar("SELECT value FROM example_settings WHERE name = $1")
+                .bind(name)
+                .fetch_one(pool)
+                .await?
+        }
+        Charges::MySql(pool) => {
+            // Insert-or-keep: the no-op update keeps the first value (`INSERT IGNORE` would
+            // also turn other errors into warnings).
+            sqlx::raw_sql("CREATE TABLE IF NOT EXISTS example_settings (name VARBINARY(64) PRIMARY KEY, value TEXT NOT NULL) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4")
+                .execute(pool).await?;
+            sqlx::query("INSERT INTO example_settings (name, value) VALUES (?, ?) ON DUPLICATE KEY UPDATE name = name")
+                .bind(name).bind(value).execute(pool).await?;
+            sqlx::query_scalar("SELECT value FROM example_settings WHERE name = ?")
                 .bind(name)
                 .fetch_one(pool)
                 .await?

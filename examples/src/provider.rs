@@ -2,8 +2,8 @@
 //! Stripe does: the same key gets the same payment back, never a second one.
 //!
 //! It keeps its payments **outside** the charges API's transaction, as a real provider does:
-//! a payment survives when the API's handler is killed after calling it (a PostgreSQL table
-//! written on its own connection, in its own commit; on SQLite a file of its own next to the
+//! a payment survives when the API's handler is killed after calling it (a PostgreSQL or MySQL
+//! table written on its own connection, in its own commit; on SQLite a file of its own next to the
 //! API's, since the API's transaction holds SQLite's one write lock). So when the retry runs
 //! the handler again, only a key derived from the request's own key
 //! (`Idempotent::derive`) keeps the provider from charging twice.
@@ -46,6 +46,8 @@ pub enum Provider {
     Sqlite(sqlx::SqlitePool),
     /// A table on the PostgreSQL database, written outside the API's transactions.
     Postgres(sqlx::PgPool),
+    /// A table on the MySQL or MariaDB database, written outside the API's transactions.
+    MySql(sqlx::MySqlPool),
 }
 
 type Row = (String, String, String, i64, String);
@@ -53,8 +55,8 @@ type Row = (String, String, String, i64, String);
 impl Provider {
     /// The provider for the API's database `url`: in-process for `memory`, the file
     /// `FILE.provider` for `sqlite://FILE` (a private in-memory database for
-    /// `sqlite::memory:`), and the table `provider_charges` for PostgreSQL, on a pool of its
-    /// own (it is another system: a handler holding one of the API's connections in its
+    /// `sqlite::memory:`), and the table `provider_charges` for PostgreSQL and MySQL, on a pool
+    /// of its own (it is another system: a handler holding one of the API's connections in its
     /// transaction must never wait for the API's pool to reach it).
     ///
     /// # Errors
@@ -78,6 +80,27 @@ impl Provider {
             .execute(&pool)
             .await?;
             return Ok(Provider::Postgres(pool));
+        }
+        if crate::charges::is_mysql(url) {
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(8)
+                .test_before_acquire(false)
+                .acquire_timeout(std::time::Duration::from_secs(5))
+                .connect(url)
+                .await?;
+            // `key` is a reserved word in MySQL. Keys and accounts are compared byte for byte
+            // (`VARBINARY`, read back with `CAST(… AS CHAR)`), as on the other databases.
+            sqlx::raw_sql(
+                "CREATE TABLE IF NOT EXISTS provider_charges (
+                    `key` VARBINARY(255) PRIMARY KEY, id VARBINARY(64) NOT NULL,
+                    account VARBINARY(1024) NOT NULL, customer MEDIUMTEXT NOT NULL,
+                    amount BIGINT NOT NULL, currency VARCHAR(3) NOT NULL,
+                    KEY provider_charges_account (account(255))
+                 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
+            )
+            .execute(&pool)
+            .await?;
+            return Ok(Provider::MySql(pool));
         }
         if url == "memory" || crate::charges::is_redis(url) {
             return Ok(Provider::Memory(Arc::default()));
@@ -160,6 +183,20 @@ impl Provider {
                 .await?;
                 from_row(row)
             }
+            Provider::MySql(pool) => {
+                // Insert-or-keep: the no-op update keeps the first payment (`INSERT IGNORE`
+                // would also turn other errors into warnings).
+                sqlx::query("INSERT INTO provider_charges (`key`, id, account, customer, amount, currency) VALUES (?, ?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE `key` = `key`")
+                    .bind(key).bind(&fresh.id).bind(&fresh.account).bind(&fresh.customer).bind(fresh.amount).bind(&fresh.currency)
+                    .execute(pool).await?;
+                let row: Row = sqlx::query_as(
+                    "SELECT CAST(id AS CHAR), CAST(account AS CHAR), customer, amount, currency FROM provider_charges WHERE `key` = ?",
+                )
+                .bind(key)
+                .fetch_one(pool)
+                .await?;
+                from_row(row)
+            }
         };
         let asked = Payment {
             id: stored.id.clone(),
@@ -189,6 +226,12 @@ impl Provider {
             }
             Provider::Postgres(pool) => {
                 sqlx::query_scalar("SELECT count(*) FROM provider_charges WHERE account = $1")
+                    .bind(account)
+                    .fetch_one(pool)
+                    .await?
+            }
+            Provider::MySql(pool) => {
+                sqlx::query_scalar("SELECT count(*) FROM provider_charges WHERE account = ?")
                     .bind(account)
                     .fetch_one(pool)
                     .await?

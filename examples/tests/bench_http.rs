@@ -2,11 +2,21 @@
 //! every scenario, and its execution checks pass. The figures themselves are in BENCHMARKS.md;
 //! this only proves the one documented command works and checks what it claims to check.
 
+#![allow(clippy::unwrap_used)] // tests unwrap freely
+
+mod common;
+
 use std::process::Command;
 
 fn bench(stores: &str) -> String {
+    bench_with(stores, &[])
+}
+
+/// [`bench`] with more arguments.
+fn bench_with(stores: &str, extra: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_bench-http"))
         .args(["--stores", stores, "--rounds", "1", "--duration", "300ms"])
+        .args(extra)
         .args([
             "--warmup",
             "100ms",
@@ -134,4 +144,36 @@ fn runs_on_postgres_with_wire_counts() {
         // adds a little. Before the batches it was 7.)
         assert!(cells[1] <= 5.5, "more than five round trips: {row}");
     }
+}
+
+/// On MySQL (MariaDB), in a database of its own: three arms, the replays never run the
+/// handler, and the run drops its tables at its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn runs_on_mysql() {
+    let db = common::MySqlDb::create().await;
+    let url = db.url.clone();
+    let out = tokio::task::spawn_blocking(move || bench_with("mysql", &["--mysql", &url]))
+        .await
+        .unwrap();
+    assert_tables(
+        &out,
+        "MySql",
+        &[
+            "annotated, transactional (single commit)",
+            "annotated, plain mode",
+        ],
+    );
+    use sqlx::Connection;
+    let mut conn = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
+    let left: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE()",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "the run left tables behind");
 }

@@ -1,11 +1,12 @@
 //! The charges example as a real process on a free port, driven over HTTP: every case against
-//! both binaries (`charges-axum`, `charges-actix`), on memory, SQLite and PostgreSQL. The two
-//! serve one contract, so every assertion holds for both.
+//! both binaries (`charges-axum`, `charges-actix`), on memory, SQLite, PostgreSQL and MySQL
+//! (MariaDB: `MYSQL_URL`, each test on a database of its own). The two serve one contract, so
+//! every assertion holds for both.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
 mod common;
 
-use common::{Bin, Server, start, start_reading};
+use common::{Bin, MySqlDb, Server, start, start_reading};
 use idempotent_examples::provider::Provider;
 use serde_json::Value;
 use std::io::BufRead;
@@ -128,6 +129,11 @@ async fn lossy_client_on_sqlite(bin: Bin) {
 
 async fn lossy_client_on_postgres(bin: Bin) {
     lossy_client(bin, &std::env::var("DATABASE_URL").unwrap()).await;
+}
+
+async fn lossy_client_on_mysql(bin: Bin) {
+    let db = MySqlDb::create().await;
+    lossy_client(bin, &db.url).await;
 }
 
 /// A SQLite database URL in a new temporary directory (removed when the guard drops).
@@ -545,6 +551,17 @@ async fn crash_on_postgres(bin: Bin) {
     crash_inside_the_transaction(bin, &std::env::var("DATABASE_URL").unwrap()).await;
 }
 
+async fn charges_on_mysql(bin: Bin) {
+    let db = MySqlDb::create().await;
+    contract(bin, &db.url).await;
+    drains_on_shutdown(bin, &db.url).await;
+}
+
+async fn crash_on_mysql(bin: Bin) {
+    let db = MySqlDb::create().await;
+    crash_inside_the_transaction(bin, &db.url).await;
+}
+
 async fn charges_on_memory(bin: Bin) {
     contract(bin, "memory").await;
 }
@@ -645,9 +662,13 @@ async fn bad_flags_fail_clearly(bin: Bin) {
     assert!(err.contains("cannot be used with"), "{err}");
     let err = refused(
         bin,
-        &["--listen", "127.0.0.1:0", "--database", "mysql://nope"],
+        &["--listen", "127.0.0.1:0", "--database", "oracle://nope"],
     );
     assert!(err.contains("unsupported database URL"), "{err}");
+    assert!(
+        err.contains("mysql://"),
+        "the supported URLs are listed: {err}"
+    );
     // A derive secret other than the one the database's instances use is refused at start-up
     // (a retry served under it would pay the provider again); a short one too.
     let (_dir, url) = temp_sqlite();
@@ -794,12 +815,22 @@ both_binaries!(
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
     )]
     charges_on_postgres,
+    #[cfg_attr(
+        not(mysql_db),
+        ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+    )]
+    charges_on_mysql,
     crash_on_sqlite,
     #[cfg_attr(
         not(pg),
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
     )]
     crash_on_postgres,
+    #[cfg_attr(
+        not(mysql_db),
+        ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+    )]
+    crash_on_mysql,
     bad_flags_fail_clearly,
     metrics_are_scraped,
     key_reused_after_its_record_is_gone,
@@ -810,4 +841,9 @@ both_binaries!(
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
     )]
     lossy_client_on_postgres,
+    #[cfg_attr(
+        not(mysql_db),
+        ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+    )]
+    lossy_client_on_mysql,
 );

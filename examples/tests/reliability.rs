@@ -1,31 +1,35 @@
 //! Reliability under load and faults, with the charges example as real processes:
 //!
-//! - **Multi-instance load**: two servers on one database (PostgreSQL; one SQLite file), each
-//!   logical operation sent as 8 concurrent duplicates split across both, 409s retried:
-//!   exactly one charge per operation, and every response for one key carries the same charge.
-//!   `RELIABILITY_OPS` sets the number of operations (CI: 400; the full run: 10000).
-//! - **Database outage**: the servers reach PostgreSQL through a TCP proxy the test controls;
-//!   under load it cuts every connection and refuses new ones, then blackholes them (holds
-//!   them silent), then lets them through again: 503 problem+json with `Retry-After` while the
-//!   database is away, recovery without a restart, and again exactly one charge per operation.
+//! - **Multi-instance load**: two servers on one database (PostgreSQL; MySQL; one SQLite
+//!   file), each logical operation sent as 8 concurrent duplicates split across both, 409s
+//!   retried: exactly one charge per operation, and every response for one key carries the
+//!   same charge. `RELIABILITY_OPS` sets the number of operations (CI: 400; the full run:
+//!   10000).
+//! - **Database outage**: the servers reach PostgreSQL (or MySQL) through a TCP proxy the test
+//!   controls; under load it cuts every connection and refuses new ones, then blackholes them
+//!   (holds them silent; a burst of requests arrives meanwhile), then lets them through again:
+//!   503 problem+json with `Retry-After` while the database is away, recovery without a
+//!   restart, and again exactly one charge per operation.
 //! - **Slow and stuck**: a handler slower than its lease keeps it (heartbeat); a process frozen
 //!   with SIGSTOP past its lease, then resumed, on each path: plain and two-commit (a retry
 //!   takes over; the late completion is refused by the fence; the taker-over's response
 //!   stands) and single-commit (retries get 409 until PostgreSQL ends the frozen session's
-//!   transaction at its idle timeout, then exactly one runs).
+//!   transaction at its idle timeout, then exactly one runs). The same on MySQL (MariaDB), whose
+//!   `wait_timeout` ends the frozen session there.
 //!
 //! - **Redis Cluster**: two instances on one cluster (exactly one execution per key); a graceful
 //!   `CLUSTER FAILOVER` of each shard under load (no duplicate); a primary killed with SIGKILL
 //!   under load, on a cluster of the test's own (ports 7100-7105): no duplicate with `WAIT 1`,
 //!   and the count without it measured by an ignored test.
 //!
-//! The PostgreSQL tests need `DATABASE_URL`, the Redis ones `REDIS_CLUSTER_URL` (else they are
-//! ignored, with the reason).
+//! The PostgreSQL tests need `DATABASE_URL`, the MySQL ones `MYSQL_URL` (each on a database of
+//! its own, dropped at its end), the Redis ones `REDIS_CLUSTER_URL` (else they are ignored,
+//! with the reason).
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
 mod common;
 
-use common::{Bin, Server, start, start_reading};
+use common::{Bin, MySqlDb, Server, start, start_reading};
 use serde_json::Value;
 use std::collections::HashSet;
 use std::io::BufRead;
@@ -326,6 +330,17 @@ async fn two_instances_one_database(database: &str) {
 async fn two_instances_on_postgres() {
     let _one_at_a_time = SERIAL.lock().await;
     two_instances_one_database(&database_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn two_instances_on_mysql() {
+    let _one_at_a_time = SERIAL.lock().await;
+    let db = MySqlDb::create().await;
+    two_instances_one_database(&db.url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -767,7 +782,7 @@ async fn pump(
 /// without a restart), and every operation must hold exactly one charge.
 async fn outage_under_load<F, Fut>(url: &str, faults: F)
 where
-    F: FnOnce(Arc<Seen>) -> Fut,
+    F: FnOnce(Arc<Seen>, Vec<String>) -> Fut,
     Fut: std::future::Future<Output = Vec<(String, u64)>>,
 {
     let a = start(Bin::Axum, url, &[]);
@@ -785,7 +800,7 @@ where
         (ops, charges)
     };
     let faults = async {
-        let away = faults(seen.clone()).await;
+        let away = faults(seen.clone(), bases.to_vec()).await;
         faults_done.store(true, Ordering::SeqCst);
         away
     };
@@ -812,32 +827,55 @@ where
     assert_exactly_once(&a.base, &ops, &charges).await;
 }
 
-/// PostgreSQL behind the proxy goes away twice under load (cut, then blackholed), each for a
-/// few seconds, and comes back: 503 problems with `Retry-After` while it is away, recovery
-/// without a restart, and exactly one charge per operation at the end.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn database_outage_under_load() {
-    let _one_at_a_time = SERIAL.lock().await;
-    let proxy = Arc::new(FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await);
-    let url = database_url().replace("127.0.0.1:5432", &proxy.addr.to_string());
-    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
+/// The database at `upstream` behind the proxy goes away twice under load (cut, then
+/// blackholed), each for a few seconds, and comes back: 503 problems with `Retry-After` while
+/// it is away, recovery without a restart, and exactly one charge per operation at the end.
+/// `url` names `upstream`; the servers get it with the proxy's address instead.
+async fn outage_behind_the_proxy(url: &str, upstream: &str) {
+    let proxy = Arc::new(FaultProxy::start(upstream.parse().unwrap()).await);
+    let proxied = url.replace(upstream, &proxy.addr.to_string());
+    assert_ne!(proxied, url, "the database URL must name {upstream}");
     let switch = proxy.clone();
-    outage_under_load(&url, |seen| async move {
+    outage_under_load(&proxied, |seen, bases| async move {
         let mut away = Vec::new();
         for (fault, secs) in [(Mode::Cut, 3), (Mode::Blackhole, 8)] {
             tokio::time::sleep(Duration::from_millis(1500)).await;
             let before = seen.unavailable.load(Ordering::Relaxed);
             switch.set(fault);
+            // Blackholed, a statement waits for its answer without bound (only the complete
+            // and COMMIT are bounded), holding its connection: the requests beyond the pools'
+            // connections are the ones answered 503 (when the pool gives up on them). The
+            // batches' traffic may be down to its last few operations as the blackhole
+            // starts, too few to fill the pools: a burst arriving meanwhile, more than they
+            // hold, must be answered 503 (then charged once the database is back).
+            // Its own count: its operations are not the batches'.
+            let burst_seen = Arc::new(Seen::default());
+            let burst = (fault == Mode::Blackhole).then(|| {
+                let (bases, seen) = (bases.clone(), burst_seen.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let ops = operations(32);
+                    let charges = load(&bases, &ops, 32, &seen).await;
+                    (ops, charges)
+                })
+            });
             tokio::time::sleep(Duration::from_secs(secs)).await;
             switch.set(Mode::Pass);
-            away.push((
-                format!("{fault:?}"),
-                seen.unavailable.load(Ordering::Relaxed) - before,
-            ));
+            let answers = seen.unavailable.load(Ordering::Relaxed) - before
+                + burst_seen.unavailable.load(Ordering::Relaxed);
+            if let Some(burst) = burst {
+                let (ops, charges) = burst.await.unwrap();
+                assert_exactly_once(&bases[0], &ops, &charges).await;
+                assert!(
+                    burst_seen.created.load(Ordering::Relaxed) <= ops.len() as u64,
+                    "the burst: more first executions than operations; {burst_seen}"
+                );
+                println!(
+                    "{fault:?}: a burst of {} operations: {burst_seen}",
+                    ops.len()
+                );
+            }
+            away.push((format!("{fault:?}"), answers));
         }
         tokio::time::sleep(Duration::from_millis(1500)).await;
         away
@@ -856,6 +894,29 @@ async fn database_outage_under_load() {
         proxy.refused.load(Ordering::Relaxed) > 0,
         "the cut refused no connection"
     );
+}
+
+/// PostgreSQL (`DATABASE_URL`, at 127.0.0.1:5432) away and back: [`outage_behind_the_proxy`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn database_outage_under_load() {
+    let _one_at_a_time = SERIAL.lock().await;
+    outage_behind_the_proxy(&database_url(), "127.0.0.1:5432").await;
+}
+
+/// MySQL (`MYSQL_URL`, at 127.0.0.1:3306) away and back: [`outage_behind_the_proxy`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn database_outage_under_load_on_mysql() {
+    let _one_at_a_time = SERIAL.lock().await;
+    let db = MySqlDb::create().await;
+    outage_behind_the_proxy(&db.url, "127.0.0.1:3306").await;
 }
 
 /// The same with PostgreSQL itself stopped (`pg_ctlcluster … stop -m fast`, which ends every
@@ -892,7 +953,7 @@ async fn database_restart_under_load() {
             .unwrap();
         assert!(ok.success(), "pg_ctlcluster {action}");
     };
-    outage_under_load(&database_url(), |seen| async move {
+    outage_under_load(&database_url(), |seen, _| async move {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let before = seen.unavailable.load(Ordering::Relaxed);
         tokio::task::spawn_blocking(move || ctl("stop"))
@@ -939,18 +1000,12 @@ async fn status_of(base: &str, op: &Op) -> (u16, String) {
 /// session gives the key back; README, "Transactional mode"). A handler idle longer than that
 /// inside it is ended by PostgreSQL: 503, nothing committed, the key free again, so no charge
 /// is written twice and none is lost (the documented limit: such a handler takes a longer
-/// lease, or two commits).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn a_handler_slower_than_its_lease_keeps_it() {
-    let _one_at_a_time = SERIAL.lock().await;
+/// lease, or two commits). MySQL does the same with the session's `wait_timeout`.
+async fn slower_than_its_lease(database: &str) {
     for path in [&["--plain"][..], &["--commit", "two"]] {
         let flags = [&["--lease", "2s", "--work-delay", "6s"][..], path].concat();
-        let a = start(Bin::Axum, &database_url(), &flags);
-        let b = start(Bin::Actix, &database_url(), &flags);
+        let a = start(Bin::Axum, database, &flags);
+        let b = start(Bin::Actix, database, &flags);
         let op = &operations(1)[0];
         let first = charge_on(&a.base, op);
         // Past the lease twice over, and well before the handler ends.
@@ -970,7 +1025,7 @@ async fn a_handler_slower_than_its_lease_keeps_it() {
         assert_eq!(held.len(), 1, "{path:?}");
     }
     let single = ["--lease", "1s", "--work-delay", "3s", "--commit", "single"];
-    let a = start(Bin::Axum, &database_url(), &single);
+    let a = start(Bin::Axum, database, &single);
     let op = &operations(1)[0];
     let (status, body) = status_of(&a.base, op).await;
     assert_eq!(status, 503, "single commit, idle past its lease: {body}");
@@ -984,13 +1039,34 @@ async fn a_handler_slower_than_its_lease_keeps_it() {
     drop(a);
     let a = start(
         Bin::Axum,
-        &database_url(),
+        database,
         &["--lease", "5s", "--work-delay", "3s"],
     );
     let (status, body) = status_of(&a.base, op).await;
     assert_eq!(status, 201, "{body}");
     let held = charges_held(&a.base, std::slice::from_ref(op)).await;
     assert_eq!(held.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn a_handler_slower_than_its_lease_keeps_it() {
+    let _one_at_a_time = SERIAL.lock().await;
+    slower_than_its_lease(&database_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn a_handler_slower_than_its_lease_keeps_it_on_mysql() {
+    let _one_at_a_time = SERIAL.lock().await;
+    let db = MySqlDb::create().await;
+    slower_than_its_lease(&db.url).await;
 }
 
 /// Freezes (SIGSTOP) or resumes (SIGCONT) a server process.
@@ -1005,11 +1081,11 @@ fn signal(server: &Server, sig: &str) {
 
 /// A process frozen mid-handler (after its charge is written, inside its transaction on the
 /// transactional paths) past its lease, then resumed.
-async fn frozen_past_its_lease(path: &[&str]) {
+async fn frozen_past_its_lease(database: &str, path: &[&str]) {
     let lease = ["--lease", "1s"];
     let frozen_flags = [&lease[..], path, &["--work-delay", "3s", "--announce-work"]].concat();
-    let (frozen, mut out) = start_reading(Bin::Axum, &database_url(), &frozen_flags);
-    let other = start(Bin::Actix, &database_url(), &[&lease[..], path].concat());
+    let (frozen, mut out) = start_reading(Bin::Axum, database, &frozen_flags);
+    let other = start(Bin::Actix, database, &[&lease[..], path].concat());
     let op = &operations(1)[0];
     let late = charge_on(&frozen.base, op);
     let line = tokio::task::spawn_blocking(move || {
@@ -1052,7 +1128,7 @@ async fn frozen_past_its_lease(path: &[&str]) {
         // replay the taker-over's response, not this one.
         assert_eq!(late_status, 201, "{path:?}: {late_body}");
     } else {
-        // Transactional: its transaction rolled back (the fence refused it, or PostgreSQL
+        // Transactional: its transaction rolled back (the fence refused it, or the database
         // ended the frozen session), so its client gets a retryable 503, never its charge.
         assert_eq!(late_status, 503, "{path:?}: {late_body}");
         assert!(
@@ -1099,7 +1175,18 @@ async fn frozen_past_its_lease(path: &[&str]) {
 )]
 async fn frozen_past_its_lease_plain() {
     let _one_at_a_time = SERIAL.lock().await;
-    frozen_past_its_lease(&["--plain"]).await;
+    frozen_past_its_lease(&database_url(), &["--plain"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn frozen_past_its_lease_plain_on_mysql() {
+    let _one_at_a_time = SERIAL.lock().await;
+    let db = MySqlDb::create().await;
+    frozen_past_its_lease(&db.url, &["--plain"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1109,7 +1196,18 @@ async fn frozen_past_its_lease_plain() {
 )]
 async fn frozen_past_its_lease_two_commits() {
     let _one_at_a_time = SERIAL.lock().await;
-    frozen_past_its_lease(&["--commit", "two"]).await;
+    frozen_past_its_lease(&database_url(), &["--commit", "two"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn frozen_past_its_lease_two_commits_on_mysql() {
+    let _one_at_a_time = SERIAL.lock().await;
+    let db = MySqlDb::create().await;
+    frozen_past_its_lease(&db.url, &["--commit", "two"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1119,5 +1217,16 @@ async fn frozen_past_its_lease_two_commits() {
 )]
 async fn frozen_past_its_lease_single_commit() {
     let _one_at_a_time = SERIAL.lock().await;
-    frozen_past_its_lease(&["--commit", "single"]).await;
+    frozen_past_its_lease(&database_url(), &["--commit", "single"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn frozen_past_its_lease_single_commit_on_mysql() {
+    let _one_at_a_time = SERIAL.lock().await;
+    let db = MySqlDb::create().await;
+    frozen_past_its_lease(&db.url, &["--commit", "single"]).await;
 }

@@ -5,6 +5,7 @@
 //! cargo install --path idempotent-admin     # from a checkout of the repository
 //! idempotent-admin --database sqlite://charges.db get --scope acct_1 --key 8e03978e-…
 //! idempotent-admin --database postgres://… delete --scope acct_1 --key 8e03978e-… [--force]
+//! idempotent-admin --database mysql://root@127.0.0.1:3306/app get --scope acct_1 --key 8e03978e-…
 //! idempotent-admin --database redis+cluster://127.0.0.1:7000 get --scope acct_1 --key 8e03978e-…
 //! ```
 //!
@@ -29,8 +30,8 @@
 
 use clap::{Parser, Subcommand};
 use idempotent_core::{
-    IdempotencyKey, PostgresStore, RedisStore, Scope, SqliteStore, Store, store::Deleted,
-    store::Record, store::RecordKey, store::RecordState, store::StoredOutcome,
+    IdempotencyKey, MySqlStore, PostgresStore, RedisStore, Scope, SqliteStore, Store,
+    store::Deleted, store::Record, store::RecordKey, store::RecordState, store::StoredOutcome,
 };
 use serde_json::{Value, json};
 use std::process::ExitCode;
@@ -41,8 +42,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 #[derive(Debug, Parser)]
 #[command(name = "idempotent-admin")]
 struct Args {
-    /// `sqlite://FILE`, `postgres://…`, `redis://host:port` or `redis+cluster://host:port,…`
-    /// (defaults to `$DATABASE_URL`).
+    /// `sqlite://FILE`, `postgres://…`, `mysql://…` (MySQL or MariaDB; `mariadb://…` too),
+    /// `redis://host:port` or `redis+cluster://host:port,…` (defaults to `$DATABASE_URL`).
     #[arg(long)]
     database: Option<String>,
     /// Redis: the key prefix the application's store uses.
@@ -198,8 +199,16 @@ async fn open(url: &str, prefix: &str) -> Result<Box<dyn Store>, String> {
             PostgresStore::new(pool).map_err(|e| e.to_string())?,
         ));
     }
+    if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect(url)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(Box::new(MySqlStore::new(pool).map_err(|e| e.to_string())?));
+    }
     Err(format!(
-        "unsupported database URL `{url}`: use sqlite://FILE, postgres://…, redis://… or redis+cluster://…"
+        "unsupported database URL `{url}`: use sqlite://FILE, postgres://…, mysql://…, redis://… or redis+cluster://…"
     ))
 }
 

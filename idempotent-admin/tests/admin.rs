@@ -1,5 +1,6 @@
 //! `idempotent-admin` as a real process against the records of an application (an Axum
-//! route under `#[idempotent]`, served by this test, on SQLite and PostgreSQL): `get` shows a
+//! route under `#[idempotent]`, served by this test, on SQLite, PostgreSQL, MySQL and Redis
+//! Cluster): `get` shows a
 //! finished record (state, status, fingerprint, times) without its body unless asked;
 //! `delete` refuses an in-progress record without `--force` and deletes it with it (the
 //! running execution's record is then refused by the fence); a deleted key runs again; an
@@ -10,7 +11,9 @@ use axum::Router;
 use axum::extract::{FromRequestParts, State};
 use axum::http::{StatusCode, request::Parts};
 use axum::routing::post;
-use idempotent_axum::{Engine, Idempotency, PostgresStore, SqliteStore, Store, idempotent};
+use idempotent_axum::{
+    Engine, Idempotency, MySqlStore, PostgresStore, SqliteStore, Store, idempotent,
+};
 use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
@@ -76,6 +79,15 @@ async fn serve(database: &str, work: Duration) -> String {
         )
     } else if database.starts_with("sqlite:") {
         let store = SqliteStore::connect(database).await.unwrap();
+        store.migrate().await.unwrap();
+        configure(store)
+    } else if database.starts_with("mysql:") || database.starts_with("mariadb:") {
+        let pool = idempotent_axum::sqlx::mysql::MySqlPoolOptions::new()
+            .test_before_acquire(false)
+            .connect(database)
+            .await
+            .unwrap();
+        let store = MySqlStore::new(pool).unwrap();
         store.migrate().await.unwrap();
         configure(store)
     } else {
@@ -213,6 +225,50 @@ async fn admin_on_sqlite() {
 )]
 async fn admin_on_postgres() {
     inspect_and_delete(&std::env::var("DATABASE_URL").unwrap()).await;
+}
+
+/// On a database of its own (`idem_<uuid>` on `MYSQL_URL`'s server), dropped at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn admin_on_mysql() {
+    let server = std::env::var("MYSQL_URL").unwrap();
+    let name = format!("idem_{}", uuid::Uuid::new_v4().simple());
+    mysql_admin(&server, &format!("CREATE DATABASE {name}")).await;
+    let (address, query) = server.split_once('?').unwrap_or((server.as_str(), ""));
+    let authority = address.find("://").map_or(0, |at| at + 3);
+    let host_end = address[authority..]
+        .find('/')
+        .map_or(address.len(), |at| authority + at);
+    let url = match query {
+        "" => format!("{}/{name}", &address[..host_end]),
+        query => format!("{}/{name}?{query}", &address[..host_end]),
+    };
+    let tested = tokio::spawn(async move {
+        inspect_and_delete(&url).await;
+        // `mariadb://` names the same server (sqlx takes both schemes): no such record.
+        let mariadb = url.replacen("mysql://", "mariadb://", 1);
+        let (code, _, said) = admin(&mariadb, &["get", "--scope", "a", "--key", "k"]);
+        assert_eq!(code, 2, "{said}");
+    })
+    .await;
+    mysql_admin(&server, &format!("DROP DATABASE {name}")).await;
+    if let Err(e) = tested {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// Runs one statement on a connection of its own to `server`.
+async fn mysql_admin(server: &str, sql: &str) {
+    use idempotent_axum::sqlx::{self, Connection};
+    let mut conn = sqlx::MySqlConnection::connect(server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let _ = conn.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

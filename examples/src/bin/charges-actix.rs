@@ -9,7 +9,7 @@ use actix_web::http::{StatusCode, header};
 use actix_web::web::{self, Bytes};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer, Responder, ResponseError};
 use clap::Parser;
-use idempotent_actix::sqlx::{Postgres, Sqlite};
+use idempotent_actix::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_actix::{Idempotency, Idempotent, Transaction, idempotent};
 use idempotent_examples::api::PAYMENT_PROVIDER;
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
@@ -155,6 +155,26 @@ async fn create_charge_postgres(
     )
 }
 
+/// MySQL and MariaDB: transactional mode, as on SQLite.
+#[idempotent(scope = "account")]
+async fn create_charge_mysql(
+    api: web::Data<Api>,
+    Account(account): Account,
+    idem: Idempotent,
+    mut tx: Transaction<MySql>,
+    Valid(req): Valid<NewCharge>,
+) -> Reply {
+    Reply(
+        api.create_charge(
+            Writer::MySql(&mut tx),
+            &account,
+            idem.derive(PAYMENT_PROVIDER),
+            req,
+        )
+        .await,
+    )
+}
+
 /// The charge in the path is part of the request: one key used to refund two charges is a 422
 /// for the second, never a replay of the first.
 #[idempotent(scope = "account")]
@@ -198,6 +218,20 @@ async fn create_refund_postgres(
     )
 }
 
+#[idempotent(scope = "account")]
+async fn create_refund_mysql(
+    api: web::Data<Api>,
+    Account(account): Account,
+    charge: web::Path<String>,
+    mut tx: Transaction<MySql>,
+    Valid(req): Valid<NewRefund>,
+) -> Reply {
+    Reply(
+        api.create_refund(Writer::MySql(&mut tx), &account, &charge, req)
+            .await,
+    )
+}
+
 /// The POST routes for the database kind: transactional on SQL, plain on memory.
 fn posts(kind: Kind) -> (actix_web::Route, actix_web::Route) {
     match kind {
@@ -209,6 +243,10 @@ fn posts(kind: Kind) -> (actix_web::Route, actix_web::Route) {
         Kind::Postgres => (
             web::post().to(create_charge_postgres),
             web::post().to(create_refund_postgres),
+        ),
+        Kind::MySql => (
+            web::post().to(create_charge_mysql),
+            web::post().to(create_refund_mysql),
         ),
     }
 }

@@ -10,7 +10,7 @@ use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use clap::Parser;
-use idempotent_axum::sqlx::{Postgres, Sqlite};
+use idempotent_axum::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_axum::{Idempotency, Idempotent, Transaction, idempotent};
 use idempotent_examples::api::PAYMENT_PROVIDER;
 use idempotent_examples::api::{self, Api, ApiBody, Args, DRAIN_TIMEOUT};
@@ -132,6 +132,26 @@ async fn create_charge_postgres(
     )
 }
 
+/// MySQL and MariaDB: transactional mode, as on SQLite.
+#[idempotent(scope = "account")]
+async fn create_charge_mysql(
+    State(api): State<Api>,
+    Account(account): Account,
+    idem: Idempotent,
+    mut tx: Transaction<MySql>,
+    Valid(req): Valid<NewCharge>,
+) -> Reply {
+    Reply(
+        api.create_charge(
+            Writer::MySql(&mut tx),
+            &account,
+            idem.derive(PAYMENT_PROVIDER),
+            req,
+        )
+        .await,
+    )
+}
+
 /// The charge in the path is part of the request: one key used to refund two charges is a 422
 /// for the second, never a replay of the first.
 #[idempotent(scope = "account")]
@@ -175,12 +195,27 @@ async fn create_refund_postgres(
     )
 }
 
+#[idempotent(scope = "account")]
+async fn create_refund_mysql(
+    State(api): State<Api>,
+    Account(account): Account,
+    Path(charge): Path<String>,
+    mut tx: Transaction<MySql>,
+    Valid(req): Valid<NewRefund>,
+) -> Reply {
+    Reply(
+        api.create_refund(Writer::MySql(&mut tx), &account, &charge, req)
+            .await,
+    )
+}
+
 /// The POST handlers for the database kind: transactional on SQL, plain on memory.
 fn posts(kind: Kind) -> (MethodRouter<Api>, MethodRouter<Api>) {
     match kind {
         Kind::Memory => (post(create_charge), post(create_refund)),
         Kind::Sqlite => (post(create_charge_sqlite), post(create_refund_sqlite)),
         Kind::Postgres => (post(create_charge_postgres), post(create_refund_postgres)),
+        Kind::MySql => (post(create_charge_mysql), post(create_refund_mysql)),
     }
 }
 

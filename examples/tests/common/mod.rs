@@ -64,3 +64,60 @@ pub(crate) fn start_reading(
         .to_owned();
     (Server { child, base }, out)
 }
+
+/// A database of its own (`idem_<uuid>`) on the MySQL or MariaDB server of `MYSQL_URL`,
+/// dropped with everything in it when this is dropped (after the servers using it: declare
+/// it before them). `url` names it, with `MYSQL_URL`'s user, host and options.
+pub(crate) struct MySqlDb {
+    pub(crate) url: String,
+    server: String,
+    name: String,
+}
+
+impl MySqlDb {
+    pub(crate) async fn create() -> Self {
+        let server = std::env::var("MYSQL_URL").expect("MYSQL_URL");
+        let name = format!("idem_{}", uuid::Uuid::new_v4().simple());
+        mysql_admin(&server, &format!("CREATE DATABASE {name}")).await;
+        // `mysql://user@host:port/db?options`: the path is the database.
+        let (address, query) = server.split_once('?').unwrap_or((server.as_str(), ""));
+        let authority = address.find("://").map_or(0, |at| at + 3);
+        let host_end = address[authority..]
+            .find('/')
+            .map_or(address.len(), |at| authority + at);
+        let mut url = format!("{}/{name}", &address[..host_end]);
+        if !query.is_empty() {
+            url = format!("{url}?{query}");
+        }
+        MySqlDb { url, server, name }
+    }
+}
+
+impl Drop for MySqlDb {
+    fn drop(&mut self) {
+        let (server, sql) = (
+            self.server.clone(),
+            format!("DROP DATABASE IF EXISTS {}", self.name),
+        );
+        // Its own thread and runtime: this may run inside a test's runtime (or its panic).
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(mysql_admin(&server, &sql));
+        })
+        .join();
+    }
+}
+
+/// Runs one statement on a connection of its own to `server`.
+async fn mysql_admin(server: &str, sql: &str) {
+    use sqlx::Connection;
+    let mut conn = sqlx::MySqlConnection::connect(server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let _ = conn.close().await;
+}

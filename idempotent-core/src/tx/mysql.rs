@@ -311,7 +311,7 @@ mod tests {
         let key = |scope: &str, key: &str| {
             RecordKey::new(
                 Scope::new(scope).unwrap(),
-                IdempotencyKey::parse(key).unwrap(),
+                IdempotencyKey::parse(key.as_bytes()).unwrap(),
             )
         };
         let a = lock_name("t", &key("ab", "c"));

@@ -7,7 +7,7 @@ use actix_web::dev::Payload;
 use actix_web::http::{StatusCode, header};
 use actix_web::web::{self, Json};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer};
-use idempotent_actix::sqlx::{Postgres, Sqlite};
+use idempotent_actix::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_actix::{Idempotency, Transaction, idempotent};
 use idempotent_core::Engine;
 use idempotent_core::http::ConfigBuilder;
@@ -86,6 +86,18 @@ async fn tx_postgres(
     answer(&id, &order, written)
 }
 
+#[idempotent(scope = "account")]
+async fn tx_mysql(
+    b: web::Data<Bench>,
+    Account(account): Account,
+    mut tx: Transaction<MySql>,
+    Json(order): Json<NewOrder>,
+) -> HttpResponse {
+    let id = b.execute();
+    let written = insert(Conn::MySql(&mut tx), &id, &account, &order).await;
+    answer(&id, &order, written)
+}
+
 async fn stats(b: web::Data<Bench>) -> String {
     b.executions().to_string()
 }
@@ -94,7 +106,7 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
     actix_web::rt::System::new().block_on(async {
         let (bench, store) = super::server::open(&args.database, &args.tag).await?;
         if matches!((args.arm, &bench.db), (Arm::Tx, Db::Memory)) {
-            return Err("transactional mode needs SQLite or PostgreSQL".to_owned());
+            return Err("transactional mode needs SQLite, PostgreSQL or MySQL".to_owned());
         }
         let idempotency: Idempotency = ConfigBuilder::new(Engine::from_arc(store))
             .build()
@@ -109,6 +121,7 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                 (Arm::Plain, _) | (Arm::Tx, Db::Memory) => web::post().to(plain),
                 (Arm::Tx, Db::Sqlite(_)) => web::post().to(tx_sqlite),
                 (Arm::Tx, Db::Postgres(_)) => web::post().to(tx_postgres),
+                (Arm::Tx, Db::MySql(_)) => web::post().to(tx_mysql),
             };
             actix_web::App::new()
                 .wrap(middleware.clone())

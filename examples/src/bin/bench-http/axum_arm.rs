@@ -9,7 +9,7 @@ use axum::extract::{FromRequestParts, State};
 use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use idempotent_axum::sqlx::{Postgres, Sqlite};
+use idempotent_axum::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_axum::{Idempotency, Transaction, idempotent};
 use idempotent_core::Engine;
 use idempotent_core::http::ConfigBuilder;
@@ -87,6 +87,18 @@ async fn tx_postgres(
     answer(&id, &order, written)
 }
 
+#[idempotent(scope = "account")]
+async fn tx_mysql(
+    State(b): State<Bench>,
+    Account(account): Account,
+    mut tx: Transaction<MySql>,
+    Json(order): Json<NewOrder>,
+) -> Response {
+    let id = b.execute();
+    let written = insert(Conn::MySql(&mut tx), &id, &account, &order).await;
+    answer(&id, &order, written)
+}
+
 async fn stats(State(b): State<Bench>) -> String {
     b.executions().to_string()
 }
@@ -103,8 +115,9 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
             (Arm::Plain, _) => post(plain),
             (Arm::Tx, super::server::Db::Sqlite(_)) => post(tx_sqlite),
             (Arm::Tx, super::server::Db::Postgres(_)) => post(tx_postgres),
+            (Arm::Tx, super::server::Db::MySql(_)) => post(tx_mysql),
             (Arm::Tx, super::server::Db::Memory) => {
-                return Err("transactional mode needs SQLite or PostgreSQL".to_owned());
+                return Err("transactional mode needs SQLite, PostgreSQL or MySQL".to_owned());
             }
         };
         let idempotency: Idempotency = ConfigBuilder::new(Engine::from_arc(store))

@@ -1,5 +1,5 @@
 //! The HTTP benchmark: the same handler **bare** and **annotated** (`#[idempotent]`), on Axum
-//! and Actix-web, on the memory store, SQLite, PostgreSQL and Redis, driven by 64 keep-alive
+//! and Actix-web, on the memory store, SQLite, PostgreSQL, MySQL and Redis, driven by 64 keep-alive
 //! connections for a fixed time, arms alternating round by round, medians reported with the
 //! ratio annotated ÷ bare from the same run.
 //!
@@ -9,8 +9,8 @@
 //!
 //! Each arm is its own server process (this binary's hidden `serve` command). On a machine
 //! with two or more CPUs the load generator runs on CPU 0 and every server on CPU 1
-//! (`taskset`), so they do not take each other's time; PostgreSQL runs where the kernel puts
-//! it. The handler parses a JSON order and answers a JSON object; on SQL stores the bare arm
+//! (`taskset`), so they do not take each other's time; PostgreSQL and MySQL run where the
+//! kernel puts them. The handler parses a JSON order and answers a JSON object; on SQL stores the bare arm
 //! writes one row in its own transaction, the `tx` arm writes it in transactional mode (single
 //! commit, the default path on both databases) and the `plain` arm in its own transaction
 //! under the attribute's plain mode. Every run checks the server's execution count against
@@ -60,7 +60,7 @@ struct RunArgs {
     #[arg(long)]
     observe: bool,
     /// Stores to measure.
-    #[arg(long, value_delimiter = ',', default_values = ["memory", "sqlite", "postgres", "redis"])]
+    #[arg(long, value_delimiter = ',', default_values = ["memory", "sqlite", "postgres", "mysql", "redis"])]
     stores: Vec<StoreKind>,
     /// Frameworks to measure.
     #[arg(long, value_delimiter = ',', default_values = ["axum", "actix"])]
@@ -84,6 +84,11 @@ struct RunArgs {
     /// `bench_http`, dropped at the start of a run.
     #[arg(long)]
     database: Option<String>,
+    /// MySQL or MariaDB URL (default `$MYSQL_URL`, else `mysql://root@127.0.0.1:3306/test`); the
+    /// benchmark's tables in the database it names are `bench_http_*`, dropped when a run
+    /// starts and when it ends.
+    #[arg(long)]
+    mysql: Option<String>,
     /// Redis URL for the Redis store (default `$REDIS_URL`, else `redis://127.0.0.1:6379`;
     /// `redis+cluster://…` for a cluster). The records go under the prefix `bench-http:`,
     /// deleted at the end of the run.
@@ -105,6 +110,8 @@ enum StoreKind {
     Memory,
     Sqlite,
     Postgres,
+    #[value(name = "mysql")]
+    MySql,
     Redis,
 }
 
@@ -160,7 +167,7 @@ struct ServeArgs {
     framework: Framework,
     #[arg(long)]
     arm: Arm,
-    /// `memory`, `sqlite://FILE`, `postgres://…` or `redis://…`.
+    /// `memory`, `sqlite://FILE`, `postgres://…`, `mysql://…` or `redis://…`.
     #[arg(long)]
     database: String,
     /// Makes the server's order ids unique.
@@ -383,7 +390,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 fn arms(store: StoreKind) -> &'static [Arm] {
     match store {
         StoreKind::Memory | StoreKind::Redis => &[Arm::Bare, Arm::Plain],
-        StoreKind::Sqlite | StoreKind::Postgres => &[Arm::Bare, Arm::Tx, Arm::Plain],
+        StoreKind::Sqlite | StoreKind::Postgres | StoreKind::MySql => {
+            &[Arm::Bare, Arm::Tx, Arm::Plain]
+        }
     }
 }
 
@@ -413,6 +422,14 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
         }
         _ => None,
     };
+    let mysql_url = args
+        .mysql
+        .clone()
+        .or_else(|| std::env::var("MYSQL_URL").ok().filter(|u| !u.is_empty()))
+        .unwrap_or_else(|| "mysql://root@127.0.0.1:3306/test".to_owned());
+    if stores.contains(&StoreKind::MySql) {
+        drop_mysql_tables(&mysql_url).await?;
+    }
     let redis_url = args
         .redis
         .clone()
@@ -448,6 +465,7 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
                         format!("sqlite://{}", dir.join(format!("{tag}.db")).display())
                     }
                     StoreKind::Postgres => pg_url.clone().unwrap_or_default(),
+                    StoreKind::MySql => mysql_url.clone(),
                     StoreKind::Redis => redis_url.clone(),
                 };
                 let server = Server::start(framework, arm, &database, &tag, pinned).await?;
@@ -499,6 +517,9 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    if args.stores.contains(&StoreKind::MySql) {
+        drop_mysql_tables(&mysql_url).await?;
+    }
     if args.stores.contains(&StoreKind::Redis) {
         server::redis_cleanup(&redis_url).await;
     }
@@ -506,6 +527,21 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
         std::fs::write(out, &report).map_err(|e| format!("{}: {e}", out.display()))?;
     }
     Ok(all_ok)
+}
+
+/// Drops the benchmark's MySQL tables ([`server::MYSQL_TABLES`]) from the database `url` names.
+async fn drop_mysql_tables(url: &str) -> Result<(), String> {
+    use sqlx::Connection;
+    let mut conn = sqlx::MySqlConnection::connect(url)
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    let sql = format!("DROP TABLE IF EXISTS {}", server::MYSQL_TABLES.join(", "));
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut conn)
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    let _ = conn.close().await;
+    Ok(())
 }
 
 fn chrono_free_date() -> String {

@@ -1,6 +1,6 @@
 //! What every benchmark server shares: the handler's work, the database, the execution count.
 
-use idempotent_core::{PostgresStore, SqliteStore, Store};
+use idempotent_core::{MySqlStore, PostgresStore, SqliteStore, Store};
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
@@ -8,6 +8,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The schema (PostgreSQL) holding the benchmark's tables, dropped when a run starts.
 pub(crate) const PG_SCHEMA: &str = "bench_http";
+
+/// The tables (MySQL) of the benchmark, in the database its URL names: the store's records
+/// (with its migrations' table) and the orders, dropped when a run starts and when it ends.
+pub(crate) const MYSQL_TABLES: [&str; 3] = [
+    MYSQL_RECORDS,
+    "bench_http_records_migrations",
+    "bench_http_orders",
+];
+
+/// The store's table on MySQL.
+const MYSQL_RECORDS: &str = "bench_http_records";
 
 /// An order as the client posts it: the handler parses it (serde) in every arm.
 #[derive(Debug, Deserialize)]
@@ -24,6 +35,7 @@ pub(crate) enum Db {
     Memory,
     Sqlite(sqlx::SqlitePool),
     Postgres(sqlx::PgPool),
+    MySql(sqlx::MySqlPool),
 }
 
 /// The server's state: its database and how many times the handler ran.
@@ -38,6 +50,7 @@ pub(crate) struct Bench {
 pub(crate) enum Conn<'a> {
     Sqlite(&'a mut sqlx::SqliteConnection),
     Postgres(&'a mut sqlx::PgConnection),
+    MySql(&'a mut sqlx::MySqlConnection),
 }
 
 impl Bench {
@@ -70,6 +83,11 @@ impl Bench {
                 insert(Conn::Postgres(&mut tx), id, account, order).await?;
                 tx.commit().await
             }
+            Db::MySql(pool) => {
+                let mut tx = pool.begin().await?;
+                insert(Conn::MySql(&mut tx), id, account, order).await?;
+                tx.commit().await
+            }
         }
     }
 }
@@ -94,6 +112,16 @@ pub(crate) async fn insert(
         }
         Conn::Postgres(c) => {
             sqlx::query("INSERT INTO bench_http.orders (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)")
+                .bind(id)
+                .bind(account)
+                .bind(order.amount)
+                .bind(&order.currency)
+                .bind(&order.description)
+                .execute(c)
+                .await?;
+        }
+        Conn::MySql(c) => {
+            sqlx::query("INSERT INTO bench_http_orders (id, account, amount, currency, description) VALUES (?, ?, ?, ?, ?)")
                 .bind(id)
                 .bind(account)
                 .bind(order.amount)
@@ -191,8 +219,9 @@ async fn cluster_primaries(seeds: &str) -> Vec<String> {
     Vec::new()
 }
 
-/// Opens the database for a server: `memory`, `sqlite://FILE`, `postgres://…` or `redis://…`, with the
-/// store the annotated arms use (the same database, so transactional mode can join it).
+/// Opens the database for a server: `memory`, `sqlite://FILE`, `postgres://…`, `mysql://…` or
+/// `redis://…`, with the store the annotated arms use (the same database, so transactional mode
+/// can join it).
 pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>), String> {
     let err = |e: &dyn std::fmt::Display| format!("{url}: {e}");
     let (db, store): (Db, Arc<dyn Store>) = if url == "memory" {
@@ -228,6 +257,27 @@ pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>)
         .await
         .map_err(|e| err(&e))?;
         (Db::Sqlite(store.pool().clone()), Arc::new(store))
+    } else if idempotent_examples::charges::is_mysql(url) {
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(16)
+            .test_before_acquire(false)
+            .connect(url)
+            .await
+            .map_err(|e| err(&e))?;
+        let store = MySqlStore::builder(pool.clone())
+            .table(MYSQL_RECORDS)
+            .build()
+            .map_err(|e| err(&e))?;
+        store.migrate().await.map_err(|e| err(&e))?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS bench_http_orders (id VARCHAR(64) PRIMARY KEY,
+             account VARCHAR(255) NOT NULL, amount BIGINT NOT NULL, currency VARCHAR(16) NOT NULL,
+             description TEXT NOT NULL) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
+        )
+        .execute(&pool)
+        .await
+        .map_err(|e| err(&e))?;
+        (Db::MySql(pool), Arc::new(store))
     } else {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(16)
