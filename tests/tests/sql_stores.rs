@@ -819,6 +819,17 @@ async fn postgres_claim_on_inside_a_callers_transaction() {
 
 // MySQL / MariaDB (`MYSQL_URL`).
 
+/// One execution, so that what a store does once (MySQL: whether its sessions autocommit)
+/// is not counted against the executions measured after it.
+async fn warm_up(engine: &Engine) {
+    let out = engine
+        .execute(request(&unique_key("warm")), &Policy::default(), || async {
+            handled()
+        })
+        .await;
+    assert!(matches!(out, Outcome::Executed { .. }), "{out:?}");
+}
+
 /// Plain mode: a first execution is three statements (the read that misses, the `INSERT`
 /// that claims, the `UPDATE` that completes) and a replay one; a replay takes no lock: it
 /// answers while another transaction holds the record's row locked (a locking read or a
@@ -833,6 +844,7 @@ async fn mysql_round_trips_and_no_lock_on_replay() {
     let table = unique_table("rt");
     let store = mysql_store(pool.clone(), &table).await;
     let engine = Engine::new(store.clone());
+    warm_up(&engine).await;
     round_trips(&engine, || store.statements_sent(), 3).await;
 
     let key = unique_key("locked");
@@ -1026,4 +1038,136 @@ async fn mysql_take_over_never_waits_on_a_row_lock() {
         ClaimOutcome::Claimed(lease) if lease.took_over
     ));
     mysql_drop(&pool, &table).await;
+}
+
+/// The sweeper never waits on a row another transaction holds (a single-commit take-over of
+/// an expired record holds it until it commits): it deletes the other expired rows at once
+/// and leaves that one to a later batch; meanwhile the rows it deleted are free at once.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_sweeper_skips_rows_a_transaction_holds() {
+    let table = unique_table("sweep");
+    let pool = mysql_pool(4).await;
+    let store = mysql_store(pool.clone(), &table).await;
+    let (k1, k2) = (unique_key("free"), unique_key("held"));
+    for key in [&k1, &k2] {
+        let req = ClaimRequest {
+            key,
+            fingerprint: &fp("s"),
+            lease: Duration::from_millis(100),
+            ttl: Duration::from_millis(100),
+        };
+        let ClaimOutcome::Claimed(lease) = store.claim(req).await.unwrap() else {
+            panic!("not claimed")
+        };
+        store
+            .complete(
+                key,
+                lease.token,
+                &StoredResponse::new(201, "x").into(),
+                req.ttl,
+            )
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await; // both expired
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE"
+    )))
+    .bind(k2.scope.as_str())
+    .bind(k2.key.as_str())
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let purged = tokio::time::timeout(Duration::from_secs(5), store.purge_expired(100))
+        .await
+        .expect("the sweeper waited on a held row")
+        .unwrap();
+    assert_eq!(purged, 1, "the free expired row only");
+    // A new request on the deleted key claims at once (the sweeper's locks are gone).
+    let req = ClaimRequest {
+        key: &k1,
+        fingerprint: &fp("s"),
+        lease: Duration::from_secs(10),
+        ttl: Duration::from_secs(60),
+    };
+    let claimed = tokio::time::timeout(Duration::from_secs(5), store.claim(req))
+        .await
+        .expect("a claim waited on the sweeper")
+        .unwrap();
+    assert!(matches!(claimed, ClaimOutcome::Claimed(_)), "{claimed:?}");
+    holder.rollback().await.unwrap();
+    assert_eq!(
+        store.purge_expired(100).await.unwrap(),
+        1,
+        "the other, once free"
+    );
+    mysql_drop(&pool, &table).await;
+}
+
+/// A pool whose sessions do not autocommit would leave plain mode's claims and completes
+/// uncommitted (unseen by other instances, lost with the connection): `migrate` refuses it,
+/// and so does every claim (503), rather than run handlers unprotected.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_refuses_sessions_without_autocommit() {
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .test_before_acquire(false)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::raw_sql("SET SESSION autocommit = 0")
+                    .execute(conn)
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .unwrap();
+    let table = unique_table("noauto");
+    let store = idempotent_core::MySqlStore::builder(pool)
+        .table(&table)
+        .build()
+        .unwrap();
+    let refused = store.migrate().await.unwrap_err();
+    assert!(refused.to_string().contains("autocommit"), "{refused}");
+    // On a table made by a store whose sessions autocommit.
+    let good = mysql_store(mysql_pool(2).await, &table).await;
+    let key = unique_key("noauto");
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("a"),
+        lease: Duration::from_secs(10),
+        ttl: Duration::from_secs(60),
+    };
+    assert!(matches!(
+        store.claim(req).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(good.get(&key).await.unwrap().is_none(), "nothing claimed");
+    mysql_drop(good.pool(), &table).await;
+}
+
+/// A table name MySQL 8 reserves (MariaDB does not): quoted everywhere, it works.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_reserved_table_names_are_quoted() {
+    let pool = mysql_pool(2).await;
+    let store = mysql_store(pool.clone(), "rank").await;
+    let engine = Engine::new(store.clone());
+    warm_up(&engine).await;
+    round_trips(&engine, || store.statements_sent(), 3).await;
+    assert_eq!(store.purge_expired(10).await.unwrap(), 0);
+    mysql_drop(&pool, "rank").await;
 }

@@ -1479,10 +1479,11 @@ async fn mysql_single_commit_round_trips() {
 
 /// InnoDB ends a deadlock's victim by rolling back its whole transaction; a handler that goes
 /// on writing after that error (here the same end is forced with a `ROLLBACK` of its own)
-/// must not commit those writes on their own. The transaction runs with the session's
-/// autocommit off, so they open a new transaction instead; the claim rolled back with the
-/// rest, so the fenced complete is refused and that new transaction rolls back too. Nothing
-/// commits, the key is free, the retry runs once.
+/// must not commit those writes, on their own or with the record. The transaction runs with
+/// the session's autocommit off, so they open a new transaction instead, and its COMMIT goes
+/// after the release of a savepoint that rollback took with it, so it never runs: nothing
+/// commits, on either path, the key is free (single commit: the claim rolled back; two
+/// commits: released), and the retry runs once.
 #[tokio::test]
 #[cfg_attr(
     not(mysql_db),
@@ -1490,38 +1491,41 @@ async fn mysql_single_commit_round_trips() {
 )]
 async fn mysql_statements_after_a_rolled_back_transaction_never_commit_alone() {
     let (db, store) = mysql_db(mysql_pool(2).await).await;
-    let before = db.rows().await;
-    let key = unique_key("victim");
-    let p = policy(Duration::from_secs(10));
-    let opts = options(CommitPath::Single);
-    let mut execution = claimed::<sqlx::MySql>(&db.engine, request(&key, "a"), &p, &opts).await;
-    let mut tx = execution.transaction().unwrap();
-    insert(&mut tx, &db.business).await;
-    sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
-    insert(&mut tx, &db.business).await;
-    drop(tx);
-    let out = execution.finish(StoredResponse::new(201, "x").into()).await;
-    assert!(
-        matches!(out, TxFinished::Failed(StoreError::StaleLease)),
-        "{out:?}"
-    );
-    assert_eq!(
-        db.rows().await,
-        before,
-        "a write after the rollback committed alone"
-    );
-    assert!(store.get(&key).await.unwrap().is_none());
-    let autocommit: i64 = sqlx::query_scalar("SELECT @@SESSION.autocommit")
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        let before = db.rows().await;
+        let key = unique_key("victim");
+        let p = policy(Duration::from_secs(10));
+        let opts = options(commit);
+        let mut execution = claimed::<sqlx::MySql>(&db.engine, request(&key, "a"), &p, &opts).await;
+        let mut tx = execution.transaction().unwrap();
+        insert(&mut tx, &db.business).await;
+        sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
+        insert(&mut tx, &db.business).await;
+        drop(tx);
+        let out = execution.finish(StoredResponse::new(201, "x").into()).await;
+        assert!(matches!(out, TxFinished::Failed(_)), "{commit:?}: {out:?}");
+        assert_eq!(
+            db.rows().await,
+            before,
+            "{commit:?}: a write after the rollback committed"
+        );
+        assert!(store.get(&key).await.unwrap().is_none(), "{commit:?}");
+        let settings: (i64, i64) = sqlx::query_as(
+            "SELECT @@SESSION.autocommit, @@SESSION.wait_timeout = @@GLOBAL.wait_timeout",
+        )
         .fetch_one(store.pool())
         .await
         .unwrap();
-    assert_eq!(autocommit, 1, "the session's autocommit was not put back");
-    let runs = AtomicUsize::new(0);
-    let out = one(&db, &key, CommitPath::Single, 201, &runs)
-        .await
-        .unwrap();
-    assert!(matches!(out, TxFinished::Committed), "{out:?}");
-    assert_eq!(db.rows().await, before + 1);
+        assert_eq!(
+            settings,
+            (1, 1),
+            "{commit:?}: the session's settings were not put back"
+        );
+        let runs = AtomicUsize::new(0);
+        let out = one(&db, &key, commit, 201, &runs).await.unwrap();
+        assert!(matches!(out, TxFinished::Committed), "{commit:?}: {out:?}");
+        assert_eq!(db.rows().await, before + 1);
+    }
 }
 
 /// The named lock a single-commit claim takes (`tx/mysql.rs`): `idempotent:` and 40 hex

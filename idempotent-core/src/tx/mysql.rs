@@ -23,7 +23,7 @@ use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::MySqlStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
-use crate::store::sql::mysql::Inserted;
+use crate::store::sql::mysql::{Inserted, error_number};
 use crate::store::sql::{Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error, q};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::mysql::MySqlConnection;
@@ -33,15 +33,36 @@ use std::time::Duration;
 /// How every transaction on this store begins: READ COMMITTED for this transaction only,
 /// whatever the session's default (the claim's retry loop and the fenced complete rely on
 /// each statement seeing what committed before it), with the session's autocommit off until
-/// it ends. Why: InnoDB ends a transaction it picks as a deadlock's victim (and, with
-/// `innodb_rollback_on_timeout`, one whose lock wait timed out) by rolling it back whole, and
-/// with autocommit on, the statements a handler runs after that error (if it goes on) would
-/// each commit on their own, outside the transaction the record commits with. With it off
-/// they open a new transaction, which only the library's COMMIT ends: in single commit the
-/// claim rolled back with the rest, so the fenced complete finds no row and everything rolls
-/// back (`mysql_statements_after_a_rolled_back_transaction_never_commit_alone`).
+/// it ends, and a savepoint that marks it. Why: InnoDB ends a transaction it picks as a
+/// deadlock's victim (and, with `innodb_rollback_on_timeout`, one whose lock wait timed out)
+/// by rolling it back whole. With autocommit on, the statements a handler runs after that
+/// error (if it goes on) would each commit on their own; with it off they open a new
+/// transaction, which only the library's COMMIT ends. That COMMIT goes after
+/// `RELEASE SAVEPOINT idempotent_tx` in one query: the rollback took the savepoint with it,
+/// so the release fails and the query stops before its COMMIT; nothing of the handler
+/// commits, the two-commit claim is released, the client gets 503
+/// (`mysql_statements_after_a_rolled_back_transaction_never_commit_alone`, both paths). In
+/// single commit the claim rolled back too, so the fenced complete is refused even before.
 const BEGIN: &str = "SET @idempotent_autocommit = @@SESSION.autocommit, SESSION autocommit = 0; \
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+    SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; SAVEPOINT idempotent_tx";
+
+/// Ends the transaction [`BEGIN`] opened, if it is still that one (see there).
+const COMMIT: &str = "RELEASE SAVEPOINT idempotent_tx; COMMIT";
+
+/// `ER_SP_DOES_NOT_EXIST` (1305): the savepoint [`BEGIN`] set is gone with its transaction.
+const SAVEPOINT_GONE: u16 = 1305;
+
+/// The handler's transaction was rolled back by the server while it ran.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the server rolled the handler's transaction back (a deadlock's victim, or a lock wait timeout with innodb_rollback_on_timeout); nothing of it committed"
+)]
+struct RolledBack;
+
+/// How long a two-commit session may idle between its complete and its COMMIT (both sent at
+/// once unless the process stalls): past it the server ends the session, which releases the
+/// record's row lock that the complete took.
+const COMPLETE_IDLE_SECS: u64 = 10;
 
 /// Puts back the session's autocommit that [`BEGIN`] turned off.
 const RESTORE_AUTOCOMMIT: &str = "SET SESSION autocommit = @idempotent_autocommit";
@@ -216,18 +237,24 @@ impl TxDatabase for sqlx::MySql {
     /// COMMIT and what must follow it (the lock's release, the session's settings put back)
     /// in one round trip.
     async fn commit_tx(tx: Held<sqlx::MySql>) -> Result<(), sqlx::Error> {
-        end(tx, "COMMIT").await
+        let mut tx = tx;
+        end(&mut tx, COMMIT).await
     }
 
     /// ROLLBACK and what must follow it, in one round trip.
     async fn rollback_tx(tx: Held<sqlx::MySql>) -> Result<(), sqlx::Error> {
-        end(tx, "ROLLBACK").await
+        let mut tx = tx;
+        end(&mut tx, "ROLLBACK").await
     }
 
-    /// The fenced complete, then COMMIT with what must follow it (the lock's release, the
-    /// idle limit put back) in one round trip. MySQL has no way to make a multi-statement
-    /// query stop at an `UPDATE` that matched no row, so the complete goes alone first: a
-    /// complete the fence refused never reaches the COMMIT.
+    /// The fenced complete (a prepared statement: its values are bound, not written into the
+    /// text), then the savepoint's release, COMMIT and what must follow them (the lock's
+    /// release, the session's settings put back) in one round trip: two round trips in
+    /// single commit. A complete the fence refused never reaches the COMMIT. In two commits
+    /// one more goes first, lowering the session's idle limit (10 s) until the end, so a
+    /// process that stalls between the complete (which locks the record's row) and its
+    /// COMMIT gives the row back that much later, not after the session's usual
+    /// `wait_timeout` (8 hours by default).
     async fn complete_commit(
         store: &MySqlStore,
         tx: Held<sqlx::MySql>,
@@ -237,15 +264,46 @@ impl TxDatabase for sqlx::MySql {
         ttl: Duration,
     ) -> Result<(), FinishError<sqlx::MySql>> {
         let mut tx = tx;
+        let idle_bound = tx
+            .after
+            .as_deref()
+            .is_some_and(|after| after.contains(RESTORE_IDLE));
+        if !idle_bound {
+            // Two commits: no idle limit so far (the handler may idle, its claim's heartbeat
+            // runs). The complete locks the record's row until COMMIT: a process that stalls
+            // in between must not hold it (and the key) until the session's usual
+            // `wait_timeout`, hours by default.
+            store.sent.bump();
+            let lower = format!(
+                "SET @idempotent_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {COMPLETE_IDLE_SECS}"
+            );
+            if let Err(e) = sqlx::raw_sql(AssertSqlSafe(lower)).execute(&mut *tx).await {
+                return Err(FinishError::Complete(db_error(e), tx));
+            }
+            let after = tx.after.get_or_insert_with(String::new);
+            if after.is_empty() {
+                after.push_str(RESTORE_IDLE);
+            } else {
+                after.push_str("; ");
+                after.push_str(RESTORE_IDLE);
+            }
+        }
         if let Err(error) = store.complete_on(&mut tx, key, token, outcome, ttl).await {
             return Err(FinishError::Complete(error, tx));
         }
         store.sent.bump();
-        // On failure `tx` is dropped with `after` still set, so its connection is closed; and
-        // whether COMMIT applied is unknown.
-        Self::commit_tx(tx)
-            .await
-            .map_err(|e| FinishError::Commit(db_error(e)))
+        match end(&mut tx, COMMIT).await {
+            Ok(()) => Ok(()),
+            // The query stopped at the savepoint's release, before its COMMIT: nothing
+            // committed; the caller rolls back (and releases a two-commit claim).
+            Err(e) if error_number(&e) == Some(SAVEPOINT_GONE) => Err(FinishError::Complete(
+                StoreError::unavailable(RolledBack),
+                tx,
+            )),
+            // Whether COMMIT applied is unknown; `tx` is dropped with `after` still set, so
+            // its connection is closed.
+            Err(e) => Err(FinishError::Commit(db_error(e))),
+        }
     }
 
     /// The lease, and at least 10 s: past it the server has ended a single-commit session
@@ -260,12 +318,12 @@ impl TxDatabase for sqlx::MySql {
 /// round trip. sqlx still counts the transaction: dropped, `tx` queues a ROLLBACK that does
 /// nothing now (it goes out with the connection's next statement). If this fails, `tx` keeps
 /// `after` and its drop closes the connection.
-async fn end(mut tx: Held<sqlx::MySql>, verb: &str) -> Result<(), sqlx::Error> {
+async fn end(tx: &mut Held<sqlx::MySql>, verb: &str) -> Result<(), sqlx::Error> {
     let sql = match tx.after.as_deref() {
         Some(after) => format!("{verb}; {after}"),
         None => verb.to_owned(),
     };
-    sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
+    sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut **tx).await?;
     tx.after = None;
     Ok(())
 }

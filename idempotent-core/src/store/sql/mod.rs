@@ -12,8 +12,9 @@ macro_rules! sql_store_common {
         sql_store_common!(@common $store, $pool, $db, $conn);
     };
     // What a database whose statements can return rows they wrote (`RETURNING`: PostgreSQL,
-    // SQLite) shares: the claim-shaped write, the complete's parameters, the heartbeat and
-    // the delete. MySQL, without `RETURNING`, writes its own (`sql/mysql.rs`).
+    // SQLite) shares: the claim-shaped write, the complete's parameters, the heartbeat, the
+    // sweeper's batch and the delete. MySQL, without `RETURNING`, writes its own
+    // (`sql/mysql.rs`).
     (@returning $store:ident, $db:ty, $conn:ty) => {
         const _: () = {
             use std::sync::Arc;
@@ -103,6 +104,17 @@ macro_rules! sql_store_common {
                     }
                 }
 
+                /// One bounded batch of the sweeper (the `purge` statement).
+                async fn purge_batch(&self, batch: usize) -> Result<u64, StoreError> {
+                    self.sent.bump();
+                    let done = sqlx::query(q(&self.sql.purge))
+                        .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                        .execute(&self.pool)
+                        .await
+                        .map_err(db_error)?;
+                    Ok(done.rows_affected())
+                }
+
                 /// [`Store::delete`](crate::Store::delete): the `DELETE … RETURNING`, and a
                 /// read that explains why nothing was deleted.
                 async fn delete_record(
@@ -148,7 +160,8 @@ macro_rules! sql_store_common {
         };
     };
     // The rest: accessors, the fenced complete on a connection, and the `Store` impl around
-    // the store's own `claim_on`, `complete_query`, `extend_once` and `delete_record`.
+    // the store's own `claim_on`, `complete_query`, `extend_once`, `purge_batch` and
+    // `delete_record`.
     (@common $store:ident, $pool:ty, $db:ty, $conn:ty) => {
         const _: () = {
             use std::time::{Duration, SystemTime};
@@ -275,13 +288,7 @@ macro_rules! sql_store_common {
                 }
 
                 async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
-                    self.sent.bump();
-                    let done = sqlx::query(q(&self.sql.purge))
-                        .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-                        .execute(&self.pool)
-                        .await
-                        .map_err(db_error)?;
-                    Ok(done.rows_affected())
+                    self.purge_batch(batch).await
                 }
 
                 async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {

@@ -66,6 +66,9 @@ pub(crate) fn bounded_millis(d: Duration) -> i64 {
 ///   space); a response is one `LONGBLOB` row value, so keep the route's response limit below
 ///   the server's `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8): a
 ///   larger one fails to complete and is retried, then released with its lease.
+/// - **Versions.** `FOR UPDATE NOWAIT` (take-overs) and `SKIP LOCKED` (the sweeper) need
+///   MySQL 8.0.1+ or MariaDB 10.6+. The pool's sessions must autocommit (MySQL's default):
+///   [`MySqlStore::migrate`] refuses a pool whose sessions do not, and claims answer 503.
 /// - **Lease ends.** The claim, the take-over and the heartbeat return the new lease end
 ///   through `LAST_INSERT_ID(expr)` (the server reports it with the statement's row count),
 ///   which stands in for `RETURNING`: in a transactional handler, `LAST_INSERT_ID()` read
@@ -87,6 +90,8 @@ pub struct MySqlStore {
     pub(crate) pool: MySqlPool,
     pub(crate) sql: Arc<Statements>,
     pub(crate) sent: Arc<Counter>,
+    /// Set once a session of the pool was found to autocommit (see `check_autocommit`).
+    autocommit_checked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Builds a [`MySqlStore`].
@@ -114,6 +119,7 @@ impl MySqlStoreBuilder {
             pool: self.pool,
             sql: Arc::new(Statements::new(&table)),
             sent: Arc::default(),
+            autocommit_checked: Arc::default(),
         })
     }
 }
@@ -130,7 +136,8 @@ pub(crate) struct Statements {
     pub(crate) complete: Arc<str>,
     release: Arc<str>,
     extend: Arc<str>,
-    purge: Arc<str>,
+    purge_pick: Arc<str>,
+    purge_delete: Arc<str>,
     get: Arc<str>,
     read_any: Arc<str>,
     delete: Arc<str>,
@@ -142,8 +149,11 @@ const RECORD_COLUMNS: &str = "fingerprint, done, token, locked_until, status, he
 
 impl Statements {
     fn new(table: &str) -> Self {
+        // Quoted: a name reserved on MySQL 8 but not on MariaDB (`groups`, `rank`) passes
+        // `identifier` and must still work.
+        let quoted = format!("`{table}`");
         let s = |sql: &str| -> Arc<str> {
-            sql.replace("{t}", table)
+            sql.replace("{t}", &quoted)
                 .replace("{now}", NOW)
                 .replace("{record}", RECORD_COLUMNS)
                 .into()
@@ -201,9 +211,17 @@ impl Statements {
             extend: s("UPDATE {t} SET locked_until = LAST_INSERT_ID({now} + ?),
                     expires_at = GREATEST(expires_at, {now} + ?)
                 WHERE scope = ? AND `key` = ? AND token = ? AND NOT done AND expires_at > {now}"),
-            // A bounded batch in expiry order through the expiry index; each batch is its
-            // own short transaction (autocommit).
-            purge: s("DELETE FROM {t} WHERE expires_at <= {now} ORDER BY expires_at LIMIT ?"),
+            // The sweeper's batch, in a short READ COMMITTED transaction: the expired rows no
+            // other transaction holds (`SKIP LOCKED`: MySQL 8.0.1+, MariaDB 10.6+), in expiry
+            // order through the expiry index, locked; then each deleted by its primary key
+            // (`purge_batch`), a lookup that touches no other row. A plain `DELETE … LIMIT`
+            // (or one `DELETE` of the picked rows, which the optimizer may run as a scan)
+            // waits on a row another transaction holds (a single-commit take-over of an
+            // expired record), keeping the locks of the rows it already deleted, whose keys
+            // then answer 409 though they expired.
+            purge_pick: s("SELECT scope, `key`, token FROM {t} WHERE expires_at <= {now}
+                ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED"),
+            purge_delete: s("DELETE FROM {t} WHERE scope = "),
             get: s("SELECT {record} FROM {t} WHERE scope = ? AND `key` = ? AND expires_at > {now}"),
             // The delete's read: the row whatever its expiry, and whether it expired.
             read_any: s("SELECT {record}, expires_at <= {now} AS expired
@@ -237,10 +255,22 @@ impl MySqlStore {
     /// versions are tracked in `<table>_migrations`, apart from your own migrations.
     ///
     /// # Errors
-    /// [`SetupError::Database`] or [`SetupError::Migrate`].
+    /// [`SetupError::Database`] or [`SetupError::Migrate`]; [`SetupError::Database`] with a
+    /// configuration error when the pool's sessions do not autocommit (the store's writes
+    /// outside transactions rely on it).
     pub async fn migrate(&self) -> Result<(), SetupError> {
+        let mut conn = self.pool.acquire().await?;
+        let on: i64 = sqlx::query_scalar("SELECT @@SESSION.autocommit")
+            .fetch_one(&mut *conn)
+            .await?;
+        if on != 1 {
+            return Err(SetupError::Database(sqlx::Error::Configuration(Box::new(
+                AutocommitOff,
+            ))));
+        }
+        drop(conn);
         let sql = include_str!("../../../migrations/mysql/0001_create_records.sql")
-            .replace("{table}", &self.sql.table)
+            .replace("{table}", &format!("`{}`", self.sql.table))
             .replace("{name}", &self.sql.table);
         let mut migrator = Migrator::with_migrations(vec![Migration::new(
             1,
@@ -265,6 +295,9 @@ impl MySqlStore {
         conn: &mut MySqlConnection,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
+        if !sqlx::Connection::is_in_transaction(&*conn) {
+            self.check_autocommit(conn).await?;
+        }
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let row = self.read_row(conn, &req).await?;
             let token = LeaseToken::generate();
@@ -466,6 +499,73 @@ impl MySqlStore {
         }
     }
 
+    /// One bounded batch of the sweeper (`purge_pick`, then `purge_delete`): never waits on a
+    /// row another transaction holds.
+    async fn purge_batch(&self, batch: usize) -> Result<u64, StoreError> {
+        let mut conn = self.conn().await?;
+        self.sent.bump();
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, BEGIN_READ_COMMITTED)
+            .await
+            .map_err(db_error)?;
+        self.sent.bump();
+        let rows: Vec<(Vec<u8>, Vec<u8>, uuid::Uuid)> = sqlx::query_as(q(&self.sql.purge_pick))
+            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        let mut deleted = 0;
+        if !rows.is_empty() {
+            // One statement per row, all in one query (the values written as hex literals:
+            // nothing but hex digits stand for them).
+            let mut sql = String::new();
+            for (scope, key, token) in &rows {
+                sql.push_str(&self.sql.purge_delete);
+                push_hex(&mut sql, scope);
+                sql.push_str(" AND `key` = ");
+                push_hex(&mut sql, key);
+                sql.push_str(" AND token = ");
+                push_hex(&mut sql, token.as_bytes());
+                sql.push_str(";\n");
+            }
+            self.sent.bump();
+            deleted = sqlx::raw_sql(AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await
+                .map_err(db_error)?
+                .rows_affected();
+        }
+        self.sent.bump();
+        tx.commit().await.map_err(db_error)?;
+        Ok(deleted)
+    }
+
+    /// The first time a claim runs outside a transaction: whether the session commits each
+    /// statement on its own (autocommit, MySQL's default), which the store's plain-mode
+    /// statements rely on. With autocommit off (`init_connect`, a server default, a pool's
+    /// `after_connect`) a claim and its complete would stay uncommitted, unseen by other
+    /// instances and lost with the connection: every claim is refused instead (503, and an
+    /// error in the log) until the store is on a pool whose sessions autocommit.
+    async fn check_autocommit(&self, conn: &mut MySqlConnection) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering;
+        if self.autocommit_checked.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.sent.bump();
+        let on: i64 = sqlx::query_scalar("SELECT @@SESSION.autocommit")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        if on == 1 {
+            self.autocommit_checked.store(true, Ordering::Relaxed);
+            Ok(())
+        } else {
+            tracing::error!(
+                "idempotency: the MySQL store's sessions run with autocommit off; its claims and completes would never commit: every claim is refused until its pool's sessions autocommit"
+            );
+            Err(StoreError::unavailable(AutocommitOff))
+        }
+    }
+
     /// [`Store::delete`](crate::Store::delete): a read, then a compare-and-delete on what it
     /// read (MySQL's `DELETE` returns no rows).
     async fn delete_record(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
@@ -507,6 +607,25 @@ impl MySqlStore {
         ))
     }
 }
+
+/// Appends `bytes` as a hex literal (`X'…'`; `X''` for none).
+fn push_hex(sql: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    sql.reserve(bytes.len() * 2 + 3);
+    sql.push_str("X'");
+    for b in bytes {
+        sql.push(char::from(HEX[usize::from(b >> 4)]));
+        sql.push(char::from(HEX[usize::from(b & 15)]));
+    }
+    sql.push('\'');
+}
+
+/// The pool's sessions do not autocommit.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the MySQL store's sessions run with autocommit off, so its writes would never commit; give it a pool whose sessions autocommit (MySQL's default)"
+)]
+struct AutocommitOff;
 
 /// What an insert-shaped claim did.
 pub(crate) enum Inserted {
