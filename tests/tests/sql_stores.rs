@@ -664,16 +664,19 @@ async fn postgres_stricter_default_isolation_still_one_winner_per_key() {
 
 /// A take-over never waits on the record's row lock (held here by another transaction, as an
 /// owner between its complete and its COMMIT holds it): plain mode and single commit answer
-/// in progress at once; once the lock goes, the take-over runs.
-#[tokio::test]
-#[cfg_attr(
-    not(pg),
-    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
-)]
-async fn postgres_take_over_never_waits_on_a_row_lock() {
-    let table = unique_table("nowait");
-    let pool = pg_pool(4).await;
-    let store = pg_store(pool.clone(), &table).await;
+/// in progress at once (PostgreSQL: `FOR UPDATE NOWAIT` in the take-over; MySQL: the same in
+/// a short transaction, where an `UPDATE` would wait `innodb_lock_wait_timeout`, 50 s); once
+/// the lock goes, the take-over runs. `lock_sql` locks the row of (scope, key).
+async fn take_over_never_waits_on_a_row_lock<DB>(
+    store: DB::Store,
+    pool: &sqlx::Pool<DB>,
+    lock_sql: String,
+) where
+    DB: TxDatabase,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
     let key = unique_key("locked");
     let req = ClaimRequest {
         key: &key,
@@ -687,9 +690,7 @@ async fn postgres_take_over_never_waits_on_a_row_lock() {
     ));
     tokio::time::sleep(Duration::from_millis(400)).await; // the lease ends
     let mut holder = pool.begin().await.unwrap();
-    let sql =
-        format!("SELECT 1 FROM idempotent_test.{table} WHERE scope = $1 AND key = $2 FOR UPDATE");
-    sqlx::query(sqlx::AssertSqlSafe(sql))
+    sqlx::query(sqlx::AssertSqlSafe(lock_sql))
         .bind(key.scope.as_str())
         .bind(key.key.as_str())
         .execute(&mut *holder)
@@ -716,7 +717,7 @@ async fn postgres_take_over_never_waits_on_a_row_lock() {
     };
     let begin = tokio::time::timeout(
         second,
-        engine.begin_transactional::<sqlx::Postgres>(request(&key), &policy, &single),
+        engine.begin_transactional::<DB>(request(&key), &policy, &single),
     )
     .await
     .expect("single commit's take-over waited on the row lock");
@@ -729,6 +730,20 @@ async fn postgres_take_over_never_waits_on_a_row_lock() {
         store.claim(req).await.unwrap(),
         ClaimOutcome::Claimed(lease) if lease.took_over
     ));
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_take_over_never_waits_on_a_row_lock() {
+    let table = unique_table("nowait");
+    let pool = pg_pool(4).await;
+    let store = pg_store(pool.clone(), &table).await;
+    let sql =
+        format!("SELECT 1 FROM idempotent_test.{table} WHERE scope = $1 AND key = $2 FOR UPDATE");
+    take_over_never_waits_on_a_row_lock::<sqlx::Postgres>(store, &pool, sql).await;
     pg_drop(&pool, &table).await;
 }
 
@@ -969,10 +984,6 @@ async fn mysql_leases_follow_the_database_clock() {
     mysql_drop(a.pool(), &table).await;
 }
 
-/// A take-over never waits on the record's row lock (held here by another transaction, as an
-/// owner between its complete and its COMMIT holds it): plain mode and single commit answer
-/// in progress at once (where an `UPDATE` would wait `innodb_lock_wait_timeout`, 50 s);
-/// once the lock goes, the take-over runs.
 #[tokio::test]
 #[cfg_attr(
     not(mysql_db),
@@ -982,61 +993,8 @@ async fn mysql_take_over_never_waits_on_a_row_lock() {
     let table = unique_table("nowait");
     let pool = mysql_pool(4).await;
     let store = mysql_store(pool.clone(), &table).await;
-    let key = unique_key("locked");
-    let req = ClaimRequest {
-        key: &key,
-        fingerprint: &fp("rt"),
-        lease: Duration::from_millis(200),
-        ttl: Duration::from_secs(3600),
-    };
-    assert!(matches!(
-        store.claim(req).await.unwrap(),
-        ClaimOutcome::Claimed(_)
-    ));
-    tokio::time::sleep(Duration::from_millis(400)).await; // the lease ends
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE"
-    )))
-    .bind(key.scope.as_str())
-    .bind(key.key.as_str())
-    .execute(&mut *holder)
-    .await
-    .unwrap();
-    let second = Duration::from_secs(1);
-    let plain = tokio::time::timeout(second, store.claim(req))
-        .await
-        .expect("plain mode's take-over waited on the row lock");
-    assert!(
-        matches!(plain, Ok(ClaimOutcome::InProgress { retry_after }) if retry_after > Duration::ZERO),
-        "{plain:?}"
-    );
-    let engine = Engine::new(store.clone());
-    let policy = Policy {
-        lease: Duration::from_millis(200),
-        ..Policy::default()
-    };
-    let single = TxOptions {
-        commit: CommitPath::Single,
-        wait: Duration::from_millis(50),
-        max_waiters: 4,
-        read_first: true,
-    };
-    let begin = tokio::time::timeout(
-        second,
-        engine.begin_transactional::<sqlx::MySql>(request(&key), &policy, &single),
-    )
-    .await
-    .expect("single commit's take-over waited on the row lock");
-    assert!(
-        matches!(begin, TxBegin::Respond(Begin::InProgress { .. })),
-        "{begin:?}"
-    );
-    holder.rollback().await.unwrap();
-    assert!(matches!(
-        store.claim(req).await.unwrap(),
-        ClaimOutcome::Claimed(lease) if lease.took_over
-    ));
+    let sql = format!("SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE");
+    take_over_never_waits_on_a_row_lock::<sqlx::MySql>(store, &pool, sql).await;
     mysql_drop(&pool, &table).await;
 }
 

@@ -858,41 +858,18 @@ async fn transactional_routes_on_postgres(fw: Fw) {
     refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
     refuses_the_wrong_database(&s, "/tx/mysql", "MySQL").await;
 
-    let (runs, before) = (s.runs(), rows().await);
     *s.app.tx.pid.lock().unwrap() = None;
-    s.app.tx.hold_ms.store(1_000, Ordering::SeqCst);
-    let k = key();
-    let pending = tokio::spawn(
-        s.post("/tx/postgres", "", Some(&k), r#"{"status": 201}"#)
-            .send(),
-    );
-    // Recorded after the handler's INSERT, while it holds its transaction.
-    let mut pid = None;
-    for _ in 0..1_000 {
-        pid = *s.app.tx.pid.lock().unwrap();
-        if pid.is_some() || pending.is_finished() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let pid = pid.expect("the handler reached its hold");
-    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(pid)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert!(killed);
-    let res = pending.await.unwrap().unwrap();
-    assert_eq!(res.headers()["retry-after"], "1");
-    problem(res, 503, "idempotency-store-unavailable").await;
-    assert_eq!(rows().await, before, "nothing half-written");
-    s.app.tx.hold_ms.store(0, Ordering::SeqCst);
-    let retry = s
-        .until_not_busy(|| s.post("/tx/postgres", "", Some(&k), r#"{"status": 201}"#))
-        .await;
-    assert_eq!(retry.status(), 201);
-    assert_eq!(retry.headers()["idempotent-replayed"], "false");
-    assert_eq!((s.runs() - runs, rows().await), (2, before + 1));
+    let id = || s.app.tx.pid.lock().unwrap().map(i64::from);
+    let admin = pool.clone();
+    killed_mid_transaction(&s, "/tx/postgres", rows, id, |pid| async move {
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1::int4)")
+            .bind(pid)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        assert!(killed);
+    })
+    .await;
     idempotent_tests::fixtures::pg_drop(&pool, &table).await;
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {business}")))
         .execute(&pool)
@@ -927,42 +904,63 @@ async fn transactional_routes_on_mysql(fw: Fw) {
     refuses_the_wrong_database(&s, "/tx/sqlite", "SQLite").await;
     refuses_the_wrong_database(&s, "/tx/postgres", "PostgreSQL").await;
 
-    let (runs, before) = (s.runs(), rows().await);
     *s.app.tx.mysql_id.lock().unwrap() = None;
+    let id = || *s.app.tx.mysql_id.lock().unwrap();
+    let admin = pool.clone();
+    killed_mid_transaction(&s, "/tx/mysql", rows, id, |id| async move {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+    })
+    .await;
+    idempotent_tests::fixtures::mysql_drop(&pool, &table).await;
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {business}")))
+        .execute(&pool)
+        .await;
+}
+
+/// The fault on a transactional route: the handler's connection is ended (`kill`, given the
+/// session id `id` recorded after the handler's INSERT) while it holds its transaction: 503
+/// with `Retry-After`, nothing half-written (`rows`), and the retry runs once.
+async fn killed_mid_transaction<R, RFut, I, K, KFut>(
+    s: &Server,
+    path: &str,
+    rows: R,
+    id: I,
+    kill: K,
+) where
+    R: Fn() -> RFut,
+    RFut: std::future::Future<Output = i64>,
+    I: Fn() -> Option<i64>,
+    K: FnOnce(i64) -> KFut,
+    KFut: std::future::Future<Output = ()>,
+{
+    let (runs, before) = (s.runs(), rows().await);
     s.app.tx.hold_ms.store(1_000, Ordering::SeqCst);
     let k = key();
-    let pending = tokio::spawn(
-        s.post("/tx/mysql", "", Some(&k), r#"{"status": 201}"#)
-            .send(),
-    );
-    let mut id = None;
+    let pending = tokio::spawn(s.post(path, "", Some(&k), r#"{"status": 201}"#).send());
+    // Recorded after the handler's INSERT, while it holds its transaction.
+    let mut recorded = None;
     for _ in 0..1_000 {
-        id = *s.app.tx.mysql_id.lock().unwrap();
-        if id.is_some() || pending.is_finished() {
+        recorded = id();
+        if recorded.is_some() || pending.is_finished() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let id = id.expect("the handler reached its hold");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    kill(recorded.expect("the handler reached its hold")).await;
     let res = pending.await.unwrap().unwrap();
     assert_eq!(res.headers()["retry-after"], "1");
     problem(res, 503, "idempotency-store-unavailable").await;
     assert_eq!(rows().await, before, "nothing half-written");
     s.app.tx.hold_ms.store(0, Ordering::SeqCst);
     let retry = s
-        .until_not_busy(|| s.post("/tx/mysql", "", Some(&k), r#"{"status": 201}"#))
+        .until_not_busy(|| s.post(path, "", Some(&k), r#"{"status": 201}"#))
         .await;
     assert_eq!(retry.status(), 201);
     assert_eq!(retry.headers()["idempotent-replayed"], "false");
     assert_eq!((s.runs() - runs, rows().await), (2, before + 1));
-    idempotent_tests::fixtures::mysql_drop(&pool, &table).await;
-    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {business}")))
-        .execute(&pool)
-        .await;
 }
 
 async fn failing_store_answers_503_and_never_runs_the_handler(fw: Fw) {
