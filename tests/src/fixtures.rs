@@ -187,7 +187,7 @@ pub async fn mysql_store(pool: sqlx::MySqlPool, table: &str) -> idempotent_core:
 /// Drops a table made by [`mysql_store`] and its migrations table.
 #[cfg(feature = "mysql")]
 pub async fn mysql_drop(pool: &sqlx::MySqlPool, table: &str) {
-    let sql = format!("DROP TABLE IF EXISTS {table}, {table}_migrations");
+    let sql = format!("DROP TABLE IF EXISTS `{table}`, `{table}_migrations`");
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await;
 }
 

@@ -1114,7 +1114,8 @@ async fn mysql_refuses_sessions_without_autocommit() {
     mysql_drop(good.pool(), &table).await;
 }
 
-/// A table name MySQL 8 reserves (MariaDB does not): quoted everywhere, it works.
+/// A table name both MySQL and MariaDB reserve (`order`; MySQL 8 reserves more, such as
+/// `rank`, that MariaDB does not): quoted everywhere, it works.
 #[tokio::test]
 #[cfg_attr(
     not(mysql_db),
@@ -1122,10 +1123,59 @@ async fn mysql_refuses_sessions_without_autocommit() {
 )]
 async fn mysql_reserved_table_names_are_quoted() {
     let pool = mysql_pool(2).await;
-    let store = mysql_store(pool.clone(), "rank").await;
+    let store = mysql_store(pool.clone(), "order").await;
     let engine = Engine::new(store.clone());
     warm_up(&engine).await;
     round_trips(&engine, || store.statements_sent(), 3).await;
     assert_eq!(store.purge_expired(10).await.unwrap(), 0);
-    mysql_drop(&pool, "rank").await;
+    mysql_drop(&pool, "order").await;
+}
+
+/// A large sweeper batch of long keys (7,000 records whose scopes and keys take the most
+/// bytes allowed, 1,024 and 255: about 18.8 MB of delete statements, more than the server's
+/// `max_allowed_packet`) is sent as several queries, each under 1 MiB, and deletes them all.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_sweeper_batches_fit_the_servers_packet() {
+    let table = unique_table("bigsweep");
+    let pool = mysql_pool(2).await;
+    let store = mysql_store(pool.clone(), &table).await;
+    let scope = "s".repeat(1024);
+    for chunk in 0..14 {
+        let mut sql = format!(
+            "INSERT INTO {table} (scope, `key`, fingerprint, done, token, status, created_at, expires_at) VALUES "
+        );
+        for i in 0..500 {
+            let n = chunk * 500 + i;
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            sql.push_str(&format!(
+                "('{scope}', '{n:0>255}', X'00', TRUE, UNHEX(REPLACE(UUID(), '-', '')), 201, 1, 1)"
+            ));
+        }
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let packet: u64 = sqlx::query_scalar("SELECT @@max_allowed_packet")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        packet < 18_000_000,
+        "the batch must outgrow one packet: {packet}"
+    );
+    assert_eq!(store.purge_expired(7_000).await.unwrap(), 7_000);
+    let left: i64 =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 0);
+    mysql_drop(&pool, &table).await;
 }

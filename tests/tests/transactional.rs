@@ -1326,17 +1326,29 @@ async fn mysql_db(pool: sqlx::MySqlPool) -> (Db<sqlx::MySql>, MySqlStore) {
     (db, store)
 }
 
+/// Drops what [`mysql_db`] made (after a test that passed).
+async fn mysql_cleanup(db: &Db<sqlx::MySql>, store: &MySqlStore) {
+    mysql_drop(store.pool(), store.table()).await;
+    let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS {}",
+        db.business
+    )))
+    .execute(store.pool())
+    .await;
+}
+
 #[tokio::test]
 #[cfg_attr(
     not(mysql_db),
     ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
 )]
 async fn mysql_commit_iff_stored_on_both_paths() {
-    let (db, _) = mysql_db(mysql_pool(4).await).await;
+    let (db, store) = mysql_db(mysql_pool(4).await).await;
     for commit in [CommitPath::Single, CommitPath::Two] {
         commit_iff_stored(&db, commit).await;
         panics_and_escapes_roll_back(&db, commit).await;
     }
+    mysql_cleanup(&db, &store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1345,8 +1357,10 @@ async fn mysql_commit_iff_stored_on_both_paths() {
     ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
 )]
 async fn mysql_concurrent_duplicates_run_once() {
-    let (db, _) = mysql_db(mysql_pool(70).await).await;
-    concurrent_duplicates_run_once(Arc::new(db)).await;
+    let (db, store) = mysql_db(mysql_pool(70).await).await;
+    let db = Arc::new(db);
+    concurrent_duplicates_run_once(Arc::clone(&db)).await;
+    mysql_cleanup(&db, &store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1366,7 +1380,9 @@ async fn mysql_thousand_keys_by_eight_across_two_pools() {
         count: Box::new(|| Box::pin(async { 0 })),
         _db: std::marker::PhantomData,
     };
-    many_keys(Arc::new(a), Arc::new(b), 1_000).await;
+    let a = Arc::new(a);
+    many_keys(Arc::clone(&a), Arc::new(b), 1_000).await;
+    mysql_cleanup(&a, &store).await;
 }
 
 #[tokio::test]
@@ -1388,6 +1404,7 @@ async fn mysql_two_commits_stale_owner_rolls_back() {
             .unwrap();
     })
     .await;
+    mysql_cleanup(&db, &store).await;
 }
 
 #[tokio::test]
@@ -1396,7 +1413,7 @@ async fn mysql_two_commits_stale_owner_rolls_back() {
     ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
 )]
 async fn mysql_frozen_transaction_gives_the_key_back() {
-    let (db, _) = mysql_db(mysql_pool(4).await).await;
+    let (db, store) = mysql_db(mysql_pool(4).await).await;
     // `wait_timeout` counts whole seconds: a lease of 1 s, frozen for 2.5.
     frozen_transaction_gives_the_key_back(
         &db,
@@ -1404,6 +1421,7 @@ async fn mysql_frozen_transaction_gives_the_key_back() {
         Duration::from_millis(2_500),
     )
     .await;
+    mysql_cleanup(&db, &store).await;
 }
 
 #[tokio::test]
@@ -1413,7 +1431,7 @@ async fn mysql_frozen_transaction_gives_the_key_back() {
 )]
 async fn mysql_killed_connection_mid_transaction() {
     let pool = mysql_pool(4).await;
-    let (db, _) = mysql_db(pool.clone()).await;
+    let (db, store) = mysql_db(pool.clone()).await;
     killed_connection_mid_transaction(&db, "SELECT CAST(CONNECTION_ID() AS SIGNED)", |id| {
         let pool = pool.clone();
         async move {
@@ -1424,6 +1442,7 @@ async fn mysql_killed_connection_mid_transaction() {
         }
     })
     .await;
+    mysql_cleanup(&db, &store).await;
 }
 
 /// Single commit on MySQL, counted at the store: a first execution is five round trips (the
@@ -1475,15 +1494,17 @@ async fn mysql_single_commit_round_trips() {
         5,
         "BEGIN, read, lock + insert, complete, COMMIT"
     );
+    mysql_cleanup(&db, &store).await;
 }
 
 /// InnoDB ends a deadlock's victim by rolling back its whole transaction; a handler that goes
 /// on writing after that error (here the same end is forced with a `ROLLBACK` of its own)
 /// must not commit those writes, on their own or with the record. The transaction runs with
-/// the session's autocommit off, so they open a new transaction instead, and its COMMIT goes
-/// after the release of a savepoint that rollback took with it, so it never runs: nothing
-/// commits, on either path, the key is free (single commit: the claim rolled back; two
-/// commits: released), and the retry runs once.
+/// the session's autocommit off, so they open a new transaction instead; in single commit
+/// the claim rolled back too, so the fenced complete is refused; in two commits the
+/// transaction's marker row went with the rollback, so nothing completes. Nothing commits, on
+/// either path, the key is free (single commit: the claim rolled back; two commits:
+/// released), and the retry runs once.
 #[tokio::test]
 #[cfg_attr(
     not(mysql_db),
@@ -1526,6 +1547,62 @@ async fn mysql_statements_after_a_rolled_back_transaction_never_commit_alone() {
         assert!(matches!(out, TxFinished::Committed), "{commit:?}: {out:?}");
         assert_eq!(db.rows().await, before + 1);
     }
+    mysql_cleanup(&db, &store).await;
+}
+
+/// A handler that ends its transaction itself (its own `COMMIT`, or DDL, which MySQL commits
+/// implicitly) gets what it asked for, as on PostgreSQL: what it wrote before is committed,
+/// and the rest commits with the stored response. The key is never run twice: its retry
+/// replays (a rollback by the server is told apart by the marker row, which a commit keeps).
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_a_handler_that_commits_itself_is_stored_once() {
+    let (db, store) = mysql_db(mysql_pool(2).await).await;
+    for (commit, ends) in [
+        (CommitPath::Single, "COMMIT"),
+        (CommitPath::Two, "COMMIT"),
+        (
+            CommitPath::Single,
+            "CREATE TABLE IF NOT EXISTS idempotent_ddl_probe (id INT)",
+        ),
+        (
+            CommitPath::Two,
+            "CREATE TABLE IF NOT EXISTS idempotent_ddl_probe (id INT)",
+        ),
+    ] {
+        let before = db.rows().await;
+        let key = unique_key("commits");
+        let p = policy(Duration::from_secs(10));
+        let opts = options(commit);
+        let mut execution = claimed::<sqlx::MySql>(&db.engine, request(&key, "a"), &p, &opts).await;
+        let mut tx = execution.transaction().unwrap();
+        insert(&mut tx, &db.business).await;
+        sqlx::raw_sql(AssertSqlSafe(ends.to_owned()))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        insert(&mut tx, &db.business).await;
+        drop(tx);
+        let out = execution.finish(StoredResponse::new(201, "x").into()).await;
+        assert!(
+            matches!(out, TxFinished::Committed),
+            "{commit:?} {ends}: {out:?}"
+        );
+        assert_eq!(db.rows().await, before + 2, "{commit:?} {ends}");
+        let runs = AtomicUsize::new(0);
+        match one(&db, &key, commit, 201, &runs).await {
+            Err(Begin::Replay(_)) => {}
+            other => panic!("{commit:?} {ends}: ran again: {other:?}"),
+        }
+        assert_eq!(db.rows().await, before + 2);
+    }
+    let _ = sqlx::raw_sql("DROP TABLE IF EXISTS idempotent_ddl_probe")
+        .execute(&mysql_pool(1).await)
+        .await;
+    mysql_cleanup(&db, &store).await;
 }
 
 /// The named lock a single-commit claim takes (`tx/mysql.rs`): `idempotent:` and 40 hex
@@ -1705,4 +1782,5 @@ async fn mysql_transactions_leave_their_sessions_clean() {
     assert!(!used(&key).await);
     clean().await;
     assert_eq!(db.rows().await, 2);
+    mysql_cleanup(&db, &store).await;
 }

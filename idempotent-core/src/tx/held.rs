@@ -23,6 +23,9 @@ pub struct Held<DB: Database> {
     /// without them closes the connection instead of returning it to the pool, and the
     /// server ends the session with everything it held.
     pub(crate) after: Option<String>,
+    /// MySQL: the transaction holds a marker row that a rollback by the server removes (see
+    /// `tx/mysql.rs`).
+    pub(crate) marked: bool,
 }
 
 impl<DB: Database> Held<DB> {
@@ -42,7 +45,11 @@ impl<DB: Database> Held<DB> {
         let begun = DB::TransactionManager::begin(guard.get(), Some(begin)).await;
         let conn = guard.disarm();
         match begun {
-            Ok(()) => Ok(Held { conn, after: None }),
+            Ok(()) => Ok(Held {
+                conn,
+                after: None,
+                marked: false,
+            }),
             Err(e) => Err((e, conn)),
         }
     }

@@ -23,7 +23,7 @@ use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::MySqlStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
-use crate::store::sql::mysql::{Inserted, error_number};
+use crate::store::sql::mysql::Inserted;
 use crate::store::sql::{Contention, Decision, MAX_CLAIM_ATTEMPTS, claimed, db_error, q};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use sqlx::mysql::MySqlConnection;
@@ -33,24 +33,31 @@ use std::time::Duration;
 /// How every transaction on this store begins: READ COMMITTED for this transaction only,
 /// whatever the session's default (the claim's retry loop and the fenced complete rely on
 /// each statement seeing what committed before it), with the session's autocommit off until
-/// it ends, and a savepoint that marks it. Why: InnoDB ends a transaction it picks as a
-/// deadlock's victim (and, with `innodb_rollback_on_timeout`, one whose lock wait timed out)
-/// by rolling it back whole. With autocommit on, the statements a handler runs after that
-/// error (if it goes on) would each commit on their own; with it off they open a new
-/// transaction, which only the library's COMMIT ends. That COMMIT goes after
-/// `RELEASE SAVEPOINT idempotent_tx` in one query: the rollback took the savepoint with it,
-/// so the release fails and the query stops before its COMMIT; nothing of the handler
-/// commits, the two-commit claim is released, the client gets 503
-/// (`mysql_statements_after_a_rolled_back_transaction_never_commit_alone`, both paths). In
-/// single commit the claim rolled back too, so the fenced complete is refused even before.
+/// it ends. Why: InnoDB ends a transaction it picks as a deadlock's victim (and, with
+/// `innodb_rollback_on_timeout`, one whose lock wait timed out) by rolling it back whole. With
+/// autocommit on, the statements a handler runs after that error (if it goes on) would each
+/// commit on their own; with it off they open a new transaction, which only the library's
+/// COMMIT ends. In single commit the claim rolled back with the rest, so the fenced complete
+/// is refused and nothing commits. In two commits the claim committed before, so the
+/// transaction also carries a marker: see [`MARK`].
 const BEGIN: &str = "SET @idempotent_autocommit = @@SESSION.autocommit, SESSION autocommit = 0; \
-    SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; SAVEPOINT idempotent_tx";
+    SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
-/// Ends the transaction [`BEGIN`] opened, if it is still that one (see there).
-const COMMIT: &str = "RELEASE SAVEPOINT idempotent_tx; COMMIT";
+/// What a two-commit (or unprotected) transaction's BEGIN does first: a row in a temporary
+/// table of the session (InnoDB: transactional), inserted inside the transaction after
+/// [`BEGIN`]. A rollback by the server takes the row with it; a commit (the handler's own
+/// `COMMIT`, or DDL, which MySQL commits implicitly) keeps it. Before the complete, the row
+/// says which: gone, nothing of the handler can commit (503, the claim released); there,
+/// the complete and COMMIT go ahead (after an implicit commit the handler's earlier writes
+/// are already in, as on PostgreSQL after a `COMMIT` of the handler's own). The table is
+/// created outside any transaction (`CREATE TEMPORARY TABLE` commits nothing; it needs the
+/// `CREATE TEMPORARY TABLES` privilege), and emptied before the transaction begins, so a row
+/// a committed transaction left is never taken for this one's.
+const MARK: &str = "CREATE TEMPORARY TABLE IF NOT EXISTS idempotent_tx_marker \
+    (id TINYINT PRIMARY KEY) ENGINE = InnoDB; DELETE FROM idempotent_tx_marker; ";
 
-/// `ER_SP_DOES_NOT_EXIST` (1305): the savepoint [`BEGIN`] set is gone with its transaction.
-const SAVEPOINT_GONE: u16 = 1305;
+/// Inserts the marker row, inside the transaction (see [`MARK`]).
+const MARK_ROW: &str = "; INSERT INTO idempotent_tx_marker VALUES (1)";
 
 /// The handler's transaction was rolled back by the server while it ran.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +99,9 @@ impl TxDatabase for sqlx::MySql {
             None => store.pool.acquire().await.map_err(db_error)?,
         };
         let mut begin = String::new();
+        if idle.is_none() {
+            begin.push_str(MARK);
+        }
         if let Some(idle) = idle {
             let secs = idle.as_secs() + u64::from(idle.subsec_nanos() > 0);
             begin.push_str(&format!(
@@ -100,9 +110,13 @@ impl TxDatabase for sqlx::MySql {
             ));
         }
         begin.push_str(BEGIN);
+        if idle.is_none() {
+            begin.push_str(MARK_ROW);
+        }
         store.sent.bump();
         match Held::begin(conn, AssertSqlSafe(begin).into_sql_str()).await {
             Ok(mut tx) => {
+                tx.marked = idle.is_none();
                 tx.after = Some(if idle.is_some() {
                     format!("{RESTORE_AUTOCOMMIT}; {RESTORE_IDLE}")
                 } else {
@@ -238,7 +252,7 @@ impl TxDatabase for sqlx::MySql {
     /// in one round trip.
     async fn commit_tx(tx: Held<sqlx::MySql>) -> Result<(), sqlx::Error> {
         let mut tx = tx;
-        end(&mut tx, COMMIT).await
+        end(&mut tx, "COMMIT").await
     }
 
     /// ROLLBACK and what must follow it, in one round trip.
@@ -248,10 +262,10 @@ impl TxDatabase for sqlx::MySql {
     }
 
     /// The fenced complete (a prepared statement: its values are bound, not written into the
-    /// text), then the savepoint's release, COMMIT and what must follow them (the lock's
-    /// release, the session's settings put back) in one round trip: two round trips in
-    /// single commit. A complete the fence refused never reaches the COMMIT. In two commits
-    /// one more goes first, lowering the session's idle limit (10 s) until the end, so a
+    /// text), then COMMIT and what must follow it (the lock's release, the session's settings
+    /// put back) in one round trip: two round trips in single commit. A complete the fence
+    /// refused never reaches the COMMIT. In two commits one more goes first: the marker's
+    /// check (see [`MARK`]) and the session's idle limit lowered to 10 s until the end, so a
     /// process that stalls between the complete (which locks the record's row) and its
     /// COMMIT gives the row back that much later, not after the session's usual
     /// `wait_timeout` (8 hours by default).
@@ -264,22 +278,24 @@ impl TxDatabase for sqlx::MySql {
         ttl: Duration,
     ) -> Result<(), FinishError<sqlx::MySql>> {
         let mut tx = tx;
-        let idle_bound = tx
-            .after
-            .as_deref()
-            .is_some_and(|after| after.contains(RESTORE_IDLE));
-        if !idle_bound {
+        if tx.marked {
             // Two commits: no idle limit so far (the handler may idle, its claim's heartbeat
             // runs). The complete locks the record's row until COMMIT: a process that stalls
             // in between must not hold it (and the key) until the session's usual
-            // `wait_timeout`, hours by default.
+            // `wait_timeout`, hours by default. In the same round trip, the marker: gone means
+            // the server rolled the handler's transaction back (see [`MARK`]).
             store.sent.bump();
-            let lower = format!(
-                "SET @idempotent_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {COMPLETE_IDLE_SECS}"
+            let check = format!(
+                "SET @idempotent_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {COMPLETE_IDLE_SECS}; \
+                 SELECT COUNT(*) FROM idempotent_tx_marker"
             );
-            if let Err(e) = sqlx::raw_sql(AssertSqlSafe(lower)).execute(&mut *tx).await {
-                return Err(FinishError::Complete(db_error(e), tx));
-            }
+            let marked: Result<i64, _> = match sqlx::raw_sql(AssertSqlSafe(check))
+                .fetch_one(&mut *tx)
+                .await
+            {
+                Ok(row) => sqlx::Row::try_get(&row, 0),
+                Err(e) => Err(e),
+            };
             let after = tx.after.get_or_insert_with(String::new);
             if after.is_empty() {
                 after.push_str(RESTORE_IDLE);
@@ -287,23 +303,35 @@ impl TxDatabase for sqlx::MySql {
                 after.push_str("; ");
                 after.push_str(RESTORE_IDLE);
             }
+            match marked {
+                Ok(1) => {}
+                Ok(_) => {
+                    return Err(FinishError::Complete(
+                        StoreError::unavailable(RolledBack),
+                        tx,
+                    ));
+                }
+                Err(e) => return Err(FinishError::Complete(db_error(e), tx)),
+            }
         }
-        if let Err(error) = store.complete_on(&mut tx, key, token, outcome, ttl).await {
-            return Err(FinishError::Complete(error, tx));
+        match store.complete_on(&mut tx, key, token, outcome, ttl).await {
+            Ok(()) => {}
+            // Single commit: no one else can have taken over a claim that never committed;
+            // the claim is gone because the server rolled the transaction back.
+            Err(StoreError::StaleLease) if !tx.marked => {
+                return Err(FinishError::Complete(
+                    StoreError::unavailable(RolledBack),
+                    tx,
+                ));
+            }
+            Err(error) => return Err(FinishError::Complete(error, tx)),
         }
         store.sent.bump();
-        match end(&mut tx, COMMIT).await {
-            Ok(()) => Ok(()),
-            // The query stopped at the savepoint's release, before its COMMIT: nothing
-            // committed; the caller rolls back (and releases a two-commit claim).
-            Err(e) if error_number(&e) == Some(SAVEPOINT_GONE) => Err(FinishError::Complete(
-                StoreError::unavailable(RolledBack),
-                tx,
-            )),
-            // Whether COMMIT applied is unknown; `tx` is dropped with `after` still set, so
-            // its connection is closed.
-            Err(e) => Err(FinishError::Commit(db_error(e))),
-        }
+        // On failure `tx` is dropped with `after` still set, so its connection is closed; and
+        // whether COMMIT applied is unknown.
+        Self::commit_tx(tx)
+            .await
+            .map_err(|e| FinishError::Commit(db_error(e)))
     }
 
     /// The lease, and at least 10 s: past it the server has ended a single-commit session

@@ -68,7 +68,13 @@ pub(crate) fn bounded_millis(d: Duration) -> i64 {
 ///   larger one fails to complete and is retried, then released with its lease.
 /// - **Versions.** `FOR UPDATE NOWAIT` (take-overs) and `SKIP LOCKED` (the sweeper) need
 ///   MySQL 8.0.1+ or MariaDB 10.6+. The pool's sessions must autocommit (MySQL's default):
-///   [`MySqlStore::migrate`] refuses a pool whose sessions do not, and claims answer 503.
+///   [`MySqlStore::migrate`] refuses a pool whose sessions do not, and so does the first
+///   claim outside a transaction (503); the check runs once per store, so code that turns
+///   autocommit off on a session and gives it back to the pool defeats it (give the store a
+///   pool of its own, or never leave a session so). Two commits (and unprotected
+///   transactional requests) need the `CREATE TEMPORARY TABLES` privilege: their
+///   transaction carries a marker row in a temporary table, which tells a rollback by the
+///   server (a deadlock) from a commit, before the record completes.
 /// - **Lease ends.** The claim, the take-over and the heartbeat return the new lease end
 ///   through `LAST_INSERT_ID(expr)` (the server reports it with the statement's row count),
 ///   which stands in for `RETURNING`: in a transactional handler, `LAST_INSERT_ID()` read
@@ -513,26 +519,27 @@ impl MySqlStore {
             .fetch_all(&mut *tx)
             .await
             .map_err(db_error)?;
+        // One statement per row (the values written as hex literals: nothing but hex
+        // digits stand for them), as few queries as keep each under 1 MiB, well below the
+        // smallest default `max_allowed_packet` (4 MiB on MySQL 5.7, 16 MiB on MariaDB).
         let mut deleted = 0;
-        if !rows.is_empty() {
-            // One statement per row, all in one query (the values written as hex literals:
-            // nothing but hex digits stand for them).
-            let mut sql = String::new();
-            for (scope, key, token) in &rows {
-                sql.push_str(&self.sql.purge_delete);
-                push_hex(&mut sql, scope);
-                sql.push_str(" AND `key` = ");
-                push_hex(&mut sql, key);
-                sql.push_str(" AND token = ");
-                push_hex(&mut sql, token.as_bytes());
-                sql.push_str(";\n");
+        let mut sql = String::new();
+        for (i, (scope, key, token)) in rows.iter().enumerate() {
+            sql.push_str(&self.sql.purge_delete);
+            push_hex(&mut sql, scope);
+            sql.push_str(" AND `key` = ");
+            push_hex(&mut sql, key);
+            sql.push_str(" AND token = ");
+            push_hex(&mut sql, token.as_bytes());
+            sql.push_str(";\n");
+            if sql.len() >= PURGE_QUERY_BYTES || i + 1 == rows.len() {
+                self.sent.bump();
+                deleted += sqlx::raw_sql(AssertSqlSafe(std::mem::take(&mut sql)))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_error)?
+                    .rows_affected();
             }
-            self.sent.bump();
-            deleted = sqlx::raw_sql(AssertSqlSafe(sql))
-                .execute(&mut *tx)
-                .await
-                .map_err(db_error)?
-                .rows_affected();
         }
         self.sent.bump();
         tx.commit().await.map_err(db_error)?;
@@ -607,6 +614,9 @@ impl MySqlStore {
         ))
     }
 }
+
+/// How long one query of the sweeper's deletes may grow before it is sent.
+const PURGE_QUERY_BYTES: usize = 1 << 20;
 
 /// Appends `bytes` as a hex literal (`X'…'`; `X''` for none).
 fn push_hex(sql: &mut String, bytes: &[u8]) {
