@@ -25,6 +25,7 @@ pub struct Held<DB: Database> {
     pub(crate) after: Option<String>,
     /// MySQL: the transaction holds a marker row that a rollback by the server removes (see
     /// `tx/mysql.rs`).
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) marked: bool,
 }
 
