@@ -11,6 +11,7 @@ pub mod conformance;
 pub mod execute;
 pub mod faults;
 pub mod fixtures;
+pub mod model;
 pub mod stall;
 
 /// A store under test, as the conformance suite drives it.

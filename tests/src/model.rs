@@ -1,0 +1,577 @@
+//! The claim / heartbeat / take-over / complete / release protocol as a model that
+//! [`stateright`] checks exhaustively (`tests/tests/model.rs`).
+//!
+//! # What is modelled
+//! One (scope, key), one fingerprint (a different one is a 422 whatever the record holds, which
+//! needs no model). Two servers, two clients that send the request (and retry it) to either
+//! server, a store that keeps one record, and a clock that moves in ticks. Every step is one
+//! atomic store operation, as the [`Store`](idempotent_core::Store) trait promises:
+//!
+//! - **claim**: absent record → claimed with a fresh token, lease `now + lease`; an
+//!   `in_progress` record whose lease ran out → taken over with a fresh token (two commits,
+//!   plain); anything else is a replay (done) or a 409 (in progress). The claim's answer can be
+//!   lost: the store claimed, the server answered 503 and holds nothing.
+//! - **heartbeat**: a running server extends its lease, fenced by its token. A server that
+//!   stops taking this step while the clock moves is a server frozen (a GC pause, SIGSTOP, a
+//!   VM paused): the model explores every such schedule.
+//! - **write**: the handler's side effect. Plain mode: it happens there and then. Transactional
+//!   mode: it is staged in the server's transaction and commits only with the record.
+//! - **finish**: the handler's outcome is stored (complete, fenced by the token) or releases
+//!   the key (release, fenced). In transactional mode the complete and the business write are
+//!   one commit, and a refused fence rolls both back. (A lost answer here changes only what
+//!   the client is told, a 503 instead of the response: the store's state is the same.)
+//! - **crash** of a server at any step (kill -9): everything it held in memory is gone, an
+//!   open transaction rolls back.
+//! - **single commit**: the claim row is inside the handler's transaction, so a duplicate meets
+//!   the uncommitted row and gets a 409; a crash rolls the claim back; the database ends a
+//!   transaction that outlives its lease (PostgreSQL's `idle_in_transaction_session_timeout`,
+//!   MySQL's `wait_timeout`), after which its commit fails.
+//! - a client that gives up: every schedule in which it sends nothing more is explored (its
+//!   requests are steps it may or may not take), so giving up needs no step of its own.
+//!
+//! The record's ttl is not modelled: a key used after its record expired is a new request by
+//! definition, so no invariant below spans it.
+//!
+//! # Invariants (checked on every reachable state)
+//! [`STORED_NEVER_CHANGES`], [`REPLAY_EQUALS_STORED`], [`FENCED_WRITES_NEVER_LAND`],
+//! [`NO_RUN_AFTER_STORED`], [`COMMITS_AT_MOST_ONCE`] (transactional modes),
+//! [`OVERLAP_ONLY_AFTER_LOST_LEASE`], and [`RUNS_NEVER_OVERLAP`]: the last one fails, by design,
+//! in one way only, an owner frozen past its lease whose lease is taken over (plain, two
+//! commits) or whose transaction the database ends (single commit) while it still runs
+//! (documented in SECURITY.md); in the transactional modes that overlap still commits once.
+
+use stateright::{Model, Property};
+
+/// A stored response is never overwritten, changed or deleted.
+pub const STORED_NEVER_CHANGES: &str = "a stored response never changes";
+/// Every replay a client gets equals the stored response.
+pub const REPLAY_EQUALS_STORED: &str = "every replay equals the stored response";
+/// A complete, release or extend from a token that no longer holds the record changes nothing.
+pub const FENCED_WRITES_NEVER_LAND: &str = "a write from a lost lease never lands";
+/// Once a response is stored, no execution starts: retries replay it.
+pub const NO_RUN_AFTER_STORED: &str = "no execution starts after a response is stored";
+/// Transactional modes: the handler's business write commits at most once.
+pub const COMMITS_AT_MOST_ONCE: &str = "the business write commits at most once";
+/// Two executions of the key never run at the same time.
+pub const RUNS_NEVER_OVERLAP: &str = "executions never overlap";
+/// Reachable (a `sometimes` property): a client gets a replay.
+pub const SOME_REPLAY: &str = "a client gets a replay";
+/// Reachable in plain and two-commit mode: a claim takes over a record.
+pub const SOME_TAKEOVER: &str = "a claim takes over a record";
+/// Executions overlap only after an owner that still runs (frozen) lost its lease: taken over
+/// (plain, two commits), or its transaction ended by the database (single commit).
+pub const OVERLAP_ONLY_AFTER_LOST_LEASE: &str =
+    "executions overlap only after a frozen owner lost its lease";
+
+/// How the handler's writes relate to the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// No transaction: the handler's side effects happen when it runs.
+    Plain,
+    /// The claim row inside the handler's transaction, one commit.
+    SingleCommit,
+    /// The claim commits first; the handler's writes and the complete commit together.
+    TwoCommits,
+}
+
+/// A bug put in on purpose, to show the checker finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SeededBug {
+    /// `complete` does not compare the caller's token with the record's (the fence skipped).
+    SkipFenceOnComplete,
+    /// `claim` takes over an `in_progress` record whose lease has not run out.
+    TakeOverLiveLease,
+}
+
+/// The model's bounds and variant.
+#[derive(Debug, Clone)]
+pub struct ProtocolModel {
+    /// Plain, single commit or two commits.
+    pub mode: Mode,
+    /// Lease length in ticks.
+    pub lease: u8,
+    /// The clock stops at this tick (bounds the state space).
+    pub horizon: u8,
+    /// Requests each client sends at most (the first and its retries).
+    pub attempts: u8,
+    /// Server crashes at most, over the whole run.
+    pub crashes: u8,
+    /// A bug put in on purpose, or none.
+    pub bug: Option<SeededBug>,
+}
+
+impl ProtocolModel {
+    /// The bounded model CI checks for `mode`: lease 2 ticks, 5 ticks of time, 3 requests per
+    /// client, one crash.
+    pub fn bounded(mode: Mode) -> Self {
+        ProtocolModel {
+            mode,
+            lease: 2,
+            horizon: 6,
+            attempts: 3,
+            crashes: 2,
+            bug: None,
+        }
+    }
+
+    /// The same model with `bug` put in.
+    pub fn with_bug(mut self, bug: SeededBug) -> Self {
+        self.bug = Some(bug);
+        self
+    }
+}
+
+/// The one record the store holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Rec {
+    /// The token of the claim that holds it.
+    pub token: u8,
+    /// Tick at which the lease runs out (in progress only).
+    pub lease_until: u8,
+    /// The stored response (the number of the execution that produced it), once done.
+    pub done: Option<u8>,
+    /// Single commit: the server whose open transaction holds this (uncommitted) row.
+    pub uncommitted_by: Option<u8>,
+}
+
+/// What a server is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Server {
+    /// Waiting for a request.
+    Idle,
+    /// Running the handler for `client` under `token`; `wrote` once its side effect happened
+    /// (plain) or was staged in its transaction (transactional).
+    Running {
+        /// The client whose request this is.
+        client: u8,
+        /// The lease token the claim gave.
+        token: u8,
+        /// This execution's number (its response is this number).
+        exec: u8,
+        /// Whether the handler's write happened (or is staged).
+        wrote: bool,
+        /// Single commit: the database ended this transaction (its commit will fail).
+        killed: bool,
+    },
+}
+
+/// What a client has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Client {
+    /// Requests sent so far.
+    pub sent: u8,
+    /// The first successful response it got (an execution's number), if any.
+    pub answer: Option<u8>,
+}
+
+/// One state of the whole system, with the ghost variables the invariants read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct State {
+    /// The clock, in ticks.
+    pub now: u8,
+    /// The store's record.
+    pub record: Option<Rec>,
+    /// The next token a claim hands out.
+    pub next_token: u8,
+    /// The servers.
+    pub servers: [Server; 2],
+    /// The clients.
+    pub clients: [Client; 2],
+    /// Crashes so far.
+    pub crashed: u8,
+    /// Executions started so far (the last one's number).
+    pub executions: u8,
+    /// Business writes committed (transactional), or side effects done (plain).
+    pub effects: u8,
+    /// Ghost: the first response ever stored.
+    pub first_stored: Option<u8>,
+    /// Ghost: a stored response was overwritten, changed or deleted.
+    pub stored_changed: bool,
+    /// Ghost: a replay differed from the first stored response.
+    pub bad_replay: bool,
+    /// Ghost: a write under a token that no longer held the record changed it.
+    pub stale_write_landed: bool,
+    /// Ghost: an execution started after a response was stored.
+    pub ran_after_stored: bool,
+    /// Ghost: a server that still runs lost its lease (frozen past it): taken over, or its
+    /// transaction ended by the database.
+    pub owner_lost_lease: bool,
+    /// Ghost: a client got a replay.
+    pub replayed: bool,
+    /// Ghost: a claim took over a record (after a crash, a lost answer or a freeze).
+    pub took_over: bool,
+}
+
+/// One step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// The clock moves one tick.
+    Tick,
+    /// `client` sends its request to `server`; the claim's answer reaches the server unless
+    /// `lost`.
+    Request {
+        /// Who sends.
+        client: u8,
+        /// Which server gets it.
+        server: u8,
+        /// The claim's answer is lost (the server answers 503).
+        lost: bool,
+    },
+    /// `server`'s heartbeat extends its lease (fenced).
+    Heartbeat(u8),
+    /// `server`'s handler does its write (plain: the side effect; transactional: staged).
+    Write(u8),
+    /// `server`'s handler finishes: its outcome is stored (`store`) or releases the key.
+    Finish {
+        /// Which server.
+        server: u8,
+        /// Stored outcome (2xx) or releasing one (5xx).
+        store: bool,
+    },
+    /// `server` is killed (kill -9).
+    Crash(u8),
+    /// Single commit: the database ends `server`'s transaction, which outlived its lease.
+    KillTransaction(u8),
+}
+
+impl ProtocolModel {
+    fn claimable(&self, rec: &Rec, now: u8) -> bool {
+        let expired = rec.lease_until <= now;
+        rec.done.is_none()
+            && rec.uncommitted_by.is_none()
+            && self.mode != Mode::SingleCommit
+            && (expired || self.bug == Some(SeededBug::TakeOverLiveLease))
+    }
+
+    fn request(&self, s: &mut State, client: u8, server: u8, lost: bool) {
+        s.clients[client as usize].sent += 1;
+        let claimed_token = s.next_token;
+        match s.record {
+            Some(rec) if rec.done.is_some() => {
+                // A replay: the client gets the stored response.
+                let stored = rec.done;
+                if stored != s.first_stored {
+                    s.bad_replay = true;
+                }
+                s.replayed = true;
+                if !lost {
+                    let c = &mut s.clients[client as usize];
+                    c.answer = c.answer.or(stored);
+                }
+                return;
+            }
+            Some(rec) if !self.claimable(&rec, s.now) => return, // 409
+            Some(rec) => {
+                s.took_over = true;
+                // A take-over: is the old owner still running, frozen past its lease?
+                if rec.lease_until <= s.now
+                    && s.servers.iter().any(
+                        |srv| matches!(srv, Server::Running { token, .. } if *token == rec.token),
+                    )
+                {
+                    s.owner_lost_lease = true;
+                }
+            }
+            None => {}
+        }
+        s.next_token += 1;
+        s.record = Some(Rec {
+            token: claimed_token,
+            lease_until: s.now + self.lease,
+            done: None,
+            uncommitted_by: (self.mode == Mode::SingleCommit).then_some(server),
+        });
+        if lost {
+            // The store claimed; the server never heard. In single commit the claim was inside
+            // the server's transaction, which the failed round trip rolls back.
+            if self.mode == Mode::SingleCommit {
+                s.record = None;
+            }
+            return;
+        }
+        if s.first_stored.is_some() {
+            s.ran_after_stored = true;
+        }
+        s.executions += 1;
+        s.servers[server as usize] = Server::Running {
+            client,
+            token: claimed_token,
+            exec: s.executions,
+            wrote: false,
+            killed: false,
+        };
+    }
+
+    /// Whether `token` passes the fence of a write (complete, release, extend).
+    fn fence_holds(&self, s: &State, token: u8, skip_token: bool) -> bool {
+        matches!(s.record, Some(rec) if rec.done.is_none() && (skip_token || rec.token == token))
+    }
+
+    fn finish(&self, s: &mut State, server: u8, store: bool) {
+        let Server::Running {
+            client,
+            token,
+            exec,
+            wrote,
+            killed,
+        } = s.servers[server as usize]
+        else {
+            return;
+        };
+        s.servers[server as usize] = Server::Idle;
+        let transactional = self.mode != Mode::Plain;
+        if !store {
+            // A releasing outcome: the transaction (if any) rolls back; the fenced release
+            // deletes the record.
+            match self.mode {
+                Mode::SingleCommit => {
+                    if !killed {
+                        s.record = None;
+                    }
+                }
+                Mode::Plain | Mode::TwoCommits => {
+                    // Refused by the fence: nothing changes.
+                    if self.fence_holds(s, token, false) {
+                        s.record = None;
+                    }
+                }
+            }
+            return;
+        }
+        let skip = self.bug == Some(SeededBug::SkipFenceOnComplete);
+        let lands = match self.mode {
+            Mode::SingleCommit => !killed && self.fence_holds(s, token, skip),
+            Mode::Plain | Mode::TwoCommits => self.fence_holds(s, token, skip),
+        };
+        if !lands {
+            // Refused: in transactional mode the business write rolls back with it.
+            return;
+        }
+        let rec = s.record.expect("the fence held on a record");
+        if rec.token != token {
+            s.stale_write_landed = true;
+        }
+        if rec.done.is_some() {
+            s.stored_changed = true;
+        }
+        s.record = Some(Rec {
+            token: rec.token,
+            lease_until: rec.lease_until,
+            done: Some(exec),
+            uncommitted_by: None,
+        });
+        match s.first_stored {
+            None => s.first_stored = Some(exec),
+            Some(first) if first != exec => s.stored_changed = true,
+            Some(_) => {}
+        }
+        if transactional && wrote {
+            s.effects += 1;
+        }
+        let c = &mut s.clients[client as usize];
+        c.answer = c.answer.or(Some(exec));
+    }
+}
+
+impl Model for ProtocolModel {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        vec![State {
+            now: 0,
+            record: None,
+            next_token: 1,
+            servers: [Server::Idle; 2],
+            clients: [Client {
+                sent: 0,
+                answer: None,
+            }; 2],
+            crashed: 0,
+            executions: 0,
+            effects: 0,
+            first_stored: None,
+            stored_changed: false,
+            bad_replay: false,
+            stale_write_landed: false,
+            ran_after_stored: false,
+            owner_lost_lease: false,
+            replayed: false,
+            took_over: false,
+        }]
+    }
+
+    fn actions(&self, s: &State, actions: &mut Vec<Action>) {
+        if s.now < self.horizon {
+            actions.push(Action::Tick);
+        }
+        for (c, client) in (0u8..).zip(&s.clients) {
+            if client.answer.is_some() || client.sent >= self.attempts {
+                continue;
+            }
+            for (srv, server) in (0u8..).zip(&s.servers) {
+                if *server == Server::Idle {
+                    actions.push(Action::Request {
+                        client: c,
+                        server: srv,
+                        lost: false,
+                    });
+                    actions.push(Action::Request {
+                        client: c,
+                        server: srv,
+                        lost: true,
+                    });
+                }
+            }
+        }
+        for (srv, server) in (0u8..).zip(&s.servers) {
+            let Server::Running { wrote, killed, .. } = *server else {
+                continue;
+            };
+            if self.mode != Mode::SingleCommit {
+                actions.push(Action::Heartbeat(srv));
+            }
+            if !wrote {
+                actions.push(Action::Write(srv));
+            }
+            actions.push(Action::Finish {
+                server: srv,
+                store: true,
+            });
+            actions.push(Action::Finish {
+                server: srv,
+                store: false,
+            });
+            if s.crashed < self.crashes {
+                actions.push(Action::Crash(srv));
+            }
+            if self.mode == Mode::SingleCommit
+                && !killed
+                && s.record
+                    .is_some_and(|r| r.uncommitted_by == Some(srv) && r.lease_until <= s.now)
+            {
+                actions.push(Action::KillTransaction(srv));
+            }
+        }
+    }
+
+    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        let mut s = last.clone();
+        match action {
+            Action::Tick => s.now += 1,
+            Action::Request {
+                client,
+                server,
+                lost,
+            } => self.request(&mut s, client, server, lost),
+            Action::Heartbeat(server) => {
+                if let Server::Running { token, .. } = s.servers[server as usize]
+                    && self.fence_holds(&s, token, false)
+                    && let Some(rec) = s.record.as_mut()
+                {
+                    rec.lease_until = s.now + self.lease;
+                }
+            }
+            Action::Write(server) => {
+                if let Server::Running { wrote, .. } = &mut s.servers[server as usize] {
+                    *wrote = true;
+                    if self.mode == Mode::Plain {
+                        s.effects += 1;
+                    }
+                }
+            }
+            Action::Finish { server, store } => self.finish(&mut s, server, store),
+            Action::Crash(server) => {
+                s.crashed += 1;
+                if self.mode == Mode::SingleCommit
+                    && s.record.is_some_and(|r| r.uncommitted_by == Some(server))
+                {
+                    s.record = None;
+                }
+                s.servers[server as usize] = Server::Idle;
+            }
+            Action::KillTransaction(server) => {
+                if let Server::Running { killed, .. } = &mut s.servers[server as usize] {
+                    *killed = true;
+                    s.owner_lost_lease = true;
+                }
+                if s.record.is_some_and(|r| r.uncommitted_by == Some(server)) {
+                    s.record = None;
+                }
+            }
+        }
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        let mut properties = vec![
+            Property::always(STORED_NEVER_CHANGES, |_: &Self, s: &State| {
+                !s.stored_changed
+                    && match (s.first_stored, s.record) {
+                        (Some(first), Some(rec)) => rec.done == Some(first),
+                        (Some(_), None) => false,
+                        (None, _) => true,
+                    }
+            }),
+            Property::always(REPLAY_EQUALS_STORED, |_: &Self, s: &State| !s.bad_replay),
+            Property::always(FENCED_WRITES_NEVER_LAND, |_: &Self, s: &State| {
+                !s.stale_write_landed
+            }),
+            Property::always(NO_RUN_AFTER_STORED, |_: &Self, s: &State| {
+                !s.ran_after_stored
+            }),
+            Property::always(RUNS_NEVER_OVERLAP, |_: &Self, s: &State| running(s) <= 1),
+            Property::always(OVERLAP_ONLY_AFTER_LOST_LEASE, |_: &Self, s: &State| {
+                running(s) <= 1 || s.owner_lost_lease
+            }),
+        ];
+        properties.push(Property::sometimes(SOME_REPLAY, |_: &Self, s: &State| {
+            s.replayed
+        }));
+        properties.push(Property::sometimes(SOME_TAKEOVER, |_: &Self, s: &State| {
+            s.took_over
+        }));
+        if self.mode != Mode::Plain {
+            properties.push(Property::always(
+                COMMITS_AT_MOST_ONCE,
+                |_: &Self, s: &State| s.effects <= 1,
+            ));
+        }
+        properties
+    }
+}
+
+/// The state with servers and clients renamed to the smallest of its symmetric forms (the
+/// checker's symmetry reduction: two servers, or two clients, swapped are the same system).
+pub fn representative(s: &State) -> State {
+    let swap_servers = |s: &State| {
+        let mut t = s.clone();
+        t.servers.swap(0, 1);
+        if let Some(rec) = t.record.as_mut() {
+            rec.uncommitted_by = rec.uncommitted_by.map(|b| 1 - b);
+        }
+        t
+    };
+    let swap_clients = |s: &State| {
+        let mut t = s.clone();
+        t.clients.swap(0, 1);
+        for server in &mut t.servers {
+            if let Server::Running { client, .. } = server {
+                *client = 1 - *client;
+            }
+        }
+        t
+    };
+    let b = swap_servers(s);
+    let c = swap_clients(s);
+    let d = swap_clients(&b);
+    [s.clone(), b, c, d].into_iter().min().expect("four forms")
+}
+
+/// Servers running an execution right now.
+pub fn running(s: &State) -> usize {
+    s.servers
+        .iter()
+        .filter(|srv| matches!(srv, Server::Running { .. }))
+        .count()
+}

@@ -1,0 +1,1102 @@
+//! The real [`Engine`] under deterministic simulation, on the memory store and on SQLite,
+//! each request served either on the engine's API or through the HTTP driver both adapters
+//! share (`__private::driver`, with the smallest framework glue).
+//!
+//! Each seed builds one world: two servers (two engines over one store, as two instances
+//! share a database), clients retrying a few keys, and a store wrapper that, drawn from the
+//! seed, delays every operation, fails it before it applies, loses its answer after it
+//! applied, and jumps the store's clock forward (past leases, as a paused VM or a frozen
+//! process sees it). Servers crash (every task they run is dropped mid-step, kill -9 style)
+//! and come back; clients time out and retry while the first attempt runs on. Everything runs
+//! on one tokio thread with a paused clock, so a seed is one schedule: a failing seed
+//! reproduces by number (`SIM_SEED=n`).
+//!
+//! The invariants are those of the model (`tests/src/model.rs`), checked against a log the
+//! wrapper and the handlers keep:
+//! - a stored response never changes (no second complete lands; the store's record at the end
+//!   holds the first stored response);
+//! - every replay equals the stored response;
+//! - a complete, release or extend under a token that no longer holds the record never lands;
+//! - no execution starts after a response is stored;
+//! - two executions of one key overlap only after a claim took over the lease of an
+//!   execution still running (the frozen owner plain mode admits; SECURITY.md).
+//!
+//! SQLite times come from SQLite's own clock, which the simulation cannot pause: its store
+//! operations run to completion on a helper thread while the simulated world waits (so no
+//! simulated time passes during one), and its clock jumps are made by moving the table's
+//! lease ends and expiries back.
+//!
+//! Environment: `SIM_SEED=n` runs seed n alone (printing its log); `SIM_SEEDS=n` sets how
+//! many seeds each arm runs (default 5,000 on memory, 1,000 on SQLite), within a time budget
+//! of 20 s per arm.
+
+use bytes::Bytes;
+use idempotent_core::__private::driver::{self, Glue};
+use idempotent_core::__private::{FIRST_EXECUTION, Recorder, Reply, RequestHead, Route};
+use idempotent_core::clock::Clock;
+use idempotent_core::engine::KeyRequirement;
+use idempotent_core::engine::{Begin, ExecuteRequest, Policy};
+use idempotent_core::fingerprint::{Fingerprint, FingerprintInput};
+use idempotent_core::http::{Config, IDEMPOTENT_REPLAYED};
+use idempotent_core::store::{
+    ClaimOutcome, ClaimRequest, Deleted, LeaseToken, Record, RecordKey, RecordState, StoredOutcome,
+    StoredResponse,
+};
+use idempotent_core::{Engine, IdempotencyKey, MemoryStore, Scope, Store, StoreError};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::task::JoinSet;
+
+const SERVERS: usize = 2;
+const CLIENTS: usize = 4;
+const KEYS: usize = 2;
+const ATTEMPTS: usize = 8;
+const LEASE: Duration = Duration::from_secs(2);
+const TTL: Duration = Duration::from_secs(24 * 3600);
+/// Wall-clock budget per arm: seeds stop there even if fewer than asked have run.
+const BUDGET: Duration = Duration::from_secs(20);
+
+/// Which store the world runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arm {
+    Memory,
+    #[cfg(feature = "sqlite")]
+    Sqlite,
+}
+
+/// Fault rates, drawn once per seed so some seeds are calm and some are storms.
+#[derive(Debug, Clone, Copy)]
+struct Faults {
+    /// Longest delay before and after a store operation.
+    max_delay_ms: u64,
+    /// An operation fails before it applies.
+    error: f64,
+    /// An operation applies and its answer is lost.
+    lost: f64,
+    /// Per client step: a server crashes.
+    crash: f64,
+    /// Per store operation: the store's clock jumps forward past a lease.
+    jump: f64,
+}
+
+/// What the world saw, for the invariants and for the report.
+#[derive(Debug, Default)]
+struct Log {
+    /// Every event, in order (two runs of one seed must produce the same list).
+    events: Vec<String>,
+    violations: Vec<String>,
+    /// The token of the latest claim the store granted, per key (lost answers included).
+    latest: HashMap<usize, LeaseToken>,
+    /// The first response stored, per key.
+    stored: HashMap<usize, Vec<u8>>,
+    /// Claims answered to a server whose execution has not ended, per key: (token, server).
+    holders: HashMap<usize, Vec<(LeaseToken, usize)>>,
+    /// Executions running now, per key: (execution, token, server).
+    live: HashMap<usize, Vec<(u32, LeaseToken, usize)>>,
+    /// Tokens whose holder lost the lease to a take-over while it still held it (frozen past
+    /// its lease, or its claim's answer slower than the lease).
+    lost_while_held: HashSet<LeaseToken>,
+    executions: u32,
+    replays: u32,
+    /// Replays answered through the HTTP driver.
+    http_replays: u32,
+    crashes: u32,
+    lost: u32,
+    errors: u32,
+    jumps: u32,
+    live_takeovers: u32,
+}
+
+impl Log {
+    fn event(&mut self, e: String) {
+        self.events.push(e);
+    }
+    fn violation(&mut self, v: String) {
+        self.events.push(format!("VIOLATION {v}"));
+        self.violations.push(v);
+    }
+}
+
+/// The world's shared state: its random source, fault rates, log and store clock.
+struct World {
+    rng: Mutex<StdRng>,
+    faults: Faults,
+    log: Mutex<Log>,
+}
+
+impl World {
+    fn draw<T>(&self, f: impl FnOnce(&mut StdRng) -> T) -> T {
+        f(&mut self.rng.lock().expect("rng"))
+    }
+    fn chance(&self, p: f64) -> bool {
+        p > 0.0 && self.draw(|r| r.random_bool(p))
+    }
+    fn log(&self) -> std::sync::MutexGuard<'_, Log> {
+        self.log.lock().expect("log")
+    }
+    async fn delay(&self) {
+        let ms = self.draw(|r| r.random_range(0..=self.faults.max_delay_ms));
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+/// The memory store's clock: the simulated (paused) tokio clock, plus the jumps.
+#[derive(Debug)]
+struct SimClock(Arc<WorldClock>);
+
+#[derive(Debug)]
+struct WorldClock {
+    origin: tokio::time::Instant,
+    jumped: Mutex<Duration>,
+}
+
+impl Clock for SimClock {
+    fn now(&self) -> SystemTime {
+        SystemTime::UNIX_EPOCH
+            + Duration::from_secs(1_800_000_000)
+            + self.0.origin.elapsed()
+            + *self.0.jumped.lock().expect("clock")
+    }
+    fn instant(&self) -> Instant {
+        tokio::time::Instant::now().into_std() + *self.0.jumped.lock().expect("clock")
+    }
+}
+
+/// Runs store operations: in place (memory), or to completion on a helper runtime while
+/// the simulated world waits (SQLite, whose I/O would otherwise let the paused clock run).
+enum Runner {
+    Direct,
+    #[cfg(feature = "sqlite")]
+    Blocking,
+}
+
+/// The helper runtime SQLite's operations run on.
+#[cfg(feature = "sqlite")]
+fn helper() -> &'static tokio::runtime::Runtime {
+    static HELPER: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    HELPER.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("helper runtime")
+    })
+}
+
+impl Runner {
+    async fn run<T, Fut>(&self, fut: Fut) -> T
+    where
+        T: Send + 'static,
+        Fut: Future<Output = T> + Send + 'static,
+    {
+        match self {
+            Runner::Direct => fut.await,
+            #[cfg(feature = "sqlite")]
+            Runner::Blocking => {
+                let (tx, rx) = std::sync::mpsc::channel();
+                helper().spawn(async move {
+                    let _ = tx.send(fut.await);
+                });
+                rx.recv().expect("the helper runtime answers")
+            }
+        }
+    }
+}
+
+tokio::task_local! {
+    /// The request a task serves: its server, and the token its claim got.
+    static REQUEST: (usize, Cell<Option<LeaseToken>>);
+}
+
+/// The store every server shares, with the seed's faults put in, keeping the log.
+struct SimStore {
+    inner: Arc<dyn Store>,
+    world: Arc<World>,
+    runner: Runner,
+    clock: Arc<WorldClock>,
+    #[cfg(feature = "sqlite")]
+    sqlite: Option<idempotent_core::SqliteStore>,
+}
+
+fn key_index(key: &RecordKey) -> usize {
+    key.key.as_str()[1..].parse().expect("keys are k<n>")
+}
+
+fn unavailable(why: &str) -> StoreError {
+    StoreError::unavailable(std::io::Error::other(why.to_owned()))
+}
+
+impl SimStore {
+    /// The faults before an operation: a delay, maybe a clock jump, maybe a failure.
+    async fn before(&self, op: &str, key: Option<usize>) -> Result<(), StoreError> {
+        self.world.delay().await;
+        if self.world.chance(self.world.faults.jump) {
+            self.jump().await;
+        }
+        if self.world.chance(self.world.faults.error) {
+            let mut log = self.world.log();
+            log.errors += 1;
+            log.event(format!("{op} {key:?}: failed before applying"));
+            return Err(unavailable("injected failure"));
+        }
+        Ok(())
+    }
+
+    /// The faults after an operation applied: a delay, maybe a lost answer.
+    async fn after<T>(
+        &self,
+        op: &str,
+        key: usize,
+        out: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.world.delay().await;
+        if out.is_ok() && self.world.chance(self.world.faults.lost) {
+            let mut log = self.world.log();
+            log.lost += 1;
+            log.event(format!("{op} k{key}: applied, answer lost"));
+            return Err(unavailable("injected lost answer"));
+        }
+        out
+    }
+
+    /// The store's clock jumps forward past a lease.
+    async fn jump(&self) {
+        // At least 100 ms past a whole lease: SQLite's own clock moves a few milliseconds
+        // during a run, and a jump that close to a lease's end would make the run depend on it.
+        let by = LEASE + Duration::from_millis(self.world.draw(|r| r.random_range(100..2000)));
+        self.world.log().jumps += 1;
+        self.world.log().event(format!("clock jumps {by:?}"));
+        *self.clock.jumped.lock().expect("clock") += by;
+        #[cfg(feature = "sqlite")]
+        if let Some(store) = &self.sqlite {
+            // SQLite's clock cannot move: move the table's times back instead.
+            let sql = format!(
+                "UPDATE {} SET locked_until = locked_until - {ms}, expires_at = expires_at - {ms}",
+                store.table(),
+                ms = by.as_millis()
+            );
+            let pool = store.pool().clone();
+            self.runner
+                .run(async move { sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await })
+                .await
+                .expect("move SQLite's times");
+        }
+    }
+
+    /// Checks a fenced write that the store accepted.
+    fn landed(&self, op: &str, key: usize, token: LeaseToken) {
+        let mut log = self.world.log();
+        log.event(format!("{op} k{key}: landed"));
+        if log.latest.get(&key) != Some(&token) {
+            log.violation(format!(
+                "{op} k{key} landed under a token that no longer holds the record"
+            ));
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for SimStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let k = key_index(req.key);
+        self.before("claim", Some(k)).await?;
+        let inner = Arc::clone(&self.inner);
+        let (key, fingerprint) = (req.key.clone(), *req.fingerprint);
+        let (lease, ttl) = (req.lease, req.ttl);
+        let out = self
+            .runner
+            .run(async move {
+                inner
+                    .claim(ClaimRequest {
+                        key: &key,
+                        fingerprint: &fingerprint,
+                        lease,
+                        ttl,
+                    })
+                    .await
+            })
+            .await;
+        {
+            let mut log = self.world.log();
+            match &out {
+                Ok(ClaimOutcome::Claimed(lease)) => {
+                    log.latest.insert(k, lease.token);
+                    let held: Vec<LeaseToken> = log
+                        .holders
+                        .get(&k)
+                        .map(|h| h.iter().map(|(t, _)| *t).collect())
+                        .unwrap_or_default();
+                    if lease.took_over && !held.is_empty() {
+                        log.live_takeovers += 1;
+                        log.lost_while_held.extend(held);
+                    }
+                    // The server holds the lease from here (its answer on the way) until its
+                    // execution ends, unless the answer is lost.
+                    if let Ok(server) = REQUEST.try_with(|(server, _)| *server) {
+                        log.holders
+                            .entry(k)
+                            .or_default()
+                            .push((lease.token, server));
+                    }
+                    log.event(format!(
+                        "claim k{k}: claimed (took over: {})",
+                        lease.took_over
+                    ));
+                }
+                Ok(other) => log.event(format!("claim k{k}: {}", outcome_name(other))),
+                Err(e) => log.event(format!("claim k{k}: error {e}")),
+            }
+        }
+        let granted = match &out {
+            Ok(ClaimOutcome::Claimed(lease)) => Some(lease.token),
+            _ => None,
+        };
+        let out = self.after("claim", k, out).await;
+        if let Some(token) = granted {
+            if out.is_ok() {
+                let _ = REQUEST.try_with(|(_, claimed)| claimed.set(Some(token)));
+            } else if let Some(holders) = self.world.log().holders.get_mut(&k) {
+                // Lost: no execution starts from this claim.
+                holders.retain(|(t, _)| *t != token);
+            }
+        }
+        out
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let k = key_index(key);
+        self.before("complete", Some(k)).await?;
+        let (inner, key, stored) = (Arc::clone(&self.inner), key.clone(), outcome.clone());
+        let out = self
+            .runner
+            .run(async move { inner.complete(&key, token, &stored, ttl).await })
+            .await;
+        if out.is_ok() {
+            self.landed("complete", k, token);
+            let body = body_of(outcome);
+            let mut log = self.world.log();
+            if let std::collections::hash_map::Entry::Vacant(first) = log.stored.entry(k) {
+                first.insert(body);
+            } else {
+                log.violation(format!("a second response was stored for k{k}"));
+            }
+        }
+        self.after("complete", k, out).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        let k = key_index(key);
+        self.before("release", Some(k)).await?;
+        let (inner, key) = (Arc::clone(&self.inner), key.clone());
+        let out = self
+            .runner
+            .run(async move { inner.release(&key, token).await })
+            .await;
+        if out.is_ok() {
+            self.landed("release", k, token);
+            let mut log = self.world.log();
+            if log.stored.contains_key(&k) {
+                log.violation(format!("a stored response was released for k{k}"));
+            }
+        }
+        self.after("release", k, out).await
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        let k = key_index(key);
+        self.before("extend", Some(k)).await?;
+        let (inner, key) = (Arc::clone(&self.inner), key.clone());
+        let out = self
+            .runner
+            .run(async move { inner.extend(&key, token, lease).await })
+            .await;
+        if out.is_ok() {
+            self.landed("extend", k, token);
+        }
+        self.after("extend", k, out).await
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
+        self.before("purge", None).await?;
+        let inner = Arc::clone(&self.inner);
+        self.runner
+            .run(async move { inner.purge_expired(batch).await })
+            .await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let (inner, key) = (Arc::clone(&self.inner), key.clone());
+        self.runner.run(async move { inner.get(&key).await }).await
+    }
+
+    async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        let (inner, key) = (Arc::clone(&self.inner), key.clone());
+        self.runner
+            .run(async move { inner.delete(&key, force).await })
+            .await
+    }
+}
+
+fn outcome_name(o: &ClaimOutcome) -> &'static str {
+    match o {
+        ClaimOutcome::Claimed(_) => "claimed",
+        ClaimOutcome::Replay(_) => "replay",
+        ClaimOutcome::InProgress { .. } => "in progress",
+        ClaimOutcome::Mismatch { .. } => "mismatch",
+    }
+}
+
+fn body_of(outcome: &StoredOutcome) -> Vec<u8> {
+    match outcome {
+        StoredOutcome::Response(r) => r.body.to_vec(),
+        StoredOutcome::Oversized { .. } => b"oversized".to_vec(),
+    }
+}
+
+/// A running execution, in the log until it ends or its server crashes (dropped).
+struct Running {
+    world: Arc<World>,
+    key: usize,
+    exec: u32,
+    token: LeaseToken,
+}
+
+impl Log {
+    /// An execution is no longer running, and no longer holds its lease.
+    fn ended(&mut self, key: usize, exec: u32, token: LeaseToken) {
+        if let Some(live) = self.live.get_mut(&key) {
+            live.retain(|(e, _, _)| *e != exec);
+        }
+        if let Some(holders) = self.holders.get_mut(&key) {
+            holders.retain(|(t, _)| *t != token);
+        }
+    }
+
+    /// `server` crashed: what it ran and held stopped there and then.
+    fn crashed(&mut self, server: usize) {
+        for live in self.live.values_mut() {
+            live.retain(|(_, _, s)| *s != server);
+        }
+        for holders in self.holders.values_mut() {
+            holders.retain(|(_, s)| *s != server);
+        }
+    }
+}
+
+impl Running {
+    fn start(world: &Arc<World>, key: usize, server: usize, token: LeaseToken) -> Self {
+        let mut log = world.log();
+        log.executions += 1;
+        let exec = log.executions;
+        log.event(format!("execution {exec} of k{key} starts"));
+        if log.stored.contains_key(&key) {
+            log.violation(format!(
+                "execution {exec} of k{key} started after a response was stored"
+            ));
+        }
+        // Two executions may overlap only where one of them lost its lease while it held it.
+        let unexplained: Vec<u32> = log
+            .live
+            .get(&key)
+            .into_iter()
+            .flatten()
+            .filter(|(_, other, _)| {
+                !log.lost_while_held.contains(other) && !log.lost_while_held.contains(&token)
+            })
+            .map(|(e, _, _)| *e)
+            .collect();
+        if !unexplained.is_empty() {
+            log.violation(format!(
+                "execution {exec} of k{key} overlaps {unexplained:?}, and neither lost its lease"
+            ));
+        }
+        log.live.entry(key).or_default().push((exec, token, server));
+        Running {
+            world: Arc::clone(world),
+            key,
+            exec,
+            token,
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut log = self.world.log();
+        log.ended(self.key, self.exec, self.token);
+        log.event(format!("execution {} of k{} ends", self.exec, self.key));
+    }
+}
+
+/// One server: an engine, its HTTP configuration, and the tasks it runs (dropped together
+/// when it crashes).
+struct Server {
+    engine: Engine,
+    config: Config,
+    tasks: JoinSet<()>,
+}
+
+impl Server {
+    fn start(store: &Arc<SimStore>) -> Self {
+        let engine = engine(store);
+        Server {
+            config: Config::new(engine.clone()),
+            engine,
+            tasks: JoinSet::new(),
+        }
+    }
+}
+
+fn engine(store: &Arc<SimStore>) -> Engine {
+    Engine::builder_from_arc(Arc::clone(store) as Arc<dyn Store>)
+        .lease(LEASE)
+        .build()
+        .expect("engine")
+}
+
+fn request(key: usize) -> ExecuteRequest {
+    ExecuteRequest {
+        scope: Scope::new("acct_sim").expect("scope"),
+        key: IdempotencyKey::parse(format!("k{key}").as_bytes()),
+        fingerprint: Fingerprint::compute(&FingerprintInput {
+            method: "POST",
+            path: "/charges",
+            query: None,
+            content_type: None,
+            body: b"{}",
+        }),
+    }
+}
+
+/// The simulated route, as `#[idempotent(ttl = "24h", lease = "2s")]` declares it.
+static ROUTE: Route = Route::new(
+    "sim",
+    Some(TTL),
+    Some(LEASE),
+    KeyRequirement::Required,
+    false,
+    None,
+);
+
+/// A response on plain types, for the HTTP driver.
+struct SimResponse {
+    head: (u16, Vec<(String, Vec<u8>)>),
+    body: Bytes,
+}
+
+/// The smallest framework glue: the driver's lifecycle over [`SimResponse`].
+struct SimGlue;
+
+impl Glue for SimGlue {
+    type Response = SimResponse;
+    type Head = (u16, Vec<(String, Vec<u8>)>);
+    type Body = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn reply(reply: Reply) -> SimResponse {
+        SimResponse {
+            head: (
+                reply.status,
+                reply
+                    .headers
+                    .into_iter()
+                    .map(|(n, v)| (n.into_owned(), v.into_owned()))
+                    .collect(),
+            ),
+            body: reply.body.into(),
+        }
+    }
+    fn split(response: SimResponse) -> (Self::Head, Bytes) {
+        (response.head, response.body)
+    }
+    fn join(head: Self::Head, body: Bytes) -> SimResponse {
+        SimResponse { head, body }
+    }
+    fn status(head: &Self::Head) -> u16 {
+        head.0
+    }
+    fn headers(head: &Self::Head) -> impl Iterator<Item = (&str, &[u8])> {
+        head.1.iter().map(|(n, v)| (n.as_str(), v.as_slice()))
+    }
+    fn mark_first_execution(head: &mut Self::Head) {
+        head.1.push((
+            FIRST_EXECUTION.0.to_owned(),
+            FIRST_EXECUTION.1.as_bytes().to_vec(),
+        ));
+    }
+    fn exact_len(body: &Bytes) -> Option<u64> {
+        Some(body.len() as u64)
+    }
+    fn collect(body: Bytes) -> impl Future<Output = Result<Bytes, Self::Error>> {
+        std::future::ready(Ok(body))
+    }
+    fn from_bytes(bytes: Bytes) -> Bytes {
+        bytes
+    }
+    fn tee(_: Bytes, _: Recorder) -> Bytes {
+        unreachable!("every body here has a known length, so the driver collects it")
+    }
+}
+
+/// What a client is told.
+#[derive(Debug)]
+enum Answer {
+    Fresh(Vec<u8>),
+    Replay(Vec<u8>),
+    Retry,
+}
+
+/// The simulated handler: runs for a drawn time, answers 201 (or, one time in ten, 500, which
+/// releases the key) with a body naming its execution.
+async fn handler(
+    world: Arc<World>,
+    key: usize,
+    server: usize,
+    ms: u64,
+    fails: bool,
+) -> (u16, Bytes) {
+    let token = REQUEST
+        .try_with(|(_, token)| token.get())
+        .ok()
+        .flatten()
+        .expect("the handler runs under a claim the store granted");
+    let running = Running::start(&world, key, server, token);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let status = if fails { 500 } else { 201 };
+    (
+        status,
+        Bytes::from(format!("k{key} execution {}", running.exec)),
+    )
+}
+
+/// Checks a replay against the first stored response.
+fn replayed(world: &World, key: usize, body: &[u8]) {
+    let mut log = world.log();
+    log.replays += 1;
+    if log.stored.get(&key).map(Vec::as_slice) != Some(body) {
+        log.violation(format!(
+            "a replay of k{key} differs from the stored response: {:?}",
+            String::from_utf8_lossy(body)
+        ));
+    }
+}
+
+/// One server handling one request through the HTTP driver, as both adapters do: prepare,
+/// then claim → execute → store → replay around the handler.
+async fn serve_http(config: Config, world: Arc<World>, key: usize, server: usize) -> Answer {
+    let (ms, fails) = world.draw(|r| (r.random_range(0..5000), r.random_bool(0.1)));
+    let head = RequestHead {
+        method: "POST",
+        path: "/charges",
+        query: None,
+        content_type: None,
+    };
+    let prepared = driver::prepare(
+        &config,
+        &ROUTE,
+        head,
+        IdempotencyKey::parse(format!("k{key}").as_bytes()),
+        Bytes::from_static(b"{}"),
+        Scope::new("acct_sim"),
+    )
+    .await;
+    let driver::Prepared::Run(job) = prepared else {
+        world
+            .log()
+            .violation(format!("k{key}: the driver would not run: {prepared:?}"));
+        return Answer::Retry;
+    };
+    let response = REQUEST
+        .scope(
+            (server, Cell::new(None)),
+            job.run::<SimGlue, _>(|| {
+                let world = Arc::clone(&world);
+                async move {
+                    let (status, body) = handler(world, key, server, ms, fails).await;
+                    SimResponse {
+                        head: (status, vec![]),
+                        body,
+                    }
+                }
+            }),
+        )
+        .await;
+    let (status, headers) = &response.head;
+    let replay = headers
+        .iter()
+        .find(|(n, _)| n == IDEMPOTENT_REPLAYED)
+        .map(|(_, v)| v.as_slice());
+    match (*status, replay) {
+        (201, Some(b"true")) => {
+            replayed(&world, key, &response.body);
+            world.log().http_replays += 1;
+            Answer::Replay(response.body.to_vec())
+        }
+        (201, Some(b"false")) => Answer::Fresh(response.body.to_vec()),
+        // 500 (released), 409 (in progress), 503 (store unavailable).
+        (500 | 409 | 503, _) => Answer::Retry,
+        _ => {
+            world.log().violation(format!(
+                "k{key}: the driver answered {status} {headers:?} {:?}",
+                response.body
+            ));
+            Answer::Retry
+        }
+    }
+}
+
+/// One server handling one request on the engine's API: claim; run the handler and store its
+/// outcome; or answer from the record.
+async fn serve(engine: Engine, world: Arc<World>, key: usize, server: usize) -> Answer {
+    let policy = Policy {
+        lease: LEASE,
+        ttl: TTL,
+        route: "sim",
+        ..Policy::default()
+    };
+    let begin = REQUEST
+        .scope((server, Cell::new(None)), async {
+            let begin = engine.begin(request(key), &policy).await;
+            (begin, REQUEST.with(|(_, token)| token.get()))
+        })
+        .await;
+    match begin {
+        (Begin::Claimed(mut execution), Some(token)) => {
+            let (ms, fails) = world.draw(|r| (r.random_range(0..5000), r.random_bool(0.1)));
+            let run = REQUEST.scope(
+                (server, Cell::new(Some(token))),
+                handler(Arc::clone(&world), key, server, ms, fails),
+            );
+            let (status, body) = execution
+                .run(run)
+                .await
+                .expect("the handler does not panic");
+            let body = body.to_vec();
+            let response = StoredResponse::new(status, body.clone());
+            let recorded = execution.finish(response.into()).await;
+            world
+                .log()
+                .event(format!("k{key}: {status} finished as {recorded:?}"));
+            if status == 201 {
+                Answer::Fresh(body)
+            } else {
+                Answer::Retry
+            }
+        }
+        (Begin::Claimed(_), None) => {
+            world
+                .log()
+                .violation(format!("k{key}: claimed, and the store never granted it"));
+            Answer::Retry
+        }
+        (Begin::Replay(outcome), _) => {
+            let body = body_of(&outcome);
+            replayed(&world, key, &body);
+            Answer::Replay(body)
+        }
+        (Begin::InProgress { .. } | Begin::StoreUnavailable(_), _) => Answer::Retry,
+        (other, _) => {
+            world
+                .log()
+                .violation(format!("k{key}: unexpected answer {other:?}"));
+            Answer::Retry
+        }
+    }
+}
+
+/// What one seed's run produced.
+struct Outcome {
+    log: Log,
+}
+
+/// Runs one seed to its end.
+async fn world(seed: u64, arm: Arm) -> Outcome {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let calm = rng.random_bool(0.2);
+    let faults = if calm {
+        Faults {
+            max_delay_ms: 50,
+            error: 0.0,
+            lost: 0.0,
+            crash: 0.0,
+            jump: 0.0,
+        }
+    } else {
+        Faults {
+            max_delay_ms: rng.random_range(0..400),
+            error: rng.random_range(0.0..0.2),
+            lost: rng.random_range(0.0..0.2),
+            crash: rng.random_range(0.0..0.1),
+            jump: rng.random_range(0.0..0.05),
+        }
+    };
+    let origin = tokio::time::Instant::now();
+    let world = Arc::new(World {
+        rng: Mutex::new(rng),
+        faults,
+        log: Mutex::new(Log::default()),
+    });
+    let clock = Arc::new(WorldClock {
+        origin,
+        jumped: Mutex::new(Duration::ZERO),
+    });
+    let store = Arc::new(match arm {
+        Arm::Memory => SimStore {
+            inner: Arc::new(
+                MemoryStore::builder()
+                    .clock(Arc::new(SimClock(Arc::clone(&clock))))
+                    .build(),
+            ),
+            world: Arc::clone(&world),
+            runner: Runner::Direct,
+            clock: Arc::clone(&clock),
+            #[cfg(feature = "sqlite")]
+            sqlite: None,
+        },
+        #[cfg(feature = "sqlite")]
+        Arm::Sqlite => {
+            let sqlite = Runner::Blocking
+                .run(async {
+                    let store = idempotent_core::SqliteStore::connect("sqlite::memory:")
+                        .await
+                        .expect("open SQLite");
+                    store.migrate().await.expect("migrate SQLite");
+                    store
+                })
+                .await;
+            SimStore {
+                inner: Arc::new(sqlite.clone()),
+                world: Arc::clone(&world),
+                runner: Runner::Blocking,
+                clock: Arc::clone(&clock),
+                sqlite: Some(sqlite),
+            }
+        }
+    });
+    let servers: Arc<Vec<Mutex<Server>>> = Arc::new(
+        (0..SERVERS)
+            .map(|_| Mutex::new(Server::start(&store)))
+            .collect(),
+    );
+    let mut clients = JoinSet::new();
+    for c in 0..CLIENTS {
+        let (world, servers, store) =
+            (Arc::clone(&world), Arc::clone(&servers), Arc::clone(&store));
+        clients.spawn(async move {
+            let key = c % KEYS;
+            for attempt in 0..ATTEMPTS {
+                let (s, timeout_ms, crash, http) = world.draw(|r| {
+                    (
+                        r.random_range(0..SERVERS),
+                        r.random_range(100..6000),
+                        r.random_bool(world.faults.crash),
+                        r.random_bool(0.5),
+                    )
+                });
+                if crash {
+                    let s = world.draw(|r| r.random_range(0..SERVERS));
+                    let mut server = servers[s].lock().expect("server");
+                    // kill -9 and restart: every task it ran is dropped where it stands.
+                    server.tasks.abort_all();
+                    *server = Server::start(&store);
+                    let mut log = world.log();
+                    log.crashed(s);
+                    log.crashes += 1;
+                    log.event(format!("server {s} crashes"));
+                }
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                {
+                    let mut server = servers[s].lock().expect("server");
+                    let (engine, config) = (server.engine.clone(), server.config.clone());
+                    let world = Arc::clone(&world);
+                    server.tasks.spawn(async move {
+                        let answer = if http {
+                            serve_http(config, world, key, s).await
+                        } else {
+                            serve(engine, world, key, s).await
+                        };
+                        let _ = tx.send(answer);
+                    });
+                }
+                let via = if http {
+                    "the HTTP driver"
+                } else {
+                    "the engine"
+                };
+                world.log().event(format!(
+                    "client {c} sends k{key} to server {s} through {via} (attempt {attempt})"
+                ));
+                match tokio::time::timeout(Duration::from_millis(timeout_ms), rx).await {
+                    Ok(Ok(Answer::Fresh(body) | Answer::Replay(body))) => {
+                        world.log().event(format!(
+                            "client {c} is answered: {}",
+                            String::from_utf8_lossy(&body)
+                        ));
+                        return;
+                    }
+                    // Told to retry, timed out, or its server crashed.
+                    Ok(Ok(Answer::Retry)) | Ok(Err(_)) | Err(_) => {
+                        let backoff = world.draw(|r| r.random_range(0..3000));
+                        tokio::time::sleep(Duration::from_millis(backoff)).await;
+                    }
+                }
+            }
+            world.log().event(format!("client {c} gives up"));
+        });
+    }
+    while clients.join_next().await.is_some() {}
+    // Let every execution still running finish (or its server's tasks end).
+    for server in servers.iter() {
+        let mut tasks = std::mem::take(&mut server.lock().expect("server").tasks);
+        while tasks.join_next().await.is_some() {}
+    }
+    // The store's records hold the first stored responses.
+    for k in 0..KEYS {
+        let key = request(k);
+        let key = RecordKey::new(key.scope, key.key.expect("key"));
+        let record = store.get(&key).await.expect("read the record");
+        let mut log = world.log();
+        let stored = log.stored.get(&k).cloned();
+        match (record.map(|r| r.state), stored) {
+            (Some(RecordState::Done { outcome, .. }), Some(first))
+                if body_of(&outcome) == first => {}
+            (Some(RecordState::Done { outcome, .. }), first) => log.violation(format!(
+                "k{k}'s record holds {:?}, the first stored was {:?}",
+                String::from_utf8_lossy(&body_of(&outcome)),
+                first.map(|f| String::from_utf8_lossy(&f).into_owned())
+            )),
+            (_, Some(_)) => log.violation(format!("k{k}'s stored response is gone")),
+            (_, None) => {}
+        }
+    }
+    drop(servers);
+    let log = std::mem::take(&mut *world.log());
+    Outcome { log }
+}
+
+/// Runs `seed` on a fresh single-threaded runtime with a paused clock.
+fn run_seed(seed: u64, arm: Arm) -> Outcome {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime")
+        .block_on(world(seed, arm))
+}
+
+/// Runs the arm's seeds (or `SIM_SEED` alone) and fails on the first seed that breaks an
+/// invariant, naming it.
+fn run_arm(arm: Arm, default_seeds: u64) {
+    if let Ok(seed) = std::env::var("SIM_SEED") {
+        let seed: u64 = seed.parse().expect("SIM_SEED is a number");
+        let outcome = run_seed(seed, arm);
+        for e in &outcome.log.events {
+            eprintln!("{e}");
+        }
+        assert!(
+            outcome.log.violations.is_empty(),
+            "{arm:?} seed {seed}: {:?}",
+            outcome.log.violations
+        );
+        return;
+    }
+    let seeds: u64 = std::env::var("SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default_seeds);
+    let started = Instant::now();
+    let mut totals = Log::default();
+    let mut ran = 0;
+    for seed in 0..seeds {
+        if started.elapsed() > BUDGET {
+            break;
+        }
+        let log = run_seed(seed, arm).log;
+        assert!(
+            log.violations.is_empty(),
+            "{arm:?} seed {seed} breaks an invariant: {:?}\nreproduce: SIM_SEED={seed} cargo test -p idempotent-tests --test simulation {} -- --nocapture",
+            log.violations,
+            match arm {
+                Arm::Memory => "memory",
+                #[cfg(feature = "sqlite")]
+                Arm::Sqlite => "sqlite",
+            }
+        );
+        totals.executions += log.executions;
+        totals.replays += log.replays;
+        totals.http_replays += log.http_replays;
+        totals.crashes += log.crashes;
+        totals.lost += log.lost;
+        totals.errors += log.errors;
+        totals.jumps += log.jumps;
+        totals.live_takeovers += log.live_takeovers;
+        ran += 1;
+    }
+    eprintln!(
+        "{arm:?}: {ran} seeds in {:.1?}: {} executions, {} replays ({} through the HTTP driver), {} crashes, {} lost answers, {} failed operations, {} clock jumps, {} take-overs of a running execution",
+        started.elapsed(),
+        totals.executions,
+        totals.replays,
+        totals.http_replays,
+        totals.crashes,
+        totals.lost,
+        totals.errors,
+        totals.jumps,
+        totals.live_takeovers
+    );
+    // The faults happened: a simulation that never reaches them checks nothing.
+    assert!(ran >= 50, "only {ran} seeds ran within the budget");
+    assert!(totals.replays > totals.http_replays && totals.http_replays > 0);
+    assert!(totals.crashes > 0 && totals.lost > 0 && totals.errors > 0);
+    assert!(
+        totals.jumps > 0 && totals.live_takeovers > 0,
+        "no take-over of a running execution was reached"
+    );
+}
+
+#[test]
+fn memory_store_under_simulation() {
+    run_arm(Arm::Memory, 5_000);
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn sqlite_store_under_simulation() {
+    run_arm(Arm::Sqlite, 1_000);
+}
+
+#[test]
+fn a_seed_replays_the_same_run() {
+    let arms = [
+        Arm::Memory,
+        #[cfg(feature = "sqlite")]
+        Arm::Sqlite,
+    ];
+    for arm in arms {
+        for seed in [3, 17, 101, 31] {
+            let first = run_seed(seed, arm).log.events;
+            let second = run_seed(seed, arm).log.events;
+            assert!(first.len() > 10, "{arm:?} seed {seed} did something");
+            assert_eq!(
+                first, second,
+                "{arm:?} seed {seed} ran two different schedules"
+            );
+        }
+    }
+}
