@@ -11,9 +11,14 @@
 //!   `in_progress` record whose lease ran out → taken over with a fresh token (two commits,
 //!   plain); anything else is a replay (done) or a 409 (in progress). The claim's answer can be
 //!   lost: the store claimed, the server answered 503 and holds nothing.
+//! - **start**: the server that got the claim starts the handler. A server can stall between
+//!   its claim and this step (its claim's answer slow, the process paused) like anywhere else.
 //! - **heartbeat**: a running server extends its lease, fenced by its token. A server that
 //!   stops taking this step while the clock moves is a server frozen (a GC pause, SIGSTOP, a
-//!   VM paused): the model explores every such schedule.
+//!   VM paused): the model explores every such schedule. Each server remembers when it last
+//!   renewed its lease (its claim or its last heartbeat), on the model's own clock, so a
+//!   take-over can be checked against the lease the protocol promises, not against what the
+//!   store recorded.
 //! - **write**: the handler's side effect. Plain mode: it happens there and then. Transactional
 //!   mode: it is staged in the server's transaction and commits only with the record.
 //! - **finish**: the handler's outcome is stored (complete, fenced by the token) or releases
@@ -34,11 +39,12 @@
 //!
 //! # Invariants (checked on every reachable state)
 //! [`STORED_NEVER_CHANGES`], [`REPLAY_EQUALS_STORED`], [`FENCED_WRITES_NEVER_LAND`],
-//! [`NO_RUN_AFTER_STORED`], [`COMMITS_AT_MOST_ONCE`] (transactional modes),
-//! [`OVERLAP_ONLY_AFTER_LOST_LEASE`], and [`RUNS_NEVER_OVERLAP`]: the last one fails, by design,
-//! in one way only, an owner frozen past its lease whose lease is taken over (plain, two
-//! commits) or whose transaction the database ends (single commit) while it still runs
-//! (documented in SECURITY.md); in the transactional modes that overlap still commits once.
+//! [`NO_CLAIM_AFTER_STORED`], [`TAKEOVER_ONLY_AFTER_A_LEASE`], [`COMMITS_AT_MOST_ONCE`]
+//! (transactional modes), [`OVERLAP_ONLY_AFTER_LOST_LEASE`], and [`RUNS_NEVER_OVERLAP`]: the
+//! last one fails, by design, in one way only, an owner frozen past its lease whose lease is
+//! taken over (plain, two commits) or whose transaction the database ends (single commit) while
+//! it still runs or has yet to start (documented in SECURITY.md); in the transactional modes
+//! that overlap still commits once.
 
 use stateright::{Model, Property};
 
@@ -46,20 +52,28 @@ use stateright::{Model, Property};
 pub const STORED_NEVER_CHANGES: &str = "a stored response never changes";
 /// Every replay a client gets equals the stored response.
 pub const REPLAY_EQUALS_STORED: &str = "every replay equals the stored response";
-/// A complete, release or extend from a token that no longer holds the record changes nothing.
+/// A complete or release from a token that no longer holds the record changes nothing.
 pub const FENCED_WRITES_NEVER_LAND: &str = "a write from a lost lease never lands";
-/// Once a response is stored, no execution starts: retries replay it.
-pub const NO_RUN_AFTER_STORED: &str = "no execution starts after a response is stored";
+/// Once a response is stored, no claim succeeds: retries replay it. (An owner frozen between
+/// its claim and its handler can still start after a retry stored a response: that is the
+/// overlap [`OVERLAP_ONLY_AFTER_LOST_LEASE`] admits, and such an execution has lost its lease.)
+pub const NO_CLAIM_AFTER_STORED: &str = "no claim succeeds once a response is stored";
+/// A running owner's lease is taken over (or its transaction ended) only after a whole lease
+/// passed on the clock since it last renewed it.
+pub const TAKEOVER_ONLY_AFTER_A_LEASE: &str =
+    "a lease is lost only after a whole lease without renewal";
 /// Transactional modes: the handler's business write commits at most once.
 pub const COMMITS_AT_MOST_ONCE: &str = "the business write commits at most once";
-/// Two executions of the key never run at the same time.
+/// Two executions of the key never run at the same time, and none starts once a response is
+/// stored.
 pub const RUNS_NEVER_OVERLAP: &str = "executions never overlap";
 /// Reachable (a `sometimes` property): a client gets a replay.
 pub const SOME_REPLAY: &str = "a client gets a replay";
 /// Reachable in plain and two-commit mode: a claim takes over a record.
 pub const SOME_TAKEOVER: &str = "a claim takes over a record";
-/// Executions overlap only after an owner that still runs (frozen) lost its lease: taken over
-/// (plain, two commits), or its transaction ended by the database (single commit).
+/// Executions overlap (or one starts after a response is stored) only where an owner that still
+/// holds its claim (frozen) lost its lease: taken over (plain, two commits), or its
+/// transaction ended by the database (single commit).
 pub const OVERLAP_ONLY_AFTER_LOST_LEASE: &str =
     "executions overlap only after a frozen owner lost its lease";
 
@@ -79,8 +93,14 @@ pub enum Mode {
 pub enum SeededBug {
     /// `complete` does not compare the caller's token with the record's (the fence skipped).
     SkipFenceOnComplete,
+    /// `release` does not compare the caller's token with the record's.
+    SkipFenceOnRelease,
     /// `claim` takes over an `in_progress` record whose lease has not run out.
     TakeOverLiveLease,
+    /// The claim records a lease that ends at once (a unit mistake, a lease of zero).
+    ZeroLease,
+    /// Transactional modes: the handler's write commits on its own, before the complete.
+    WriteCommitsAlone,
 }
 
 /// The model's bounds and variant.
@@ -101,8 +121,8 @@ pub struct ProtocolModel {
 }
 
 impl ProtocolModel {
-    /// The bounded model CI checks for `mode`: lease 2 ticks, 5 ticks of time, 3 requests per
-    /// client, one crash.
+    /// The bounded model CI checks for `mode`: lease 2 ticks, 6 ticks of time, 3 requests per
+    /// client, two crashes.
     pub fn bounded(mode: Mode) -> Self {
         ProtocolModel {
             mode,
@@ -139,8 +159,7 @@ pub struct Rec {
 pub enum Server {
     /// Waiting for a request.
     Idle,
-    /// Running the handler for `client` under `token`; `wrote` once its side effect happened
-    /// (plain) or was staged in its transaction (transactional).
+    /// Holding a claim for `client` under `token`, the handler started or about to.
     Running {
         /// The client whose request this is.
         client: u8,
@@ -148,10 +167,15 @@ pub enum Server {
         token: u8,
         /// This execution's number (its response is this number).
         exec: u8,
-        /// Whether the handler's write happened (or is staged).
+        /// Whether the handler has started.
+        started: bool,
+        /// Whether the handler's write happened (plain) or is staged (transactional).
         wrote: bool,
-        /// Single commit: the database ended this transaction (its commit will fail).
-        killed: bool,
+        /// The tick of its claim or its last heartbeat that landed.
+        renewed: u8,
+        /// It lost its lease while it held it: taken over, or (single commit) its transaction
+        /// ended by the database, so its commit will fail.
+        lost: bool,
     },
 }
 
@@ -191,11 +215,15 @@ pub struct State {
     pub bad_replay: bool,
     /// Ghost: a write under a token that no longer held the record changed it.
     pub stale_write_landed: bool,
-    /// Ghost: an execution started after a response was stored.
-    pub ran_after_stored: bool,
-    /// Ghost: a server that still runs lost its lease (frozen past it): taken over, or its
-    /// transaction ended by the database.
-    pub owner_lost_lease: bool,
+    /// Ghost: a claim succeeded after a response was stored.
+    pub claimed_after_stored: bool,
+    /// Ghost: an owner lost its lease before a whole lease passed since it renewed it.
+    pub lost_too_early: bool,
+    /// Ghost: a handler started after a response was stored.
+    pub late_start: bool,
+    /// Ghost: a handler started after a response was stored, by an owner that had not lost
+    /// its lease.
+    pub late_start_holding_lease: bool,
     /// Ghost: a client got a replay.
     pub replayed: bool,
     /// Ghost: a claim took over a record (after a crash, a lost answer or a freeze).
@@ -217,6 +245,8 @@ pub enum Action {
         /// The claim's answer is lost (the server answers 503).
         lost: bool,
     },
+    /// `server` starts the handler it holds the claim for.
+    Start(u8),
     /// `server`'s heartbeat extends its lease (fenced).
     Heartbeat(u8),
     /// `server`'s handler does its write (plain: the side effect; transactional: staged).
@@ -263,21 +293,20 @@ impl ProtocolModel {
             Some(rec) if !self.claimable(&rec, s.now) => return, // 409
             Some(rec) => {
                 s.took_over = true;
-                // A take-over: is the old owner still running, frozen past its lease?
-                if rec.lease_until <= s.now
-                    && s.servers.iter().any(
-                        |srv| matches!(srv, Server::Running { token, .. } if *token == rec.token),
-                    )
-                {
-                    s.owner_lost_lease = true;
-                }
+                // A take-over: the old owner, if it still holds the claim, loses its lease.
+                self.lose_lease(s, rec.token);
             }
             None => {}
         }
         s.next_token += 1;
+        let lease = if self.bug == Some(SeededBug::ZeroLease) {
+            0
+        } else {
+            self.lease
+        };
         s.record = Some(Rec {
             token: claimed_token,
-            lease_until: s.now + self.lease,
+            lease_until: s.now + lease,
             done: None,
             uncommitted_by: (self.mode == Mode::SingleCommit).then_some(server),
         });
@@ -290,16 +319,39 @@ impl ProtocolModel {
             return;
         }
         if s.first_stored.is_some() {
-            s.ran_after_stored = true;
+            s.claimed_after_stored = true;
         }
         s.executions += 1;
         s.servers[server as usize] = Server::Running {
             client,
             token: claimed_token,
             exec: s.executions,
+            started: false,
             wrote: false,
-            killed: false,
+            renewed: s.now,
+            lost: false,
         };
+    }
+
+    /// The owner holding `token`, if a server still holds it, loses its lease: checked against
+    /// a whole lease since it last renewed it.
+    fn lose_lease(&self, s: &mut State, token: u8) {
+        let now = s.now;
+        for server in &mut s.servers {
+            if let Server::Running {
+                token: held,
+                renewed,
+                lost,
+                ..
+            } = server
+                && *held == token
+            {
+                if now < *renewed + self.lease {
+                    s.lost_too_early = true;
+                }
+                *lost = true;
+            }
+        }
     }
 
     /// Whether `token` passes the fence of a write (complete, release, extend).
@@ -313,7 +365,8 @@ impl ProtocolModel {
             token,
             exec,
             wrote,
-            killed,
+            lost: killed,
+            ..
         } = s.servers[server as usize]
         else {
             return;
@@ -331,7 +384,11 @@ impl ProtocolModel {
                 }
                 Mode::Plain | Mode::TwoCommits => {
                     // Refused by the fence: nothing changes.
-                    if self.fence_holds(s, token, false) {
+                    let skip = self.bug == Some(SeededBug::SkipFenceOnRelease);
+                    if self.fence_holds(s, token, skip) {
+                        if s.record.is_some_and(|r| r.token != token) {
+                            s.stale_write_landed = true;
+                        }
                         s.record = None;
                     }
                 }
@@ -339,6 +396,7 @@ impl ProtocolModel {
             return;
         }
         let skip = self.bug == Some(SeededBug::SkipFenceOnComplete);
+        // Single commit: `killed` (the lease lost) means the database ended the transaction.
         let lands = match self.mode {
             Mode::SingleCommit => !killed && self.fence_holds(s, token, skip),
             Mode::Plain | Mode::TwoCommits => self.fence_holds(s, token, skip),
@@ -365,7 +423,7 @@ impl ProtocolModel {
             Some(first) if first != exec => s.stored_changed = true,
             Some(_) => {}
         }
-        if transactional && wrote {
+        if transactional && wrote && self.bug != Some(SeededBug::WriteCommitsAlone) {
             s.effects += 1;
         }
         let c = &mut s.clients[client as usize];
@@ -394,8 +452,10 @@ impl Model for ProtocolModel {
             stored_changed: false,
             bad_replay: false,
             stale_write_landed: false,
-            ran_after_stored: false,
-            owner_lost_lease: false,
+            claimed_after_stored: false,
+            lost_too_early: false,
+            late_start: false,
+            late_start_holding_lease: false,
             replayed: false,
             took_over: false,
         }]
@@ -425,9 +485,29 @@ impl Model for ProtocolModel {
             }
         }
         for (srv, server) in (0u8..).zip(&s.servers) {
-            let Server::Running { wrote, killed, .. } = *server else {
+            let Server::Running {
+                started,
+                wrote,
+                lost,
+                ..
+            } = *server
+            else {
                 continue;
             };
+            if s.crashed < self.crashes {
+                actions.push(Action::Crash(srv));
+            }
+            if self.mode == Mode::SingleCommit
+                && !lost
+                && s.record
+                    .is_some_and(|r| r.uncommitted_by == Some(srv) && r.lease_until <= s.now)
+            {
+                actions.push(Action::KillTransaction(srv));
+            }
+            if !started {
+                actions.push(Action::Start(srv));
+                continue;
+            }
             if self.mode != Mode::SingleCommit {
                 actions.push(Action::Heartbeat(srv));
             }
@@ -442,16 +522,6 @@ impl Model for ProtocolModel {
                 server: srv,
                 store: false,
             });
-            if s.crashed < self.crashes {
-                actions.push(Action::Crash(srv));
-            }
-            if self.mode == Mode::SingleCommit
-                && !killed
-                && s.record
-                    .is_some_and(|r| r.uncommitted_by == Some(srv) && r.lease_until <= s.now)
-            {
-                actions.push(Action::KillTransaction(srv));
-            }
         }
     }
 
@@ -464,18 +534,31 @@ impl Model for ProtocolModel {
                 server,
                 lost,
             } => self.request(&mut s, client, server, lost),
+            Action::Start(server) => {
+                if let Server::Running { started, lost, .. } = &mut s.servers[server as usize] {
+                    *started = true;
+                    if s.first_stored.is_some() {
+                        s.late_start = true;
+                        s.late_start_holding_lease |= !*lost;
+                    }
+                }
+            }
             Action::Heartbeat(server) => {
+                let now = s.now;
                 if let Server::Running { token, .. } = s.servers[server as usize]
                     && self.fence_holds(&s, token, false)
                     && let Some(rec) = s.record.as_mut()
                 {
-                    rec.lease_until = s.now + self.lease;
+                    rec.lease_until = now + self.lease;
+                    if let Server::Running { renewed, .. } = &mut s.servers[server as usize] {
+                        *renewed = now;
+                    }
                 }
             }
             Action::Write(server) => {
                 if let Server::Running { wrote, .. } = &mut s.servers[server as usize] {
                     *wrote = true;
-                    if self.mode == Mode::Plain {
+                    if self.mode == Mode::Plain || self.bug == Some(SeededBug::WriteCommitsAlone) {
                         s.effects += 1;
                     }
                 }
@@ -491,9 +574,8 @@ impl Model for ProtocolModel {
                 s.servers[server as usize] = Server::Idle;
             }
             Action::KillTransaction(server) => {
-                if let Server::Running { killed, .. } = &mut s.servers[server as usize] {
-                    *killed = true;
-                    s.owner_lost_lease = true;
+                if let Server::Running { token, .. } = s.servers[server as usize] {
+                    self.lose_lease(&mut s, token);
                 }
                 if s.record.is_some_and(|r| r.uncommitted_by == Some(server)) {
                     s.record = None;
@@ -517,12 +599,17 @@ impl Model for ProtocolModel {
             Property::always(FENCED_WRITES_NEVER_LAND, |_: &Self, s: &State| {
                 !s.stale_write_landed
             }),
-            Property::always(NO_RUN_AFTER_STORED, |_: &Self, s: &State| {
-                !s.ran_after_stored
+            Property::always(NO_CLAIM_AFTER_STORED, |_: &Self, s: &State| {
+                !s.claimed_after_stored
             }),
-            Property::always(RUNS_NEVER_OVERLAP, |_: &Self, s: &State| running(s) <= 1),
+            Property::always(TAKEOVER_ONLY_AFTER_A_LEASE, |_: &Self, s: &State| {
+                !s.lost_too_early
+            }),
+            Property::always(RUNS_NEVER_OVERLAP, |_: &Self, s: &State| {
+                running(s) <= 1 && !s.late_start
+            }),
             Property::always(OVERLAP_ONLY_AFTER_LOST_LEASE, |_: &Self, s: &State| {
-                running(s) <= 1 || s.owner_lost_lease
+                (running(s) <= 1 || any_lost(s)) && !s.late_start_holding_lease
             }),
         ];
         properties.push(Property::sometimes(SOME_REPLAY, |_: &Self, s: &State| {
@@ -568,10 +655,17 @@ pub fn representative(s: &State) -> State {
     [s.clone(), b, c, d].into_iter().min().expect("four forms")
 }
 
-/// Servers running an execution right now.
+/// Handlers running right now.
 pub fn running(s: &State) -> usize {
     s.servers
         .iter()
-        .filter(|srv| matches!(srv, Server::Running { .. }))
+        .filter(|srv| matches!(srv, Server::Running { started: true, .. }))
         .count()
+}
+
+/// Whether a server still holding a claim has lost its lease.
+pub fn any_lost(s: &State) -> bool {
+    s.servers
+        .iter()
+        .any(|srv| matches!(srv, Server::Running { lost: true, .. }))
 }

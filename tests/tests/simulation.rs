@@ -14,21 +14,26 @@
 //! The invariants are those of the model (`tests/src/model.rs`), checked against a log the
 //! wrapper and the handlers keep:
 //! - a stored response never changes (no second complete lands; the store's record at the end
-//!   holds the first stored response);
-//! - every replay equals the stored response;
+//!   holds the first stored response), and it is byte for byte a response a handler produced;
+//! - every replay equals the stored response, and every first execution's answer is what its
+//!   handler produced;
 //! - a complete, release or extend under a token that no longer holds the record never lands;
-//! - no execution starts after a response is stored;
-//! - two executions of one key overlap only after a claim took over the lease of an
-//!   execution still running (the frozen owner plain mode admits; SECURITY.md).
+//! - a take-over happens only after the lease the store last granted ran out on its clock, and
+//!   a running owner's lease runs out only through a clock jump or a failed extend (its
+//!   heartbeat keeps it otherwise);
+//! - two executions of one key overlap, and an execution starts after a response is stored,
+//!   only where an execution lost its lease while it held it (the frozen owner plain mode
+//!   admits; SECURITY.md).
 //!
 //! SQLite times come from SQLite's own clock, which the simulation cannot pause: its store
 //! operations run to completion on a helper thread while the simulated world waits (so no
-//! simulated time passes during one), and its clock jumps are made by moving the table's
-//! lease ends and expiries back.
+//! simulated time passes during one), and before each operation the table's lease ends and
+//! expiries move back by the simulated time passed (and by each clock jump), so its leases
+//! run out on the simulated clock.
 //!
 //! Environment: `SIM_SEED=n` runs seed n alone (printing its log); `SIM_SEEDS=n` sets how
-//! many seeds each arm runs (default 5,000 on memory, 1,000 on SQLite), within a time budget
-//! of 20 s per arm.
+//! many seeds each arm runs (default 5,000 on memory, 1,000 on SQLite) from `SIM_SEED_BASE`
+//! (default 0), within `SIM_BUDGET_SECS` of wall time per arm (default 20).
 
 use bytes::Bytes;
 use idempotent_core::__private::driver::{self, Glue};
@@ -93,7 +98,7 @@ struct Log {
     /// The token of the latest claim the store granted, per key (lost answers included).
     latest: HashMap<usize, LeaseToken>,
     /// The first response stored, per key.
-    stored: HashMap<usize, Vec<u8>>,
+    stored: HashMap<usize, (u16, Vec<u8>)>,
     /// Claims answered to a server whose execution has not ended, per key: (token, server).
     holders: HashMap<usize, Vec<(LeaseToken, usize)>>,
     /// Executions running now, per key: (execution, token, server).
@@ -101,6 +106,14 @@ struct Log {
     /// Tokens whose holder lost the lease to a take-over while it still held it (frozen past
     /// its lease, or its claim's answer slower than the lease).
     lost_while_held: HashSet<LeaseToken>,
+    /// Per token: when its lease ends on the store's clock (set by the claim and every extend
+    /// that applied), and whether its holder may have let it run out (a clock jump, or an
+    /// extend that failed or whose answer was lost, since its last renewal).
+    leases: HashMap<LeaseToken, (Duration, bool)>,
+    /// Every response a handler produced: (status, body).
+    produced: HashSet<(u16, Vec<u8>)>,
+    /// Fenced writes the store refused (a stale owner's complete, release or extend).
+    refused: u32,
     executions: u32,
     replays: u32,
     /// Replays answered through the HTTP driver.
@@ -221,7 +234,28 @@ struct SimStore {
     clock: Arc<WorldClock>,
     #[cfg(feature = "sqlite")]
     sqlite: Option<idempotent_core::SqliteStore>,
+    /// SQLite: the simulated time (ms) its table's times already follow.
+    #[cfg(feature = "sqlite")]
+    followed: Mutex<u128>,
 }
+
+/// Moves every time in SQLite's table `ms` back: its clock, as the table sees it, moves on.
+#[cfg(feature = "sqlite")]
+async fn shift(runner: &Runner, store: &idempotent_core::SqliteStore, ms: u128) {
+    let sql = format!(
+        "UPDATE {} SET locked_until = locked_until - {ms}, expires_at = expires_at - {ms}",
+        store.table()
+    );
+    let pool = store.pool().clone();
+    runner
+        .run(async move { sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await })
+        .await
+        .expect("move SQLite's times");
+}
+
+/// How far the store's clock may run ahead of the simulated one: SQLite's real clock moves a
+/// few milliseconds during a run.
+const CLOCK_SLACK: Duration = Duration::from_millis(100);
 
 fn key_index(key: &RecordKey) -> usize {
     key.key.as_str()[1..].parse().expect("keys are k<n>")
@@ -232,12 +266,50 @@ fn unavailable(why: &str) -> StoreError {
 }
 
 impl SimStore {
+    /// The store's clock, as time since the world began: the simulated time plus the jumps.
+    fn store_now(&self) -> Duration {
+        self.clock.origin.elapsed() + *self.clock.jumped.lock().expect("clock")
+    }
+
+    /// A lease that applied: `token`'s lease now ends `lease` from the store's now.
+    fn renewed(&self, token: LeaseToken, lease: Duration) {
+        let end = self.store_now() + lease;
+        self.world.log().leases.insert(token, (end, false));
+    }
+
+    /// `token`'s holder may have let its lease run out, through no fault of the heartbeat.
+    fn excuse(&self, token: LeaseToken) {
+        if let Some((_, excused)) = self.world.log().leases.get_mut(&token) {
+            *excused = true;
+        }
+    }
+
+    /// SQLite's clock cannot be paused: before each operation the table's times move back by
+    /// the simulated time passed since the last one, so its leases run out on the simulated
+    /// clock (to within the milliseconds of real time a run takes).
+    async fn follow_the_clock(&self) {
+        #[cfg(feature = "sqlite")]
+        if let Some(store) = &self.sqlite {
+            let elapsed = self.clock.origin.elapsed().as_millis();
+            let delta = {
+                let mut followed = self.followed.lock().expect("followed");
+                let delta = elapsed - *followed;
+                *followed = elapsed;
+                delta
+            };
+            if delta > 0 {
+                shift(&self.runner, store, delta).await;
+            }
+        }
+    }
+
     /// The faults before an operation: a delay, maybe a clock jump, maybe a failure.
     async fn before(&self, op: &str, key: Option<usize>) -> Result<(), StoreError> {
         self.world.delay().await;
         if self.world.chance(self.world.faults.jump) {
             self.jump().await;
         }
+        self.follow_the_clock().await;
         if self.world.chance(self.world.faults.error) {
             let mut log = self.world.log();
             log.errors += 1;
@@ -269,22 +341,20 @@ impl SimStore {
         // At least 100 ms past a whole lease: SQLite's own clock moves a few milliseconds
         // during a run, and a jump that close to a lease's end would make the run depend on it.
         let by = LEASE + Duration::from_millis(self.world.draw(|r| r.random_range(100..2000)));
-        self.world.log().jumps += 1;
-        self.world.log().event(format!("clock jumps {by:?}"));
+        {
+            let mut log = self.world.log();
+            log.jumps += 1;
+            log.event(format!("clock jumps {by:?}"));
+            // Every lease may run out now, heartbeat or not.
+            for (_, excused) in log.leases.values_mut() {
+                *excused = true;
+            }
+        }
         *self.clock.jumped.lock().expect("clock") += by;
         #[cfg(feature = "sqlite")]
         if let Some(store) = &self.sqlite {
             // SQLite's clock cannot move: move the table's times back instead.
-            let sql = format!(
-                "UPDATE {} SET locked_until = locked_until - {ms}, expires_at = expires_at - {ms}",
-                store.table(),
-                ms = by.as_millis()
-            );
-            let pool = store.pool().clone();
-            self.runner
-                .run(async move { sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await })
-                .await
-                .expect("move SQLite's times");
+            shift(&self.runner, store, by.as_millis()).await;
         }
     }
 
@@ -324,8 +394,32 @@ impl Store for SimStore {
         {
             let mut log = self.world.log();
             match &out {
-                Ok(ClaimOutcome::Claimed(lease)) => {
-                    log.latest.insert(k, lease.token);
+                Ok(ClaimOutcome::Claimed(granted)) => {
+                    let previous = log.latest.insert(k, granted.token);
+                    if granted.took_over {
+                        // The lease taken over must have run out on the store's clock; and if
+                        // its holder still runs, something must explain how it ran out.
+                        let now = self.store_now() + CLOCK_SLACK;
+                        let lease_end = previous.and_then(|p| log.leases.get(&p).copied());
+                        let holder_runs = previous.is_some_and(|p| {
+                            log.holders
+                                .get(&k)
+                                .is_some_and(|h| h.iter().any(|(t, _)| *t == p))
+                        });
+                        match lease_end {
+                            Some((end, _)) if now < end => log.violation(format!(
+                                "k{k}: a lease was taken over {:?} before it ran out",
+                                end - now
+                            )),
+                            Some((_, false)) if holder_runs => log.violation(format!(
+                                "k{k}: a running execution's lease ran out with no jump and no failed extend (its heartbeat)"
+                            )),
+                            _ => {}
+                        }
+                    }
+                    log.leases
+                        .insert(granted.token, (self.store_now() + lease, false));
+                    let lease = granted;
                     let held: Vec<LeaseToken> = log
                         .holders
                         .get(&k)
@@ -382,12 +476,20 @@ impl Store for SimStore {
             .runner
             .run(async move { inner.complete(&key, token, &stored, ttl).await })
             .await;
+        if matches!(out, Err(StoreError::StaleLease)) {
+            self.world.log().refused += 1;
+        }
         if out.is_ok() {
             self.landed("complete", k, token);
-            let body = body_of(outcome);
+            let response = response_of(outcome);
             let mut log = self.world.log();
+            if !log.produced.contains(&response) {
+                log.violation(format!(
+                    "k{k}: the stored response is not what the handler answered: {response:?}"
+                ));
+            }
             if let std::collections::hash_map::Entry::Vacant(first) = log.stored.entry(k) {
-                first.insert(body);
+                first.insert(response);
             } else {
                 log.violation(format!("a second response was stored for k{k}"));
             }
@@ -403,6 +505,9 @@ impl Store for SimStore {
             .runner
             .run(async move { inner.release(&key, token).await })
             .await;
+        if matches!(out, Err(StoreError::StaleLease)) {
+            self.world.log().refused += 1;
+        }
         if out.is_ok() {
             self.landed("release", k, token);
             let mut log = self.world.log();
@@ -420,16 +525,29 @@ impl Store for SimStore {
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
         let k = key_index(key);
-        self.before("extend", Some(k)).await?;
+        if let Err(e) = self.before("extend", Some(k)).await {
+            self.excuse(token);
+            return Err(e);
+        }
         let (inner, key) = (Arc::clone(&self.inner), key.clone());
         let out = self
             .runner
             .run(async move { inner.extend(&key, token, lease).await })
             .await;
-        if out.is_ok() {
-            self.landed("extend", k, token);
+        match &out {
+            Ok(_) => {
+                self.landed("extend", k, token);
+                self.renewed(token, lease);
+            }
+            Err(StoreError::StaleLease) => self.world.log().refused += 1,
+            Err(_) => {}
         }
-        self.after("extend", k, out).await
+        let out = self.after("extend", k, out).await;
+        if out.is_err() {
+            // The engine saw a failed extend: its lease may run out before the next.
+            self.excuse(token);
+        }
+        out
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
@@ -462,10 +580,11 @@ fn outcome_name(o: &ClaimOutcome) -> &'static str {
     }
 }
 
-fn body_of(outcome: &StoredOutcome) -> Vec<u8> {
+/// A stored outcome's status and body.
+fn response_of(outcome: &StoredOutcome) -> (u16, Vec<u8>) {
     match outcome {
-        StoredOutcome::Response(r) => r.body.to_vec(),
-        StoredOutcome::Oversized { .. } => b"oversized".to_vec(),
+        StoredOutcome::Response(r) => (r.status, r.body.to_vec()),
+        StoredOutcome::Oversized { status, .. } => (*status, b"oversized".to_vec()),
     }
 }
 
@@ -505,9 +624,11 @@ impl Running {
         log.executions += 1;
         let exec = log.executions;
         log.event(format!("execution {exec} of k{key} starts"));
-        if log.stored.contains_key(&key) {
+        // Only an owner whose lease was taken over while it held it (frozen between its claim
+        // and its handler) can start after a response was stored.
+        if log.stored.contains_key(&key) && !log.lost_while_held.contains(&token) {
             log.violation(format!(
-                "execution {exec} of k{key} started after a response was stored"
+                "execution {exec} of k{key} started after a response was stored, holding its lease"
             ));
         }
         // Two executions may overlap only where one of them lost its lease while it held it.
@@ -679,19 +800,32 @@ async fn handler(
     let running = Running::start(&world, key, server, token);
     tokio::time::sleep(Duration::from_millis(ms)).await;
     let status = if fails { 500 } else { 201 };
-    (
-        status,
-        Bytes::from(format!("k{key} execution {}", running.exec)),
-    )
+    let body = format!("k{key} execution {}", running.exec);
+    world
+        .log()
+        .produced
+        .insert((status, body.clone().into_bytes()));
+    (status, Bytes::from(body))
 }
 
 /// Checks a replay against the first stored response.
-fn replayed(world: &World, key: usize, body: &[u8]) {
+fn replayed(world: &World, key: usize, status: u16, body: &[u8]) {
     let mut log = world.log();
     log.replays += 1;
-    if log.stored.get(&key).map(Vec::as_slice) != Some(body) {
+    if log.stored.get(&key).map(|(s, b)| (*s, b.as_slice())) != Some((status, body)) {
         log.violation(format!(
-            "a replay of k{key} differs from the stored response: {:?}",
+            "a replay of k{key} differs from the stored response: {status} {:?}",
+            String::from_utf8_lossy(body)
+        ));
+    }
+}
+
+/// Checks a first execution's answer against what its handler produced.
+fn fresh(world: &World, key: usize, status: u16, body: &[u8]) {
+    let mut log = world.log();
+    if !log.produced.contains(&(status, body.to_vec())) {
+        log.violation(format!(
+            "k{key}: a first execution answered what no handler produced: {status} {:?}",
             String::from_utf8_lossy(body)
         ));
     }
@@ -744,11 +878,14 @@ async fn serve_http(config: Config, world: Arc<World>, key: usize, server: usize
         .map(|(_, v)| v.as_slice());
     match (*status, replay) {
         (201, Some(b"true")) => {
-            replayed(&world, key, &response.body);
+            replayed(&world, key, 201, &response.body);
             world.log().http_replays += 1;
             Answer::Replay(response.body.to_vec())
         }
-        (201, Some(b"false")) => Answer::Fresh(response.body.to_vec()),
+        (201, Some(b"false")) => {
+            fresh(&world, key, 201, &response.body);
+            Answer::Fresh(response.body.to_vec())
+        }
         // 500 (released), 409 (in progress), 503 (store unavailable).
         (500 | 409 | 503, _) => Answer::Retry,
         _ => {
@@ -806,8 +943,8 @@ async fn serve(engine: Engine, world: Arc<World>, key: usize, server: usize) -> 
             Answer::Retry
         }
         (Begin::Replay(outcome), _) => {
-            let body = body_of(&outcome);
-            replayed(&world, key, &body);
+            let (status, body) = response_of(&outcome);
+            replayed(&world, key, status, &body);
             Answer::Replay(body)
         }
         (Begin::InProgress { .. } | Begin::StoreUnavailable(_), _) => Answer::Retry,
@@ -868,6 +1005,8 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
             clock: Arc::clone(&clock),
             #[cfg(feature = "sqlite")]
             sqlite: None,
+            #[cfg(feature = "sqlite")]
+            followed: Mutex::new(0),
         },
         #[cfg(feature = "sqlite")]
         Arm::Sqlite => {
@@ -886,6 +1025,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
                 runner: Runner::Blocking,
                 clock: Arc::clone(&clock),
                 sqlite: Some(sqlite),
+                followed: Mutex::new(0),
             }
         }
     });
@@ -975,11 +1115,10 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
         let stored = log.stored.get(&k).cloned();
         match (record.map(|r| r.state), stored) {
             (Some(RecordState::Done { outcome, .. }), Some(first))
-                if body_of(&outcome) == first => {}
+                if response_of(&outcome) == first => {}
             (Some(RecordState::Done { outcome, .. }), first) => log.violation(format!(
-                "k{k}'s record holds {:?}, the first stored was {:?}",
-                String::from_utf8_lossy(&body_of(&outcome)),
-                first.map(|f| String::from_utf8_lossy(&f).into_owned())
+                "k{k}'s record holds {:?}, the first stored was {first:?}",
+                response_of(&outcome)
             )),
             (_, Some(_)) => log.violation(format!("k{k}'s stored response is gone")),
             (_, None) => {}
@@ -1016,15 +1155,15 @@ fn run_arm(arm: Arm, default_seeds: u64) {
         );
         return;
     }
-    let seeds: u64 = std::env::var("SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default_seeds);
+    let var = |name: &str| std::env::var(name).ok().and_then(|s| s.parse::<u64>().ok());
+    let seeds = var("SIM_SEEDS").unwrap_or(default_seeds);
+    let base = var("SIM_SEED_BASE").unwrap_or(0);
+    let budget = var("SIM_BUDGET_SECS").map_or(BUDGET, Duration::from_secs);
     let started = Instant::now();
     let mut totals = Log::default();
     let mut ran = 0;
-    for seed in 0..seeds {
-        if started.elapsed() > BUDGET {
+    for seed in base..base + seeds {
+        if started.elapsed() > budget {
             break;
         }
         let log = run_seed(seed, arm).log;
@@ -1046,10 +1185,12 @@ fn run_arm(arm: Arm, default_seeds: u64) {
         totals.errors += log.errors;
         totals.jumps += log.jumps;
         totals.live_takeovers += log.live_takeovers;
+        totals.refused += log.refused;
         ran += 1;
     }
     eprintln!(
-        "{arm:?}: {ran} seeds in {:.1?}: {} executions, {} replays ({} through the HTTP driver), {} crashes, {} lost answers, {} failed operations, {} clock jumps, {} take-overs of a running execution",
+        "{arm:?}: seeds {base}..{}, {ran} run in {:.1?}: {} executions, {} replays ({} through the HTTP driver), {} crashes, {} lost answers, {} failed operations, {} clock jumps, {} take-overs of a running execution, {} stale writes refused",
+        base + ran,
         started.elapsed(),
         totals.executions,
         totals.replays,
@@ -1058,12 +1199,17 @@ fn run_arm(arm: Arm, default_seeds: u64) {
         totals.lost,
         totals.errors,
         totals.jumps,
-        totals.live_takeovers
+        totals.live_takeovers,
+        totals.refused
     );
     // The faults happened: a simulation that never reaches them checks nothing.
     assert!(ran >= 50, "only {ran} seeds ran within the budget");
     assert!(totals.replays > totals.http_replays && totals.http_replays > 0);
     assert!(totals.crashes > 0 && totals.lost > 0 && totals.errors > 0);
+    assert!(
+        totals.refused > 0,
+        "no stale write ever reached the store's fence"
+    );
     assert!(
         totals.jumps > 0 && totals.live_takeovers > 0,
         "no take-over of a running execution was reached"
