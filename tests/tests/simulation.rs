@@ -153,10 +153,25 @@ impl World {
         self.log.lock().expect("log")
     }
     async fn delay(&self) {
-        let ms = self.draw(|r| r.random_range(0..=self.faults.max_delay_ms));
+        let ms = self.draw(|r| tick(r, 0..=self.faults.max_delay_ms));
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
 }
+
+/// Every simulated time is a whole number of 10 ms ticks (the engine's own timers are too: half
+/// a lease, a quarter of that, its backoffs), so no operation falls within a few milliseconds
+/// of a lease's end, where SQLite's real clock (followed to a millisecond) would decide.
+const TICK_MS: u64 = 10;
+
+/// A time drawn from `range` (ms), in whole ticks.
+fn tick(r: &mut StdRng, range: std::ops::RangeInclusive<u64>) -> u64 {
+    r.random_range(range.start() / TICK_MS..=range.end() / TICK_MS) * TICK_MS
+}
+
+/// SQLite's clock is set half a tick ahead of the simulated one, so an operation on a lease's
+/// end sees it ended, whatever the sub-millisecond part of the real clock.
+#[cfg(feature = "sqlite")]
+const AHEAD_MS: i128 = 5;
 
 /// The memory store's clock: the simulated (paused) tokio clock, plus the jumps.
 #[derive(Debug)]
@@ -234,16 +249,20 @@ struct SimStore {
     clock: Arc<WorldClock>,
     #[cfg(feature = "sqlite")]
     sqlite: Option<idempotent_core::SqliteStore>,
-    /// SQLite: the simulated time (ms) its table's times already follow.
+    /// SQLite: how far (ms) its table's times have been moved to follow the simulated clock.
     #[cfg(feature = "sqlite")]
-    followed: Mutex<u128>,
+    followed: Mutex<i128>,
+    /// SQLite: when the store was opened, on the real clock.
+    #[cfg(feature = "sqlite")]
+    real_origin: Instant,
 }
 
-/// Moves every time in SQLite's table `ms` back: its clock, as the table sees it, moves on.
+/// Moves every time in SQLite's table `ms` back (forward if negative): its clock, as the
+/// table sees it, moves on by `ms`.
 #[cfg(feature = "sqlite")]
-async fn shift(runner: &Runner, store: &idempotent_core::SqliteStore, ms: u128) {
+async fn shift(runner: &Runner, store: &idempotent_core::SqliteStore, ms: i128) {
     let sql = format!(
-        "UPDATE {} SET locked_until = locked_until - {ms}, expires_at = expires_at - {ms}",
+        "UPDATE {} SET locked_until = locked_until - ({ms}), expires_at = expires_at - ({ms})",
         store.table()
     );
     let pool = store.pool().clone();
@@ -253,9 +272,9 @@ async fn shift(runner: &Runner, store: &idempotent_core::SqliteStore, ms: u128) 
         .expect("move SQLite's times");
 }
 
-/// How far the store's clock may run ahead of the simulated one: SQLite's real clock moves a
-/// few milliseconds during a run.
-const CLOCK_SLACK: Duration = Duration::from_millis(100);
+/// How far the store's clock may run ahead of the simulated one: SQLite's follows it to
+/// within the real time between its last move and an operation (a millisecond or so).
+const CLOCK_SLACK: Duration = Duration::from_millis(50);
 
 fn key_index(key: &RecordKey) -> usize {
     key.key.as_str()[1..].parse().expect("keys are k<n>")
@@ -284,20 +303,22 @@ impl SimStore {
         }
     }
 
-    /// SQLite's clock cannot be paused: before each operation the table's times move back by
-    /// the simulated time passed since the last one, so its leases run out on the simulated
-    /// clock (to within the milliseconds of real time a run takes).
+    /// SQLite's clock cannot be paused: before each operation the table's times move by the
+    /// simulated time passed since the store was opened, less the real time passed (which
+    /// SQLite's clock counted by itself), so its leases run out on the simulated clock to
+    /// within a millisecond, however slowly the machine runs the seed.
     async fn follow_the_clock(&self) {
         #[cfg(feature = "sqlite")]
         if let Some(store) = &self.sqlite {
-            let elapsed = self.clock.origin.elapsed().as_millis();
+            let simulated = self.clock.origin.elapsed().as_millis() as i128;
+            let real = self.real_origin.elapsed().as_millis() as i128;
             let delta = {
                 let mut followed = self.followed.lock().expect("followed");
-                let delta = elapsed - *followed;
-                *followed = elapsed;
+                let delta = simulated + AHEAD_MS - real - *followed;
+                *followed += delta;
                 delta
             };
-            if delta > 0 {
+            if delta != 0 {
                 shift(&self.runner, store, delta).await;
             }
         }
@@ -340,7 +361,7 @@ impl SimStore {
     async fn jump(&self) {
         // At least 100 ms past a whole lease: SQLite's own clock moves a few milliseconds
         // during a run, and a jump that close to a lease's end would make the run depend on it.
-        let by = LEASE + Duration::from_millis(self.world.draw(|r| r.random_range(100..2000)));
+        let by = LEASE + Duration::from_millis(self.world.draw(|r| tick(r, 100..=2000)));
         {
             let mut log = self.world.log();
             log.jumps += 1;
@@ -354,7 +375,7 @@ impl SimStore {
         #[cfg(feature = "sqlite")]
         if let Some(store) = &self.sqlite {
             // SQLite's clock cannot move: move the table's times back instead.
-            shift(&self.runner, store, by.as_millis()).await;
+            shift(&self.runner, store, by.as_millis() as i128).await;
         }
     }
 
@@ -834,7 +855,7 @@ fn fresh(world: &World, key: usize, status: u16, body: &[u8]) {
 /// One server handling one request through the HTTP driver, as both adapters do: prepare,
 /// then claim → execute → store → replay around the handler.
 async fn serve_http(config: Config, world: Arc<World>, key: usize, server: usize) -> Answer {
-    let (ms, fails) = world.draw(|r| (r.random_range(0..5000), r.random_bool(0.1)));
+    let (ms, fails) = world.draw(|r| (tick(r, 0..=5000), r.random_bool(0.1)));
     let head = RequestHead {
         method: "POST",
         path: "/charges",
@@ -915,7 +936,7 @@ async fn serve(engine: Engine, world: Arc<World>, key: usize, server: usize) -> 
         .await;
     match begin {
         (Begin::Claimed(mut execution), Some(token)) => {
-            let (ms, fails) = world.draw(|r| (r.random_range(0..5000), r.random_bool(0.1)));
+            let (ms, fails) = world.draw(|r| (tick(r, 0..=5000), r.random_bool(0.1)));
             let run = REQUEST.scope(
                 (server, Cell::new(Some(token))),
                 handler(Arc::clone(&world), key, server, ms, fails),
@@ -1007,6 +1028,8 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
             sqlite: None,
             #[cfg(feature = "sqlite")]
             followed: Mutex::new(0),
+            #[cfg(feature = "sqlite")]
+            real_origin: Instant::now(),
         },
         #[cfg(feature = "sqlite")]
         Arm::Sqlite => {
@@ -1026,6 +1049,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
                 clock: Arc::clone(&clock),
                 sqlite: Some(sqlite),
                 followed: Mutex::new(0),
+                real_origin: Instant::now(),
             }
         }
     });
@@ -1044,7 +1068,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
                 let (s, timeout_ms, crash, http) = world.draw(|r| {
                     (
                         r.random_range(0..SERVERS),
-                        r.random_range(100..6000),
+                        tick(r, 100..=6000),
                         r.random_bool(world.faults.crash),
                         r.random_bool(0.5),
                     )
@@ -1092,7 +1116,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
                     }
                     // Told to retry, timed out, or its server crashed.
                     Ok(Ok(Answer::Retry)) | Ok(Err(_)) | Err(_) => {
-                        let backoff = world.draw(|r| r.random_range(0..3000));
+                        let backoff = world.draw(|r| tick(r, 0..=3000));
                         tokio::time::sleep(Duration::from_millis(backoff)).await;
                     }
                 }
@@ -1244,5 +1268,29 @@ fn a_seed_replays_the_same_run() {
                 "{arm:?} seed {seed} ran two different schedules"
             );
         }
+    }
+}
+
+/// SQLite follows the simulated clock closely enough that, seed for seed, it answers every
+/// operation as the memory store does: the same schedule, event for event. A difference is a
+/// store that behaves otherwise, or a clock the simulation does not control.
+#[cfg(feature = "sqlite")]
+#[test]
+fn sqlite_and_memory_run_the_same_schedules() {
+    for seed in 0..200 {
+        let memory = run_seed(seed, Arm::Memory).log.events;
+        let sqlite = run_seed(seed, Arm::Sqlite).log.events;
+        if let Some(i) = memory.iter().zip(&sqlite).position(|(m, s)| m != s) {
+            panic!(
+                "seed {seed}: the stores part at event {i}: memory {:?}, SQLite {:?}",
+                &memory[i.saturating_sub(3)..(i + 1).min(memory.len())],
+                &sqlite[i.saturating_sub(3)..(i + 1).min(sqlite.len())]
+            );
+        }
+        assert_eq!(
+            memory.len(),
+            sqlite.len(),
+            "seed {seed}: one store's run is longer"
+        );
     }
 }
