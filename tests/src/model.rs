@@ -23,8 +23,8 @@
 //!   mode: it is staged in the server's transaction and commits only with the record.
 //! - **finish**: the handler's outcome is stored (complete, fenced by the token) or releases
 //!   the key (release, fenced). In transactional mode the complete and the business write are
-//!   one commit, and a refused fence rolls both back. (A lost answer here changes only what
-//!   the client is told, a 503 instead of the response: the store's state is the same.)
+//!   one commit, and a refused fence rolls both back. The response can be lost on its way
+//!   to the client, which then retries.
 //! - **crash** of a server at any step (kill -9): everything it held in memory is gone, an
 //!   open transaction rolls back.
 //! - **single commit**: the claim row is inside the handler's transaction, so a duplicate meets
@@ -101,6 +101,9 @@ pub enum SeededBug {
     ZeroLease,
     /// Transactional modes: the handler's write commits on its own, before the complete.
     WriteCommitsAlone,
+    /// One server's `claim` takes over a finished record as if it had expired (a ttl read
+    /// wrong on that server).
+    TakeOverDone,
 }
 
 /// The model's bounds and variant.
@@ -257,6 +260,9 @@ pub enum Action {
         server: u8,
         /// Stored outcome (2xx) or releasing one (5xx).
         store: bool,
+        /// The response never reaches its client (it timed out, the connection broke): the
+        /// client retries.
+        lost: bool,
     },
     /// `server` is killed (kill -9).
     Crash(u8),
@@ -265,7 +271,15 @@ pub enum Action {
 }
 
 impl ProtocolModel {
-    fn claimable(&self, rec: &Rec, now: u8) -> bool {
+    /// With [`SeededBug::TakeOverDone`], whether `server` takes a finished record over.
+    fn takes_done(&self, server: u8) -> bool {
+        self.bug == Some(SeededBug::TakeOverDone) && server == 1
+    }
+
+    fn claimable(&self, rec: &Rec, now: u8, server: u8) -> bool {
+        if rec.done.is_some() && self.takes_done(server) {
+            return true;
+        }
         let expired = rec.lease_until <= now;
         rec.done.is_none()
             && rec.uncommitted_by.is_none()
@@ -277,7 +291,7 @@ impl ProtocolModel {
         s.clients[client as usize].sent += 1;
         let claimed_token = s.next_token;
         match s.record {
-            Some(rec) if rec.done.is_some() => {
+            Some(rec) if rec.done.is_some() && !self.takes_done(server) => {
                 // A replay: the client gets the stored response.
                 let stored = rec.done;
                 if stored != s.first_stored {
@@ -290,7 +304,7 @@ impl ProtocolModel {
                 }
                 return;
             }
-            Some(rec) if !self.claimable(&rec, s.now) => return, // 409
+            Some(rec) if !self.claimable(&rec, s.now, server) => return, // 409
             Some(rec) => {
                 s.took_over = true;
                 // A take-over: the old owner, if it still holds the claim, loses its lease.
@@ -359,7 +373,7 @@ impl ProtocolModel {
         matches!(s.record, Some(rec) if rec.done.is_none() && (skip_token || rec.token == token))
     }
 
-    fn finish(&self, s: &mut State, server: u8, store: bool) {
+    fn finish(&self, s: &mut State, server: u8, store: bool, lost: bool) {
         let Server::Running {
             client,
             token,
@@ -426,8 +440,10 @@ impl ProtocolModel {
         if transactional && wrote && self.bug != Some(SeededBug::WriteCommitsAlone) {
             s.effects += 1;
         }
-        let c = &mut s.clients[client as usize];
-        c.answer = c.answer.or(Some(exec));
+        if !lost {
+            let c = &mut s.clients[client as usize];
+            c.answer = c.answer.or(Some(exec));
+        }
     }
 }
 
@@ -514,14 +530,13 @@ impl Model for ProtocolModel {
             if !wrote {
                 actions.push(Action::Write(srv));
             }
-            actions.push(Action::Finish {
-                server: srv,
-                store: true,
-            });
-            actions.push(Action::Finish {
-                server: srv,
-                store: false,
-            });
+            for (store, lost) in [(true, false), (true, true), (false, false)] {
+                actions.push(Action::Finish {
+                    server: srv,
+                    store,
+                    lost,
+                });
+            }
         }
     }
 
@@ -563,7 +578,11 @@ impl Model for ProtocolModel {
                     }
                 }
             }
-            Action::Finish { server, store } => self.finish(&mut s, server, store),
+            Action::Finish {
+                server,
+                store,
+                lost,
+            } => self.finish(&mut s, server, store, lost),
             Action::Crash(server) => {
                 s.crashed += 1;
                 if self.mode == Mode::SingleCommit

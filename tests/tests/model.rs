@@ -1,7 +1,7 @@
 //! The protocol, model-checked (`tests/src/model.rs`): every reachable state of two servers,
 //! two retrying clients, crashes, lost answers, frozen owners and lease expiry, in each mode,
-//! with the invariants SECURITY.md states; and two bugs put in on purpose, which the checker
-//! must find.
+//! with the invariants SECURITY.md states; and bugs put in on purpose, which the checker must
+//! find.
 
 use idempotent_tests::model::{
     Action, COMMITS_AT_MOST_ONCE, FENCED_WRITES_NEVER_LAND, Mode, NO_CLAIM_AFTER_STORED,
@@ -208,6 +208,19 @@ fn seeded_bugs_are_found() {
             SeededBug::WriteCommitsAlone,
             Mode::SingleCommit,
             COMMITS_AT_MOST_ONCE,
+        ),
+        (SeededBug::TakeOverDone, Mode::Plain, STORED_NEVER_CHANGES),
+        (SeededBug::TakeOverDone, Mode::Plain, REPLAY_EQUALS_STORED),
+        (SeededBug::TakeOverDone, Mode::Plain, NO_CLAIM_AFTER_STORED),
+        (
+            SeededBug::TakeOverDone,
+            Mode::TwoCommits,
+            COMMITS_AT_MOST_ONCE,
+        ),
+        (
+            SeededBug::SkipFenceOnRelease,
+            Mode::Plain,
+            OVERLAP_ONLY_AFTER_LOST_LEASE,
         ),
     ];
     for (bug, mode, property) in cases {

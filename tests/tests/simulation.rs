@@ -25,11 +25,10 @@
 //!   only where an execution lost its lease while it held it (the frozen owner plain mode
 //!   admits; SECURITY.md).
 //!
-//! SQLite times come from SQLite's own clock, which the simulation cannot pause: its store
-//! operations run to completion on a helper thread while the simulated world waits (so no
-//! simulated time passes during one), and before each operation the table's lease ends and
-//! expiries move back by the simulated time passed (and by each clock jump), so its leases
-//! run out on the simulated clock.
+//! SQLite's store reads its time from a clock table the simulation sets before every
+//! operation (`SqliteStoreBuilder::clock_sql`, a hidden test hook), so its leases run out on
+//! the simulated clock, jumps included, to the millisecond; its operations run to completion on
+//! a helper thread while the simulated world waits (so no simulated time passes during one).
 //!
 //! Environment: `SIM_SEED=n` runs seed n alone (printing its log); `SIM_SEEDS=n` sets how
 //! many seeds each arm runs (default 5,000 on memory, 1,000 on SQLite) from `SIM_SEED_BASE`
@@ -62,6 +61,12 @@ const CLIENTS: usize = 4;
 const KEYS: usize = 2;
 const ATTEMPTS: usize = 8;
 const LEASE: Duration = Duration::from_secs(2);
+/// The longest delay put before or after a store operation (exclusive).
+const MAX_DELAY_MS: u64 = 400;
+// The heartbeat check holds only while an extend lands within a lease of the one before: the
+// engine extends half a lease after the last answer, and each extend may wait a delay before
+// it applies and another before its answer.
+const _: () = assert!(2 * MAX_DELAY_MS + LEASE.as_millis() as u64 / 2 < LEASE.as_millis() as u64);
 const TTL: Duration = Duration::from_secs(24 * 3600);
 /// Wall-clock budget per arm: seeds stop there even if fewer than asked have run.
 const BUDGET: Duration = Duration::from_secs(20);
@@ -153,25 +158,10 @@ impl World {
         self.log.lock().expect("log")
     }
     async fn delay(&self) {
-        let ms = self.draw(|r| tick(r, 0..=self.faults.max_delay_ms));
+        let ms = self.draw(|r| r.random_range(0..=self.faults.max_delay_ms));
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
 }
-
-/// Every simulated time is a whole number of 10 ms ticks (the engine's own timers are too: half
-/// a lease, a quarter of that, its backoffs), so no operation falls within a few milliseconds
-/// of a lease's end, where SQLite's real clock (followed to a millisecond) would decide.
-const TICK_MS: u64 = 10;
-
-/// A time drawn from `range` (ms), in whole ticks.
-fn tick(r: &mut StdRng, range: std::ops::RangeInclusive<u64>) -> u64 {
-    r.random_range(range.start() / TICK_MS..=range.end() / TICK_MS) * TICK_MS
-}
-
-/// SQLite's clock is set half a tick ahead of the simulated one, so an operation on a lease's
-/// end sees it ended, whatever the sub-millisecond part of the real clock.
-#[cfg(feature = "sqlite")]
-const AHEAD_MS: i128 = 5;
 
 /// The memory store's clock: the simulated (paused) tokio clock, plus the jumps.
 #[derive(Debug)]
@@ -249,32 +239,10 @@ struct SimStore {
     clock: Arc<WorldClock>,
     #[cfg(feature = "sqlite")]
     sqlite: Option<idempotent_core::SqliteStore>,
-    /// SQLite: how far (ms) its table's times have been moved to follow the simulated clock.
-    #[cfg(feature = "sqlite")]
-    followed: Mutex<i128>,
-    /// SQLite: when the store was opened, on the real clock.
-    #[cfg(feature = "sqlite")]
-    real_origin: Instant,
 }
 
-/// Moves every time in SQLite's table `ms` back (forward if negative): its clock, as the
-/// table sees it, moves on by `ms`.
-#[cfg(feature = "sqlite")]
-async fn shift(runner: &Runner, store: &idempotent_core::SqliteStore, ms: i128) {
-    let sql = format!(
-        "UPDATE {} SET locked_until = locked_until - ({ms}), expires_at = expires_at - ({ms})",
-        store.table()
-    );
-    let pool = store.pool().clone();
-    runner
-        .run(async move { sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await })
-        .await
-        .expect("move SQLite's times");
-}
-
-/// How far the store's clock may run ahead of the simulated one: SQLite's follows it to
-/// within the real time between its last move and an operation (a millisecond or so).
-const CLOCK_SLACK: Duration = Duration::from_millis(50);
+/// The wall time the simulated clocks start at, in ms since the Unix epoch.
+const EPOCH_MS: u128 = 1_800_000_000_000;
 
 fn key_index(key: &RecordKey) -> usize {
     key.key.as_str()[1..].parse().expect("keys are k<n>")
@@ -303,24 +271,23 @@ impl SimStore {
         }
     }
 
-    /// SQLite's clock cannot be paused: before each operation the table's times move by the
-    /// simulated time passed since the store was opened, less the real time passed (which
-    /// SQLite's clock counted by itself), so its leases run out on the simulated clock to
-    /// within a millisecond, however slowly the machine runs the seed.
+    /// SQLite reads its time from the simulation (`SqliteStoreBuilder::clock_sql`): before
+    /// each operation the clock table is set to the store's now, so SQLite's leases run out
+    /// on the simulated clock exactly as the memory store's do.
     async fn follow_the_clock(&self) {
         #[cfg(feature = "sqlite")]
         if let Some(store) = &self.sqlite {
-            let simulated = self.clock.origin.elapsed().as_millis() as i128;
-            let real = self.real_origin.elapsed().as_millis() as i128;
-            let delta = {
-                let mut followed = self.followed.lock().expect("followed");
-                let delta = simulated + AHEAD_MS - real - *followed;
-                *followed += delta;
-                delta
-            };
-            if delta != 0 {
-                shift(&self.runner, store, delta).await;
-            }
+            let ms = EPOCH_MS + self.store_now().as_millis();
+            let pool = store.pool().clone();
+            self.runner
+                .run(async move {
+                    sqlx::query("UPDATE sim_clock SET ms = ?1")
+                        .bind(ms as i64)
+                        .execute(&pool)
+                        .await
+                })
+                .await
+                .expect("set the simulated clock");
         }
     }
 
@@ -359,9 +326,8 @@ impl SimStore {
 
     /// The store's clock jumps forward past a lease.
     async fn jump(&self) {
-        // At least 100 ms past a whole lease: SQLite's own clock moves a few milliseconds
-        // during a run, and a jump that close to a lease's end would make the run depend on it.
-        let by = LEASE + Duration::from_millis(self.world.draw(|r| tick(r, 100..=2000)));
+        // Past a whole lease, so every lease running then has run out.
+        let by = LEASE + Duration::from_millis(self.world.draw(|r| r.random_range(100..=2000)));
         {
             let mut log = self.world.log();
             log.jumps += 1;
@@ -371,11 +337,16 @@ impl SimStore {
                 *excused = true;
             }
         }
+        // SQLite reads it from the clock table, set before every operation.
         *self.clock.jumped.lock().expect("clock") += by;
-        #[cfg(feature = "sqlite")]
-        if let Some(store) = &self.sqlite {
-            // SQLite's clock cannot move: move the table's times back instead.
-            shift(&self.runner, store, by.as_millis() as i128).await;
+    }
+
+    /// Counts a fenced write the store refused, when it came from a lease that was taken over
+    /// (not the owner's own retry after a lost answer, or a heartbeat after its complete).
+    fn refused(&self, key: usize, token: LeaseToken) {
+        let mut log = self.world.log();
+        if log.latest.get(&key) != Some(&token) {
+            log.refused += 1;
         }
     }
 
@@ -420,7 +391,7 @@ impl Store for SimStore {
                     if granted.took_over {
                         // The lease taken over must have run out on the store's clock; and if
                         // its holder still runs, something must explain how it ran out.
-                        let now = self.store_now() + CLOCK_SLACK;
+                        let now = self.store_now();
                         let lease_end = previous.and_then(|p| log.leases.get(&p).copied());
                         let holder_runs = previous.is_some_and(|p| {
                             log.holders
@@ -498,7 +469,7 @@ impl Store for SimStore {
             .run(async move { inner.complete(&key, token, &stored, ttl).await })
             .await;
         if matches!(out, Err(StoreError::StaleLease)) {
-            self.world.log().refused += 1;
+            self.refused(k, token);
         }
         if out.is_ok() {
             self.landed("complete", k, token);
@@ -527,7 +498,7 @@ impl Store for SimStore {
             .run(async move { inner.release(&key, token).await })
             .await;
         if matches!(out, Err(StoreError::StaleLease)) {
-            self.world.log().refused += 1;
+            self.refused(k, token);
         }
         if out.is_ok() {
             self.landed("release", k, token);
@@ -560,7 +531,7 @@ impl Store for SimStore {
                 self.landed("extend", k, token);
                 self.renewed(token, lease);
             }
-            Err(StoreError::StaleLease) => self.world.log().refused += 1,
+            Err(StoreError::StaleLease) => self.refused(k, token),
             Err(_) => {}
         }
         let out = self.after("extend", k, out).await;
@@ -580,11 +551,13 @@ impl Store for SimStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.follow_the_clock().await;
         let (inner, key) = (Arc::clone(&self.inner), key.clone());
         self.runner.run(async move { inner.get(&key).await }).await
     }
 
     async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
+        self.follow_the_clock().await;
         let (inner, key) = (Arc::clone(&self.inner), key.clone());
         self.runner
             .run(async move { inner.delete(&key, force).await })
@@ -855,7 +828,7 @@ fn fresh(world: &World, key: usize, status: u16, body: &[u8]) {
 /// One server handling one request through the HTTP driver, as both adapters do: prepare,
 /// then claim → execute → store → replay around the handler.
 async fn serve_http(config: Config, world: Arc<World>, key: usize, server: usize) -> Answer {
-    let (ms, fails) = world.draw(|r| (tick(r, 0..=5000), r.random_bool(0.1)));
+    let (ms, fails) = world.draw(|r| (r.random_range(0..=5000), r.random_bool(0.1)));
     let head = RequestHead {
         method: "POST",
         path: "/charges",
@@ -936,7 +909,7 @@ async fn serve(engine: Engine, world: Arc<World>, key: usize, server: usize) -> 
         .await;
     match begin {
         (Begin::Claimed(mut execution), Some(token)) => {
-            let (ms, fails) = world.draw(|r| (tick(r, 0..=5000), r.random_bool(0.1)));
+            let (ms, fails) = world.draw(|r| (r.random_range(0..=5000), r.random_bool(0.1)));
             let run = REQUEST.scope(
                 (server, Cell::new(Some(token))),
                 handler(Arc::clone(&world), key, server, ms, fails),
@@ -997,7 +970,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
         }
     } else {
         Faults {
-            max_delay_ms: rng.random_range(0..400),
+            max_delay_ms: rng.random_range(0..MAX_DELAY_MS),
             error: rng.random_range(0.0..0.2),
             lost: rng.random_range(0.0..0.2),
             crash: rng.random_range(0.0..0.1),
@@ -1026,18 +999,27 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
             clock: Arc::clone(&clock),
             #[cfg(feature = "sqlite")]
             sqlite: None,
-            #[cfg(feature = "sqlite")]
-            followed: Mutex::new(0),
-            #[cfg(feature = "sqlite")]
-            real_origin: Instant::now(),
         },
         #[cfg(feature = "sqlite")]
         Arm::Sqlite => {
             let sqlite = Runner::Blocking
                 .run(async {
-                    let store = idempotent_core::SqliteStore::connect("sqlite::memory:")
+                    // One in-memory database (one connection), which keeps the simulated
+                    // clock in a table of its own that every statement reads the time from.
+                    let opened = idempotent_core::SqliteStore::connect("sqlite::memory:")
                         .await
                         .expect("open SQLite");
+                    let pool = opened.pool().clone();
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "CREATE TABLE sim_clock (ms INTEGER NOT NULL); INSERT INTO sim_clock VALUES ({EPOCH_MS})"
+                    )))
+                    .execute(&pool)
+                    .await
+                    .expect("create the clock table");
+                    let store = idempotent_core::SqliteStore::builder(pool)
+                        .clock_sql("(SELECT ms FROM sim_clock)")
+                        .build()
+                        .expect("SQLite store");
                     store.migrate().await.expect("migrate SQLite");
                     store
                 })
@@ -1048,8 +1030,6 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
                 runner: Runner::Blocking,
                 clock: Arc::clone(&clock),
                 sqlite: Some(sqlite),
-                followed: Mutex::new(0),
-                real_origin: Instant::now(),
             }
         }
     });
@@ -1068,7 +1048,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
                 let (s, timeout_ms, crash, http) = world.draw(|r| {
                     (
                         r.random_range(0..SERVERS),
-                        tick(r, 100..=6000),
+                        r.random_range(100..=6000),
                         r.random_bool(world.faults.crash),
                         r.random_bool(0.5),
                     )
@@ -1116,7 +1096,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
                     }
                     // Told to retry, timed out, or its server crashed.
                     Ok(Ok(Answer::Retry)) | Ok(Err(_)) | Err(_) => {
-                        let backoff = world.draw(|r| tick(r, 0..=3000));
+                        let backoff = world.draw(|r| r.random_range(0..=3000));
                         tokio::time::sleep(Duration::from_millis(backoff)).await;
                     }
                 }

@@ -51,6 +51,7 @@ pub struct SqliteStore {
 pub struct SqliteStoreBuilder {
     pool: SqlitePool,
     table: String,
+    clock: Option<String>,
 }
 
 impl SqliteStoreBuilder {
@@ -61,15 +62,28 @@ impl SqliteStoreBuilder {
         self
     }
 
+    /// For deterministic tests only, and not covered by semver: the SQL expression every
+    /// statement reads the time from, in whole milliseconds since the Unix epoch, instead of
+    /// SQLite's clock (`CAST(unixepoch('subsec') * 1000 AS INTEGER)`). A simulation that
+    /// sets the time itself passes a read of a table it keeps, such as
+    /// `(SELECT ms FROM sim_clock)`. The expression is written into the statements as given.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn clock_sql(mut self, expression: &str) -> Self {
+        self.clock = Some(expression.to_owned());
+        self
+    }
+
     /// Checks the name and prepares the statements.
     ///
     /// # Errors
     /// [`SetupError::InvalidIdentifier`] for a table name that is not `[a-z_][a-z0-9_]*`.
     pub fn build(self) -> Result<SqliteStore, SetupError> {
         let table = identifier(&self.table)?;
+        let now = self.clock.as_deref().unwrap_or(NOW);
         Ok(SqliteStore {
             pool: self.pool,
-            sql: Arc::new(Statements::new(&table)),
+            sql: Arc::new(Statements::new(&table, now)),
             sent: Arc::default(),
         })
     }
@@ -90,8 +104,8 @@ pub(crate) struct Statements {
 }
 
 impl Statements {
-    fn new(table: &str) -> Self {
-        let s = |sql: &str| -> Arc<str> { sql.replace("{t}", table).replace("{now}", NOW).into() };
+    fn new(table: &str, now: &str) -> Self {
+        let s = |sql: &str| -> Arc<str> { sql.replace("{t}", table).replace("{now}", now).into() };
         Statements {
             table: table.to_owned(),
             // Read-only fast path: settles replays, in-progress and mismatch without taking
@@ -179,6 +193,7 @@ impl SqliteStore {
         SqliteStoreBuilder {
             pool,
             table: "idempotency_records".into(),
+            clock: None,
         }
     }
 
