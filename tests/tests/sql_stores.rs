@@ -293,6 +293,45 @@ fn epoch_ms(t: SystemTime) -> i64 {
     i64::try_from(t.duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap()
 }
 
+/// Two instances `a` and `b` on a database whose clock runs an hour ahead of this process's
+/// (`db_now`, read from it): `a`'s claim stamps its lease end and expiry in database time,
+/// and `b` compares in database time too (busy for at most the lease). Returns the key `a`
+/// holds, its lease and its token.
+async fn leases_in_database_time(
+    a: &dyn Store,
+    b: &dyn Store,
+    db_now: i64,
+) -> (RecordKey, Duration, LeaseToken) {
+    let local_now = epoch_ms(SystemTime::now());
+    assert!(
+        (db_now - local_now - 3_600_000).abs() < 60_000,
+        "the skew is in place: db {db_now} vs local {local_now}"
+    );
+    let key = unique_key("clock");
+    let lease = Duration::from_millis(1500);
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("c"),
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    let ClaimOutcome::Claimed(l) = a.claim(req).await.unwrap() else {
+        panic!("not claimed")
+    };
+    let until = epoch_ms(l.locked_until);
+    assert!(
+        (until - (db_now + 1500)).abs() < 1000,
+        "lease end {until} is stamped in database time ({db_now} + 1500), not local time ({local_now} + 1500)"
+    );
+    let record = b.get(&key).await.unwrap().expect("record");
+    assert!((epoch_ms(record.expires_at) - (db_now + 61_500)).abs() < 1000);
+    match b.claim(req).await.unwrap() {
+        ClaimOutcome::InProgress { retry_after } => assert!(retry_after <= lease),
+        other => panic!("{other:?}"),
+    }
+    (key, lease, l.token)
+}
+
 #[tokio::test]
 #[cfg_attr(
     not(pg),
@@ -334,35 +373,13 @@ async fn postgres_leases_follow_the_database_clock() {
             .fetch_one(a.pool())
             .await
             .unwrap();
-    let local_now = epoch_ms(SystemTime::now());
-    assert!(
-        (db_now - local_now - 3_600_000).abs() < 60_000,
-        "the skew is in place: db {db_now} vs local {local_now}"
-    );
-
-    let key = unique_key("clock");
-    let lease = Duration::from_millis(1500);
+    let (key, lease, _) = leases_in_database_time(&a, &b, db_now).await;
     let req = ClaimRequest {
         key: &key,
         fingerprint: &fp("c"),
         lease,
         ttl: Duration::from_secs(60),
     };
-    let ClaimOutcome::Claimed(l) = a.claim(req).await.unwrap() else {
-        panic!("not claimed")
-    };
-    let until = epoch_ms(l.locked_until);
-    assert!(
-        (until - (db_now + 1500)).abs() < 1000,
-        "lease end {until} is stamped in database time ({db_now} + 1500), not local time ({local_now} + 1500)"
-    );
-    let record = b.get(&key).await.unwrap().expect("record");
-    assert!((epoch_ms(record.expires_at) - (db_now + 61_500)).abs() < 1000);
-    // The other instance compares in database time too: busy, for at most the lease.
-    match b.claim(req).await.unwrap() {
-        ClaimOutcome::InProgress { retry_after } => assert!(retry_after <= lease),
-        other => panic!("{other:?}"),
-    }
     tokio::time::sleep(lease + Duration::from_millis(300)).await;
     assert!(matches!(
         b.claim(req).await.unwrap(),
@@ -951,35 +968,9 @@ async fn mysql_leases_follow_the_database_clock() {
     .fetch_one(a.pool())
     .await
     .unwrap();
-    let local_now = epoch_ms(SystemTime::now());
-    assert!(
-        (db_now - local_now - 3_600_000).abs() < 60_000,
-        "the skew is in place: db {db_now} vs local {local_now}"
-    );
-    let key = unique_key("clock");
-    let lease = Duration::from_millis(1500);
-    let req = ClaimRequest {
-        key: &key,
-        fingerprint: &fp("c"),
-        lease,
-        ttl: Duration::from_secs(60),
-    };
-    let ClaimOutcome::Claimed(l) = a.claim(req).await.unwrap() else {
-        panic!("not claimed")
-    };
-    let until = epoch_ms(l.locked_until);
-    assert!(
-        (until - (db_now + 1500)).abs() < 1000,
-        "lease end {until} is stamped in database time ({db_now} + 1500), not local time ({local_now} + 1500)"
-    );
-    let record = b.get(&key).await.unwrap().expect("record");
-    assert!((epoch_ms(record.expires_at) - (db_now + 61_500)).abs() < 1000);
-    match b.claim(req).await.unwrap() {
-        ClaimOutcome::InProgress { retry_after } => assert!(retry_after <= lease),
-        other => panic!("{other:?}"),
-    }
+    let (key, lease, token) = leases_in_database_time(&a, &b, db_now).await;
     // A heartbeat from the other instance's clock: the new end, in database time too.
-    let until = b.extend(&key, l.token, lease).await.unwrap();
+    let until = b.extend(&key, token, lease).await.unwrap();
     assert!((epoch_ms(until) - (db_now + 1500)).abs() < 1000);
     mysql_drop(a.pool(), &table).await;
 }

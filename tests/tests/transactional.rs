@@ -125,25 +125,9 @@ async fn sqlite_db(dir: &tempfile::TempDir) -> (Db<sqlx::Sqlite>, SqliteStore) {
     );
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
-    sqlx::raw_sql("CREATE TABLE business (id TEXT PRIMARY KEY)")
-        .execute(store.pool())
-        .await
-        .unwrap();
     let pool = store.pool().clone();
-    let db = Db {
-        engine: Engine::new(store.clone()),
-        business: "business".into(),
-        count: Box::new(move || {
-            let pool = pool.clone();
-            Box::pin(async move {
-                sqlx::query_scalar("SELECT count(*) FROM business")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap()
-            })
-        }),
-        _db: std::marker::PhantomData,
-    };
+    let create = "CREATE TABLE business (id TEXT PRIMARY KEY)".to_owned();
+    let db = business_db(Engine::new(store.clone()), pool, "business".into(), create).await;
     (db, store)
 }
 
@@ -151,15 +135,32 @@ async fn pg_db(pool: sqlx::PgPool) -> (Db<sqlx::Postgres>, PostgresStore) {
     let table = unique_table("txr");
     let store = pg_store(pool.clone(), &table).await;
     let business = format!("idempotent_test.{}", unique_table("biz"));
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {business} (id text PRIMARY KEY)"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    let create = format!("CREATE TABLE {business} (id text PRIMARY KEY)");
+    let db = business_db(Engine::new(store.clone()), pool, business, create).await;
+    (db, store)
+}
+
+/// A [`Db`] over `engine` whose business table `business` is created by `create` on `pool`,
+/// its rows counted through `pool`.
+async fn business_db<DB>(
+    engine: Engine,
+    pool: sqlx::Pool<DB>,
+    business: String,
+    create: String,
+) -> Db<DB>
+where
+    DB: TxDatabase,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
+{
+    sqlx::raw_sql(AssertSqlSafe(create))
+        .execute(&pool)
+        .await
+        .unwrap();
     let count_sql: Arc<str> = format!("SELECT count(*) FROM {business}").into();
-    let db = Db {
-        engine: Engine::new(store.clone()),
+    Db {
+        engine,
         business,
         count: Box::new(move || {
             let (pool, sql) = (pool.clone(), Arc::clone(&count_sql));
@@ -171,8 +172,7 @@ async fn pg_db(pool: sqlx::PgPool) -> (Db<sqlx::Postgres>, PostgresStore) {
             })
         }),
         _db: std::marker::PhantomData,
-    };
-    (db, store)
+    }
 }
 
 /// Commit iff stored, on one path: a stored response commits the row with the record and
@@ -1302,27 +1302,8 @@ async fn mysql_db(pool: sqlx::MySqlPool) -> (Db<sqlx::MySql>, MySqlStore) {
     let table = unique_table("txr");
     let store = mysql_store(pool.clone(), &table).await;
     let business = unique_table("biz");
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {business} (id VARCHAR(64) PRIMARY KEY) ENGINE = InnoDB"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let count_sql: Arc<str> = format!("SELECT count(*) FROM {business}").into();
-    let db = Db {
-        engine: Engine::new(store.clone()),
-        business,
-        count: Box::new(move || {
-            let (pool, sql) = (pool.clone(), Arc::clone(&count_sql));
-            Box::pin(async move {
-                sqlx::query_scalar(AssertSqlSafe(sql.to_string()))
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap()
-            })
-        }),
-        _db: std::marker::PhantomData,
-    };
+    let create = format!("CREATE TABLE {business} (id VARCHAR(64) PRIMARY KEY) ENGINE = InnoDB");
+    let db = business_db(Engine::new(store.clone()), pool, business, create).await;
     (db, store)
 }
 
