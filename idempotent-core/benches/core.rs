@@ -137,18 +137,23 @@ fn benches(c: &mut Criterion) {
     });
     let body = json_1k();
     assert!((1000..1200).contains(&body.len()), "{}", body.len());
-    c.bench_function("fingerprint/json_1KiB", |b| {
-        b.iter(|| {
-            Fingerprint::compute(&FingerprintInput {
-                method: "POST",
-                path: "/v1/charges",
-                query: None,
-                content_type: Some("application/json"),
-                body: black_box(&body),
-            })
-        })
-    });
     let unsorted = json_1k_unsorted();
+    for (name, json) in [
+        ("fingerprint/json_1KiB", &body),
+        ("fingerprint/json_1KiB_unsorted", &unsorted),
+    ] {
+        c.bench_function(name, |b| {
+            b.iter(|| {
+                Fingerprint::compute(&FingerprintInput {
+                    method: "POST",
+                    path: "/v1/charges",
+                    query: None,
+                    content_type: Some("application/json"),
+                    body: black_box(json),
+                })
+            })
+        });
+    }
     let form = form_1k();
     assert!((1000..1200).contains(&form.len()), "{}", form.len());
     c.bench_function("canonical_json/1KiB", |b| {
