@@ -360,7 +360,7 @@ impl<O: Offset> Writer<'_, O> {
         self.out.push(b'"');
         loop {
             let rest = &self.input[self.pos..];
-            let run = rest.iter().position(|&b| STOP[usize::from(b)])?;
+            let run = plain_run(rest)?;
             self.out.extend_from_slice(&rest[..run]);
             self.pos += run;
             match self.input[self.pos] {
@@ -503,6 +503,36 @@ static STOP: [bool; 256] = {
     }
     table
 };
+
+/// How many bytes of plain string content `rest` starts with (up to the first byte of
+/// [`STOP`]; `None` if there is none). Eight bytes at a time while they are plain.
+fn plain_run(rest: &[u8]) -> Option<usize> {
+    const ONES: u64 = u64::MAX / 0xFF;
+    const HIGH: u64 = ONES << 7;
+    let mut at = 0;
+    while let Some(chunk) = rest.get(at..at + 8) {
+        let x = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
+        // The high bit of each byte that is below 0x20, a quote, a backslash or above 0x7F
+        // (a byte after one of these may be marked too, never one before it).
+        let below = x.wrapping_sub(ONES * 0x20);
+        let quote = x ^ (ONES * u64::from(b'"'));
+        let backslash = x ^ (ONES * u64::from(b'\\'));
+        let stops = ((below
+            | quote.wrapping_sub(ONES) & !quote
+            | backslash.wrapping_sub(ONES) & !backslash)
+            & !x
+            & HIGH)
+            | (x & HIGH);
+        if stops != 0 {
+            return Some(at + (stops.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    rest[at..]
+        .iter()
+        .position(|&b| STOP[usize::from(b)])
+        .map(|run| at + run)
+}
 
 /// The length of the UTF-8 sequence a lead byte starts (`None` for a continuation byte or a
 /// byte that never appears in UTF-8).
