@@ -1,3 +1,6 @@
+//! Transactional handlers on actix: `Transaction<Postgres>` and `Transaction<Sqlite>` beside
+//! path and JSON extractors.
+
 use actix_web::web;
 use idempotent_actix::sqlx::{Postgres, Sqlite};
 use idempotent_actix::{Transaction, idempotent};

@@ -1,3 +1,5 @@
+//! `Idempotent` taken owned or borrowed, with derived keys, beside a transaction.
+
 use axum::extract::Path;
 use axum::routing::post;
 use idempotent_axum::sqlx::Postgres;

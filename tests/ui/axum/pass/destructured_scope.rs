@@ -1,3 +1,5 @@
+//! A scope named inside a destructured extractor pattern.
+
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::routing::post;

@@ -1,3 +1,4 @@
+#![allow(clippy::too_many_arguments)] // nine extractors on purpose, more than clippy's seven
 //! State, path, query, header, extension and custom extractors around the scope's.
 use axum::extract::{Extension, FromRequestParts, Path, Query, State};
 use axum::http::{HeaderMap, Method, Uri, request::Parts};

@@ -1,3 +1,5 @@
+//! A scope named as a field of an extractor (`auth.account_id`).
+
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use axum::routing::post;

@@ -1,4 +1,6 @@
 #![deny(warnings, unused_qualifications, unused_results, clippy::pedantic)]
+//! The generated code is clean under `deny(warnings)`, `unused_qualifications`,
+//! `unused_results` and `clippy::pedantic`.
 
 use axum::extract::{FromRequestParts, Path};
 use axum::http::{StatusCode, request::Parts};

@@ -1,3 +1,5 @@
+//! The adapter imported under another name, told with `crate = "renamed"`.
+
 use axum::routing::post;
 use axum::Router;
 use idempotent_axum as renamed;

@@ -1,3 +1,5 @@
+//! Transactional handlers on axum: `Transaction<Postgres>` and `Transaction<Sqlite>`.
+
 use axum::Json;
 use axum::extract::Path;
 use axum::routing::post;

@@ -1,3 +1,5 @@
+//! `unscoped` routes, and handlers returning `Result` with the caller's own error type.
+
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;

@@ -1,3 +1,5 @@
+//! `#[idempotent]` on plain async functions (`Calls`): the shapes it accepts.
+
 use idempotent_core::call::{CallError, Calls, StoredError};
 use idempotent_core::{Idempotent, Transaction, idempotent};
 use serde::{Deserialize, Serialize};
