@@ -15,13 +15,13 @@ fn bench(stores: &str) -> String {
 /// [`bench`] with more arguments.
 fn bench_with(stores: &str, extra: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_bench-http"))
-        .args(["--stores", stores, "--rounds", "1", "--duration", "300ms"])
+        .args(["--stores", stores, "--rounds", "1", "--duration", "150ms"])
         .args(extra)
         .args([
             "--warmup",
-            "100ms",
+            "50ms",
             "--wire-duration",
-            "300ms",
+            "200ms",
             "--connections",
             "16",
         ])
