@@ -2,6 +2,7 @@
 
 use crate::jcs::Offset;
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::fmt;
 
 /// SHA-256 over a request's method, concrete path, query, body media type and (canonicalised)
@@ -77,7 +78,7 @@ impl Fingerprint {
         let media = media_type(input.content_type);
         let mut h = Sha256::new();
         h.update(b"idempotent-fingerprint-v2");
-        field(&mut h, input.method.to_ascii_uppercase().as_bytes());
+        field(&mut h, ascii_case(input.method, true).as_bytes());
         field(&mut h, input.path.as_bytes());
         match input.query {
             Some(q) => field(&mut h, q.as_bytes()),
@@ -203,11 +204,29 @@ fn field(h: &mut Sha256, bytes: &[u8]) {
 }
 
 /// The media type's essence, lower-cased, without parameters (`application/json`).
-fn media_type(content_type: Option<&str>) -> String {
+fn media_type(content_type: Option<&str>) -> Cow<'_, str> {
     content_type
         .and_then(|ct| ct.split(';').next())
-        .map(|m| m.trim().to_ascii_lowercase())
-        .unwrap_or_default()
+        .map_or(Cow::Borrowed(""), |m| ascii_case(m.trim(), false))
+}
+
+/// `text` in ASCII upper (or lower) case, borrowed when it already is (no allocation for
+/// `POST` or `application/json`).
+fn ascii_case(text: &str, upper: bool) -> Cow<'_, str> {
+    let other_case = |b: &u8| {
+        if upper {
+            b.is_ascii_lowercase()
+        } else {
+            b.is_ascii_uppercase()
+        }
+    };
+    if !text.as_bytes().iter().any(other_case) {
+        Cow::Borrowed(text)
+    } else if upper {
+        Cow::Owned(text.to_ascii_uppercase())
+    } else {
+        Cow::Owned(text.to_ascii_lowercase())
+    }
 }
 
 fn is_json(media: &str) -> bool {
@@ -223,7 +242,8 @@ fn is_json(media: &str) -> bool {
 /// without building a tree, and tested byte for byte against `serde_jcs` as the oracle.
 ///
 /// Working memory, beyond the canonical text it returns: 4 bytes per member of the objects
-/// still open (8 above 512 MiB), and one copy of an object whose members must be reordered.
+/// still open (8 above 512 MiB), one copy of an object whose members must be reordered, and
+/// up to 2 KiB to sort small objects.
 ///
 /// ```
 /// use idempotent_core::fingerprint::canonical_json;
@@ -1000,6 +1020,11 @@ mod tests {
             ..base
         };
         assert_eq!(Fingerprint::compute(&base), Fingerprint::compute(&upper));
+        // The media type's case does not count either, nor its parameters.
+        assert_eq!(
+            fp(Some(" Application/JSON ; charset=UTF-8"), b"{\"a\":1}"),
+            fp(Some("application/json"), b"{\"a\":1}")
+        );
         let other_path = FingerprintInput { path: "/s", ..base };
         assert_ne!(
             Fingerprint::compute(&base),
@@ -1096,7 +1121,7 @@ mod tests {
     fn digest_v2(input: &FingerprintInput<'_>, kind: u8, canonical: &[u8]) -> [u8; 32] {
         let mut h = Sha256::new();
         h.update(b"idempotent-fingerprint-v2");
-        field(&mut h, input.method.to_ascii_uppercase().as_bytes());
+        field(&mut h, ascii_case(input.method, true).as_bytes());
         field(&mut h, input.path.as_bytes());
         match input.query {
             Some(q) => field(&mut h, q.as_bytes()),

@@ -38,7 +38,10 @@ async fn response() -> HttpResponse {
 
 #[idempotent(unscoped)]
 async fn actix_result(body: String) -> actix_web::Result<impl Responder> {
-    let n: u64 = body.trim().parse().map_err(actix_web::error::ErrorBadRequest)?;
+    let n: u64 = body
+        .trim()
+        .parse()
+        .map_err(actix_web::error::ErrorBadRequest)?;
     Ok(HttpResponse::Created().body(n.to_string()))
 }
 

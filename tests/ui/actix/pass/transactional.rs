@@ -6,7 +6,11 @@ use idempotent_actix::sqlx::{Postgres, Sqlite};
 use idempotent_actix::{Transaction, idempotent};
 
 #[idempotent(scope = "account.0")]
-async fn single(account: web::Path<(String,)>, mut tx: Transaction<Postgres>, body: web::Json<u32>) -> String {
+async fn single(
+    account: web::Path<(String,)>,
+    mut tx: Transaction<Postgres>,
+    body: web::Json<u32>,
+) -> String {
     let _ = sqlx::query("INSERT INTO t (v) VALUES ($1)")
         .bind(i64::from(*body))
         .execute(&mut *tx)

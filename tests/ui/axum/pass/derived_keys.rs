@@ -37,7 +37,11 @@ mod actix {
 
     #[idempotent(unscoped)]
     pub async fn charge(body: web::Bytes, idem: Idempotent) -> HttpResponse {
-        HttpResponse::Ok().body(format!("{} {}", body.len(), idem.derive("payment-provider")))
+        HttpResponse::Ok().body(format!(
+            "{} {}",
+            body.len(),
+            idem.derive("payment-provider")
+        ))
     }
 }
 

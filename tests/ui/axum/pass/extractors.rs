@@ -55,7 +55,10 @@ async fn everything(
 }
 
 #[idempotent(scope = "tenant")]
-async fn form(Extension(Tenant(tenant)): Extension<Tenant>, Form(f): Form<HashMap<String, String>>) -> String {
+async fn form(
+    Extension(Tenant(tenant)): Extension<Tenant>,
+    Form(f): Form<HashMap<String, String>>,
+) -> String {
     format!("{tenant}: {}", f.len())
 }
 

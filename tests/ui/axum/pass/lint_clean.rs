@@ -2,10 +2,10 @@
 //! The generated code is clean under `deny(warnings)`, `unused_qualifications`,
 //! `unused_results` and `clippy::pedantic`.
 
+use axum::Router;
 use axum::extract::{FromRequestParts, Path};
 use axum::http::{StatusCode, request::Parts};
 use axum::routing::post;
-use axum::Router;
 use idempotent_axum::idempotent;
 
 /// The authenticated caller (a verified token's subject).

@@ -1,7 +1,7 @@
 //! The adapter imported under another name, told with `crate = "renamed"`.
 
-use axum::routing::post;
 use axum::Router;
+use axum::routing::post;
 use idempotent_axum as renamed;
 
 #[renamed::idempotent(unscoped, crate = "renamed")]

@@ -7,7 +7,11 @@ use idempotent_axum::sqlx::{Postgres, Sqlite};
 use idempotent_axum::{Transaction, idempotent};
 
 #[idempotent(scope = "account")]
-async fn single(Path(account): Path<String>, mut tx: Transaction<Postgres>, Json(v): Json<u32>) -> String {
+async fn single(
+    Path(account): Path<String>,
+    mut tx: Transaction<Postgres>,
+    Json(v): Json<u32>,
+) -> String {
     sqlx::query("INSERT INTO t (v) VALUES ($1)")
         .bind(i64::from(v))
         .execute(&mut *tx)

@@ -1,8 +1,8 @@
 //! `unscoped` routes, and handlers returning `Result` with the caller's own error type.
 
+use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use axum::Router;
 use idempotent_axum::idempotent;
 
 #[derive(Debug)]
@@ -32,5 +32,7 @@ async fn impl_trait() -> impl axum::response::IntoResponse {
 }
 
 fn main() {
-    let _: Router = Router::new().route("/", post(handler)).route("/b", post(impl_trait));
+    let _: Router = Router::new()
+        .route("/", post(handler))
+        .route("/b", post(impl_trait));
 }

@@ -25,7 +25,13 @@ impl StoredError for BookError {
 }
 
 /// Key from a field, scope from a field, a derived key, errors stored when final.
-#[idempotent(name = "book_payment", key_from = "msg.id", scope = "msg.tenant", ttl = "7d", store_errors)]
+#[idempotent(
+    name = "book_payment",
+    key_from = "msg.id",
+    scope = "msg.tenant",
+    ttl = "7d",
+    store_errors
+)]
 pub async fn book_payment(
     calls: &Calls,
     idem: &Idempotent,
@@ -38,7 +44,13 @@ pub async fn book_payment(
 }
 
 /// An integer key, unscoped, owned message, `?` inside, a wait for duplicates.
-#[idempotent(name = "by-sequence.v1", key_from = "msg.seq", unscoped, wait = "5s", lease = "10s")]
+#[idempotent(
+    name = "by-sequence.v1",
+    key_from = "msg.seq",
+    unscoped,
+    wait = "5s",
+    lease = "10s"
+)]
 async fn by_sequence(msg: PaymentEvent, calls: &Calls) -> Result<u64, std::io::Error> {
     let n: u64 = "7".parse().map_err(std::io::Error::other)?;
     Ok(msg.seq + n)
