@@ -345,11 +345,13 @@ impl MemoryStore {
             return Ok(());
         }
         let mut usages = self.scope_usage(scope);
-        let usage = usages.entry(scope.clone()).or_default();
-        let refused = if usage.records >= inner.max_per_scope {
+        // Looked up by reference: the scope is cloned only for its first record.
+        let (records, held) = usages
+            .get(scope)
+            .map_or((0, 0), |usage| (usage.records, usage.bytes));
+        let refused = if records >= inner.max_per_scope {
             Some(Refused::ScopeFull)
-        } else if usage
-            .bytes
+        } else if held
             .checked_add(bytes)
             .is_none_or(|b| b > inner.max_bytes_per_scope)
         {
@@ -358,15 +360,19 @@ impl MemoryStore {
             None
         };
         if let Some(refused) = refused {
-            if usage.records == 0 {
-                usages.remove(scope);
-            }
             drop(usages);
             inner.bytes.fetch_sub(bytes, Ordering::AcqRel);
             return Err(refused);
         }
-        usage.bytes += bytes;
-        usage.records += 1;
+        match usages.get_mut(scope) {
+            Some(usage) => {
+                usage.bytes += bytes;
+                usage.records += 1;
+            }
+            None => {
+                usages.insert(scope.clone(), Usage { records: 1, bytes });
+            }
+        }
         Ok(())
     }
 
