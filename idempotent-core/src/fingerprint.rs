@@ -1121,7 +1121,7 @@ mod tests {
     fn digest_v2(input: &FingerprintInput<'_>, kind: u8, canonical: &[u8]) -> [u8; 32] {
         let mut h = Sha256::new();
         h.update(b"idempotent-fingerprint-v2");
-        field(&mut h, ascii_case(input.method, true).as_bytes());
+        field(&mut h, input.method.to_ascii_uppercase().as_bytes());
         field(&mut h, input.path.as_bytes());
         match input.query {
             Some(q) => field(&mut h, q.as_bytes()),

@@ -23,8 +23,9 @@ use std::cell::Cell;
 
 /// Peak extra allocation allowed, as a multiple of the body's size.
 const BOUND: usize = 4;
-/// Plus a constant, for what every fingerprint costs whatever the body (the media type's
-/// lower-case copy, the method's upper-case copy, a first small buffer).
+/// Plus a constant, for what every fingerprint costs whatever the body (a first small buffer,
+/// the JSON writer's 2 KiB at most for sorting a small object, the media type's lower-case and
+/// the method's upper-case copies when they were not in that case already).
 const SLACK: usize = 4096;
 
 /// The system allocator, counting what each thread holds and the most it held.
