@@ -92,6 +92,17 @@ fn form_realistic(size: usize) -> Vec<u8> {
     fields.join("&").into_bytes()
 }
 
+/// The fingerprint of a `POST /v1/charges` with this body.
+fn fingerprint_of(content_type: &str, body: &[u8]) -> Fingerprint {
+    Fingerprint::compute(&FingerprintInput {
+        method: "POST",
+        path: "/v1/charges",
+        query: None,
+        content_type: Some(content_type),
+        body: black_box(body),
+    })
+}
+
 fn fp() -> Fingerprint {
     Fingerprint::compute(&FingerprintInput {
         method: "POST",
@@ -143,15 +154,7 @@ fn benches(c: &mut Criterion) {
         ("fingerprint/json_1KiB_unsorted", &unsorted),
     ] {
         c.bench_function(name, |b| {
-            b.iter(|| {
-                Fingerprint::compute(&FingerprintInput {
-                    method: "POST",
-                    path: "/v1/charges",
-                    query: None,
-                    content_type: Some("application/json"),
-                    body: black_box(json),
-                })
-            })
+            b.iter(|| fingerprint_of("application/json", json))
         });
     }
     let form = form_1k();
@@ -172,15 +175,7 @@ fn benches(c: &mut Criterion) {
         b.iter(|| canonical_form(black_box(&form)))
     });
     c.bench_function("fingerprint/form_1KiB", |b| {
-        b.iter(|| {
-            Fingerprint::compute(&FingerprintInput {
-                method: "POST",
-                path: "/v1/charges",
-                query: None,
-                content_type: Some("application/x-www-form-urlencoded"),
-                body: black_box(&form),
-            })
-        })
+        b.iter(|| fingerprint_of("application/x-www-form-urlencoded", &form))
     });
     for (name, kib) in [
         ("fingerprint/form_64KiB_realistic", 64),
@@ -188,27 +183,11 @@ fn benches(c: &mut Criterion) {
     ] {
         let form = form_realistic(kib << 10);
         c.bench_function(name, |b| {
-            b.iter(|| {
-                Fingerprint::compute(&FingerprintInput {
-                    method: "POST",
-                    path: "/v1/charges",
-                    query: None,
-                    content_type: Some("application/x-www-form-urlencoded"),
-                    body: black_box(&form),
-                })
-            })
+            b.iter(|| fingerprint_of("application/x-www-form-urlencoded", &form))
         });
     }
     c.bench_function("fingerprint/raw_1KiB", |b| {
-        b.iter(|| {
-            Fingerprint::compute(&FingerprintInput {
-                method: "POST",
-                path: "/v1/charges",
-                query: None,
-                content_type: Some("application/octet-stream"),
-                body: black_box(&body),
-            })
-        })
+        b.iter(|| fingerprint_of("application/octet-stream", &body))
     });
 
     // A handler's downstream key: the context (HMAC over scope and key) and one derivation.
