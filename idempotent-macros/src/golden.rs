@@ -21,6 +21,16 @@ fn cases() -> Vec<(&'static str, Entry, &'static str, &'static str)> {
 }"#,
         ),
         (
+            // Seven extractors, clippy's limit: the context makes eight, so the handler carries
+            // `allow(clippy::too_many_arguments)` (six would not).
+            "axum_seven_extractors",
+            Entry::Axum,
+            r#"scope = "a""#,
+            r#"async fn h(a: A, b: B, c: C, d: D, e: E, f: F, g: G) -> String {
+    a.0
+}"#,
+        ),
+        (
             "axum_every_argument_generics_impl_trait",
             Entry::Axum,
             r#"scope = "acct.0.id", ttl = "7d", lease = "10s", key = "optional", store_server_errors, max_response = "64KiB", crate = "my::axum""#,

@@ -32,7 +32,7 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
         block,
         ..
     } = func;
-    let (inner, outer) = split_attrs(attrs);
+    let (inner, mut outer) = split_attrs(attrs);
     let ctx = hidden("__idempotent_ctx");
     let scope_var = hidden("__idempotent_scope");
     let route = hidden("__IDEMPOTENT_ROUTE");
@@ -56,6 +56,9 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
     let name = sig.ident.to_string();
     let anchor = anchor(&sig);
 
+    // The handler's own argument count, before the context is added and the transaction and
+    // `Idempotent` taken out.
+    let written = sig.inputs.len();
     let mut new_sig = sig;
     new_sig.output = syn::parse_quote!(-> #p::Output);
     // Transactional mode: the transaction is no extractor; the runtime opens it (after the
@@ -87,6 +90,12 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
             new_sig
                 .inputs
                 .insert(0, syn::parse_quote!(#ctx: #p::Context<#required>));
+            // The context is one argument more than the handler was written with: clippy's
+            // limit (7) is for the signature the user wrote, so the one argument we add must
+            // not be what crosses it.
+            if new_sig.inputs.len() > CLIPPY_MAX_ARGUMENTS && written <= CLIPPY_MAX_ARGUMENTS {
+                outer.push(syn::parse_quote!(#[allow(clippy::too_many_arguments)]));
+            }
             quote!()
         }
         Framework::Actix => {
@@ -152,6 +161,9 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
         }
     }
 }
+
+/// Clippy's default limit on a function's arguments (`too_many_arguments`).
+const CLIPPY_MAX_ARGUMENTS: usize = 7;
 
 /// The fake return edge (tracing's): fixes the async block's output type to the declared
 /// return type, so `?` and type errors land in user code. `impl Trait` cannot be written in a
