@@ -22,11 +22,38 @@ fn cases() -> Vec<(&'static str, Entry, &'static str, &'static str)> {
         ),
         (
             // Seven extractors, clippy's limit: the context makes eight, so the handler carries
-            // `allow(clippy::too_many_arguments)` (six would not).
+            // `allow(clippy::too_many_arguments)`.
             "axum_seven_extractors",
             Entry::Axum,
             r#"scope = "a""#,
             r#"async fn h(a: A, b: B, c: C, d: D, e: E, f: F, g: G) -> String {
+    a.0
+}"#,
+        ),
+        (
+            // Six (seven with the context) and eight (the user's own signature is over the
+            // limit): no `allow`; seven whose own attributes set the lint: theirs stands alone.
+            "axum_six_extractors",
+            Entry::Axum,
+            r#"scope = "a""#,
+            r#"async fn h(a: A, b: B, c: C, d: D, e: E, f: F) -> String {
+    a.0
+}"#,
+        ),
+        (
+            "axum_eight_extractors",
+            Entry::Axum,
+            r#"scope = "a""#,
+            r#"async fn h(a: A, b: B, c: C, d: D, e: E, f: F, g: G, i: I) -> String {
+    a.0
+}"#,
+        ),
+        (
+            "axum_seven_extractors_own_lint_level",
+            Entry::Axum,
+            r#"scope = "a""#,
+            r#"#[expect(clippy::too_many_arguments)]
+async fn h(a: A, b: B, c: C, d: D, e: E, f: F, g: G) -> String {
     a.0
 }"#,
         ),

@@ -7,7 +7,7 @@ use super::{bind_context, hidden, opt_ms, scope_expr, split_attrs, take_params};
 use crate::args::{Commit, KeyReq};
 use crate::validate::{Framework, HandlerPlan, Transactional};
 use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote};
+use quote::{ToTokens, format_ident, quote};
 use syn::{ItemFn, ReturnType, Type};
 
 pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
@@ -93,7 +93,17 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
             // The context is one argument more than the handler was written with: clippy's
             // limit (7) is for the signature the user wrote, so the one argument we add must
             // not be what crosses it.
-            if new_sig.inputs.len() > CLIPPY_MAX_ARGUMENTS && written <= CLIPPY_MAX_ARGUMENTS {
+            // Not where the user set the lint's level themselves (an `expect` that our
+            // `allow` would leave unfulfilled, a `forbid` it may not override).
+            let theirs = outer.iter().any(|attr| {
+                attr.to_token_stream()
+                    .to_string()
+                    .contains("too_many_arguments")
+            });
+            if new_sig.inputs.len() > CLIPPY_MAX_ARGUMENTS
+                && written <= CLIPPY_MAX_ARGUMENTS
+                && !theirs
+            {
                 outer.push(syn::parse_quote!(#[allow(clippy::too_many_arguments)]));
             }
             quote!()
