@@ -42,6 +42,15 @@ fn check_until(model: ProtocolModel, until: HasDiscoveries) -> impl Checker<Prot
     checker
 }
 
+/// The model of `mode` checked, with every property of [`SAFE`] asserted to hold.
+fn checked_safe(mode: Mode) -> impl Checker<ProtocolModel> {
+    let checker = check(ProtocolModel::bounded(mode));
+    for property in SAFE {
+        checker.assert_no_discovery(property);
+    }
+    checker
+}
+
 /// The invariants that hold in every mode.
 const SAFE: [&str; 6] = [
     STORED_NEVER_CHANGES,
@@ -107,10 +116,7 @@ fn assert_frozen_owner(mode: Mode, path: &Path<State, Action>) -> String {
 
 #[test]
 fn plain_mode_holds_its_invariants_and_admits_only_the_frozen_owner() {
-    let checker = check(ProtocolModel::bounded(Mode::Plain));
-    for property in SAFE {
-        checker.assert_no_discovery(property);
-    }
+    let checker = checked_safe(Mode::Plain);
     assert!(checker.discovery(SOME_REPLAY).is_some());
     assert!(checker.discovery(SOME_TAKEOVER).is_some());
     // The one duplicate the docs admit: found, and it is the frozen owner.
@@ -122,10 +128,7 @@ fn plain_mode_holds_its_invariants_and_admits_only_the_frozen_owner() {
 
 #[test]
 fn two_commits_commit_once_even_when_a_frozen_owner_is_taken_over() {
-    let checker = check(ProtocolModel::bounded(Mode::TwoCommits));
-    for property in SAFE {
-        checker.assert_no_discovery(property);
-    }
+    let checker = checked_safe(Mode::TwoCommits);
     checker.assert_no_discovery(COMMITS_AT_MOST_ONCE);
     assert!(checker.discovery(SOME_REPLAY).is_some());
     assert!(checker.discovery(SOME_TAKEOVER).is_some());
@@ -138,10 +141,7 @@ fn two_commits_commit_once_even_when_a_frozen_owner_is_taken_over() {
 
 #[test]
 fn single_commit_commits_once_even_when_a_frozen_owner_loses_its_transaction() {
-    let checker = check(ProtocolModel::bounded(Mode::SingleCommit));
-    for property in SAFE {
-        checker.assert_no_discovery(property);
-    }
+    let checker = checked_safe(Mode::SingleCommit);
     checker.assert_no_discovery(COMMITS_AT_MOST_ONCE);
     assert!(checker.discovery(SOME_REPLAY).is_some());
     // The claim row is uncommitted, so nothing ever takes it over...
