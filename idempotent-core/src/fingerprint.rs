@@ -22,8 +22,9 @@ use std::fmt;
 /// # Cost
 /// Time is linear in the body (plus the sort of out-of-order form fields or JSON members), and
 /// the working memory a small multiple of it, whatever its shape: a form is hashed as it is
-/// written in canonical order, from one sort record per field pointing into the body (at
-/// most 3 times the body, see [`canonical_form`]), never from a copy; JSON is written once
+/// written in canonical order, from one sort record per field pointing into the body and a
+/// bit per byte (at most 3⅛ times the body, see [`canonical_form`]), never from a copy;
+/// JSON is written once
 /// in canonical form (see [`canonical_json`]).
 /// Both stay within 4 times the body (`tests/alloc_bounds.rs` checks hostile shapes up to
 /// 2 MiB). Large bodies are best fingerprinted off the async workers:
@@ -265,7 +266,8 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 /// UTF-8 stay different; empty segments (`a=1&&b=2`) are dropped.
 ///
 /// Working memory, beyond the canonical text it returns: one sort record per field, at most
-/// 3 times the body. A record is 16 bytes (the first 11 decoded bytes of the name and the
+/// 3 times the body, and a bit per byte of the body (which segments are already in canonical
+/// form, so they are copied without a second look). A record is 16 bytes (the first 11 decoded bytes of the name and the
 /// field's offset, so that most comparisons are one integer comparison) when fields average
 /// 16/3 bytes or more, 8 bytes (3 name bytes) from 8/3, and 4 bytes for tinier fields (1
 /// name byte below 4 MiB, or the offset alone, at most 2 times the body as a field takes 2
@@ -368,8 +370,11 @@ fn count_segments(body: &[u8]) -> usize {
 }
 
 /// The form's non-empty segments: the offset of each, with what [`scan_form_segment`]
-/// finds in it.
-fn scanned_segments(body: &[u8]) -> impl Iterator<Item = (usize, SegmentScan)> + '_ {
+/// finds in it. Marks in `as_is` each segment that is written as it is.
+fn scanned_segments<'b>(
+    body: &'b [u8],
+    as_is: &'b mut AsIs,
+) -> impl Iterator<Item = (usize, SegmentScan)> + 'b {
     let mut at = 0;
     std::iter::from_fn(move || {
         while body.get(at) == Some(&b'&') {
@@ -377,16 +382,39 @@ fn scanned_segments(body: &[u8]) -> impl Iterator<Item = (usize, SegmentScan)> +
         }
         let scan = scan_form_segment(body.get(at..).filter(|rest| !rest.is_empty())?);
         let start = at;
+        if scan.canonical && scan.eq.is_some() {
+            as_is.mark(start);
+        }
         at += scan.len;
         Some((start, scan))
     })
+}
+
+/// One bit per byte of a form body, set where a segment starts that is written as it is
+/// (canonical, with its `=`): the second pass copies such a segment up to its `&` without
+/// scanning it again. An eighth of the body.
+struct AsIs(Vec<u64>);
+
+impl AsIs {
+    fn new(body: &[u8]) -> Self {
+        AsIs(vec![0; body.len() / 64 + 1])
+    }
+
+    fn mark(&mut self, at: usize) {
+        self.0[at / 64] |= 1 << (at % 64);
+    }
+
+    fn marked(&self, at: usize) -> bool {
+        self.0[at / 64] & 1 << (at % 64) != 0
+    }
 }
 
 /// Writes the canonical form of `body` (its length first, see [`Sink::begin`]): its
 /// segments stably sorted by decoded field name, joined by `&`.
 ///
 /// The sort runs on one small record per field and nothing else: a field's name, value and
-/// end are found again in the body when they are needed. Each record holds the first
+/// end are found again in the body when they are needed (a segment marked in [`AsIs`] by
+/// its end alone). Each record holds the first
 /// decoded bytes of its field's name with its offset (a [`FormKey`]), so that most
 /// comparisons are one integer comparison, as wide as the records stay within 3 times the
 /// body: [`Key16`] when fields average 16/3 bytes or more, [`Key8`] from 8/3, else [`Key4`]
@@ -433,14 +461,18 @@ impl<O: Offset> Start for O {
 }
 
 /// Writes the segments starting at `order`, joined by `&`.
-fn write_in_order<S: Start>(sink: &mut impl Sink, body: &[u8], order: &[S]) {
+fn write_in_order<S: Start>(sink: &mut impl Sink, body: &[u8], order: &[S], as_is: &AsIs) {
     for (i, start) in order.iter().enumerate() {
         if i > 0 {
             sink.put(b"&");
         }
         let rest = &body[start.start()..];
-        let scan = scan_form_segment(rest);
-        write_segment(sink, &rest[..scan.len], &scan);
+        if as_is.marked(start.start()) {
+            sink.put(&rest[..memchr::memchr(b'&', rest).unwrap_or(rest.len())]);
+        } else {
+            let scan = scan_form_segment(rest);
+            write_segment(sink, &rest[..scan.len], &scan);
+        }
     }
 }
 
@@ -448,7 +480,8 @@ fn write_in_order<S: Start>(sink: &mut impl Sink, body: &[u8], order: &[S]) {
 fn write_sorted_offsets<O: Offset>(sink: &mut impl Sink, body: &[u8], fields: usize) {
     let mut order = Vec::with_capacity(fields);
     let mut len = fields.saturating_sub(1) as u64;
-    order.extend(scanned_segments(body).map(|(start, scan)| {
+    let mut as_is = AsIs::new(body);
+    order.extend(scanned_segments(body, &mut as_is).map(|(start, scan)| {
         len += canonical_len(&body[start..start + scan.len], &scan);
         O::at(start)
     }));
@@ -459,7 +492,7 @@ fn write_sorted_offsets<O: Offset>(sink: &mut impl Sink, body: &[u8], fields: us
         // stable sort, so a repeated field's values keep their order.
         order.sort_unstable_by(|a, b| by_name(a, b).then_with(|| a.cmp(b)));
     }
-    write_in_order(sink, body, &order);
+    write_in_order(sink, body, &order, &as_is);
 }
 
 /// [`write_form`] on keys of type `K`, for a form below 4 GiB of `fields` non-empty
@@ -467,14 +500,15 @@ fn write_sorted_offsets<O: Offset>(sink: &mut impl Sink, body: &[u8], fields: us
 fn write_sorted_keys<K: FormKey>(sink: &mut impl Sink, body: &[u8], fields: usize) {
     let mut keys = Vec::with_capacity(fields);
     let mut len = fields.saturating_sub(1) as u64;
-    keys.extend(scanned_segments(body).map(|(start, scan)| {
+    let mut as_is = AsIs::new(body);
+    keys.extend(scanned_segments(body, &mut as_is).map(|(start, scan)| {
         let segment = &body[start..start + scan.len];
         len += canonical_len(segment, &scan);
-        K::new(body, start, 0)
+        K::new(&body[start..], 0, start)
     }));
     sink.begin(len);
-    sort_keys(body, &mut keys, 0);
-    write_in_order(sink, body, &keys);
+    sort_keys(body, &mut keys, 0, &as_is);
+    write_in_order(sink, body, &keys, &as_is);
 }
 
 /// A sort key: `BYTES` decoded bytes of a field's name from some depth on (zero-padded), how
@@ -489,20 +523,20 @@ trait FormKey: Start + Ord {
     /// How many decoded name bytes a key holds.
     const BYTES: usize;
 
-    /// The key of the name of the segment at `start` (below 4 GiB), on its decoded bytes
-    /// from `depth` on. The name must be at least `depth` bytes long.
-    fn new(body: &[u8], start: usize, depth: usize) -> Self;
+    /// The key of the segment at `start` (below 4 GiB) on the decoded bytes from `depth` on
+    /// of the rest of its name in `name`: the body from the start of the name or from an
+    /// escape's boundary within it. The rest must be at least `depth` bytes long.
+    fn new(name: &[u8], depth: usize, start: usize) -> Self;
 
     /// Whether `self` and `other` hold the same bytes of names that both go on past them:
     /// then the keys do not order the names, the bytes after them do.
     fn ties(self, other: Self) -> bool;
 }
 
-/// The bytes `depth..depth + N` of the decoded name of the segment at `start` (`N` at most
-/// 15), big-endian, zero-padded, followed by a byte counting them (`N + 1` when the name
-/// goes on past them).
-fn name_window<const N: usize>(body: &[u8], start: usize, depth: usize) -> u128 {
-    let rest = &body[start..];
+/// The bytes `depth..depth + N` of the decoded name that starts `rest` (`N` at most 15),
+/// big-endian, zero-padded, followed by a byte counting them (`N + 1` when the name goes on
+/// past them).
+fn name_window<const N: usize>(rest: &[u8], depth: usize) -> u128 {
     let head = &rest[..rest.len().min(depth + N + 1)];
     let plain = head
         .iter()
@@ -570,8 +604,8 @@ impl Start for Key4 {
 impl FormKey for Key4 {
     const BYTES: usize = 1;
 
-    fn new(body: &[u8], start: usize, depth: usize) -> Self {
-        let window = name_window::<{ Self::BYTES }>(body, start, depth) as u32;
+    fn new(name: &[u8], depth: usize, start: usize) -> Self {
+        let window = name_window::<{ Self::BYTES }>(name, depth) as u32;
         // The count (at most 2) in 2 bits, right under the byte.
         Key4((window >> 8) << 24 | (window & 3) << 22 | start as u32)
     }
@@ -594,8 +628,8 @@ impl Start for Key8 {
 impl FormKey for Key8 {
     const BYTES: usize = 3;
 
-    fn new(body: &[u8], start: usize, depth: usize) -> Self {
-        let window = name_window::<{ Self::BYTES }>(body, start, depth) as u64;
+    fn new(name: &[u8], depth: usize, start: usize) -> Self {
+        let window = name_window::<{ Self::BYTES }>(name, depth) as u64;
         Key8(window << 32 | start as u64)
     }
 
@@ -617,8 +651,8 @@ impl Start for Key16 {
 impl FormKey for Key16 {
     const BYTES: usize = 11;
 
-    fn new(body: &[u8], start: usize, depth: usize) -> Self {
-        Key16(name_window::<{ Self::BYTES }>(body, start, depth) << 32 | start as u128)
+    fn new(name: &[u8], depth: usize, start: usize) -> Self {
+        Key16(name_window::<{ Self::BYTES }>(name, depth) << 32 | start as u128)
     }
 
     fn ties(self, other: Self) -> bool {
@@ -632,7 +666,12 @@ const KEY_DEPTH: usize = 48;
 
 /// Sorts `keys`, taken at `depth` of names that agree before it, into canonical order: on
 /// the keys, then each run of keys that tie on keys taken further on.
-fn sort_keys<K: FormKey>(body: &[u8], keys: &mut [K], depth: usize) {
+///
+/// Names of segments in canonical form that agree on their first `depth` decoded bytes
+/// also agree on how those are spelled (each byte has one canonical spelling), so their
+/// keys further on are taken from where the first of them has spelled them, without
+/// decoding the bytes before again.
+fn sort_keys<K: FormKey>(body: &[u8], keys: &mut [K], depth: usize, as_is: &AsIs) {
     if !keys.is_sorted() {
         keys.sort_unstable();
     }
@@ -643,10 +682,19 @@ fn sort_keys<K: FormKey>(body: &[u8], keys: &mut [K], depth: usize) {
         if run > 1 {
             let deeper = depth + K::BYTES;
             if deeper < KEY_DEPTH {
+                let spelled = tied
+                    .iter()
+                    .map(|key| key.start())
+                    .find(|start| as_is.marked(*start))
+                    .map(|first| spelling_len(&body[first..], deeper));
                 for key in tied.iter_mut() {
-                    *key = K::new(body, key.start(), deeper);
+                    let start = key.start();
+                    *key = match spelled {
+                        Some(len) if as_is.marked(start) => K::new(&body[start + len..], 0, start),
+                        _ => K::new(&body[start..], deeper, start),
+                    };
                 }
-                sort_keys(body, tied, deeper);
+                sort_keys(body, tied, deeper, as_is);
             } else {
                 tied.sort_unstable_by(|a, b| {
                     cmp_form_names(body, a.start(), b.start())
@@ -710,14 +758,9 @@ fn scan_form_segment(rest: &[u8]) -> SegmentScan {
                     // Canonical only as upper-case hex of a byte that must be encoded
                     // (not a plain byte, not a space, which encodes as `+`). Hex digits are
                     // never `&`: an escape never crosses the segment's end.
-                    let hex = |at: usize| {
-                        rest.get(at)
-                            .filter(|h| h.is_ascii_digit() || (b'A'..=b'F').contains(*h))
-                            .and_then(|h| (*h as char).to_digit(16))
-                    };
-                    match (hex(i + 1), hex(i + 2)) {
+                    match (upper_hex(rest.get(i + 1)), upper_hex(rest.get(i + 2))) {
                         (Some(hi), Some(lo)) => {
-                            let byte = (hi * 16 + lo) as u8;
+                            let byte = hi << 4 | lo;
                             scan.canonical &= !FORM_PLAIN[usize::from(byte)] && byte != b' ';
                             i += 2;
                         }
@@ -732,6 +775,18 @@ fn scan_form_segment(rest: &[u8]) -> SegmentScan {
         i += 1;
     }
     scan
+}
+
+/// How many bytes of `name` spell its first `decoded` decoded bytes (it has that many).
+fn spelling_len(name: &[u8], decoded: usize) -> usize {
+    let mut at = 0;
+    for _ in 0..decoded {
+        at += match name.get(at) {
+            Some(b'%') if hex(name.get(at + 1)).is_some() && hex(name.get(at + 2)).is_some() => 3,
+            _ => 1,
+        };
+    }
+    at
 }
 
 /// Compares the decoded names of the segments starting at `a` and `b` (byte order), decoding
@@ -783,9 +838,38 @@ impl Iterator for FormName<'_> {
 /// The value of a hex digit (either case).
 fn hex(digit: Option<&u8>) -> Option<u8> {
     digit
-        .and_then(|d| (*d as char).to_digit(16))
-        .map(|d| d as u8)
+        .map(|d| HEX_DIGIT[usize::from(*d)])
+        .filter(|v| *v & HEX_INVALID == 0)
+        .map(|v| v & 0xf)
 }
+
+/// The value of an upper-case hex digit.
+fn upper_hex(digit: Option<&u8>) -> Option<u8> {
+    digit
+        .map(|d| HEX_DIGIT[usize::from(*d)])
+        .filter(|v| *v < 0x10)
+}
+
+/// [`HEX_DIGIT`]'s mark of a byte that is not a hex digit.
+const HEX_INVALID: u8 = 0x80;
+
+/// Each byte's value as a hex digit: `0..=15` for `0-9` and `A-F`, that plus `0x10` for
+/// `a-f`, [`HEX_INVALID`] for the rest.
+static HEX_DIGIT: [u8; 256] = {
+    let mut table = [HEX_INVALID; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = match c {
+            b'0'..=b'9' => c - b'0',
+            b'A'..=b'F' => c - b'A' + 10,
+            b'a'..=b'f' => (c - b'a' + 10) | 0x10,
+            _ => HEX_INVALID,
+        };
+        b += 1;
+    }
+    table
+};
 
 /// Writes the `application/x-www-form-urlencoded` decoding of `input` encoded again as
 /// `form_urlencoded::byte_serialize` does it (alphanumerics and `*-._` as they are, space as
