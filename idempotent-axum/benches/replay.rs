@@ -2,7 +2,9 @@
 //! the router for a handler whose JSON body extractor still runs on replays, for one that takes
 //! the raw body, and for the bare handler without the attribute (which runs every time).
 //! The difference between the first two is what deciding replays before the handler's other
-//! extractors could save. `cargo bench -p idempotent-axum --bench replay`
+//! extractors could save. Then first executions (a new key each) against the bare handler:
+//! what the attribute adds to a request, without the sockets and the kernel that
+//! `bench-http` measures as well. `cargo bench -p idempotent-axum --bench replay`
 
 use axum::body::{Body, Bytes};
 use axum::extract::FromRequestParts;
@@ -74,15 +76,45 @@ async fn bare(
 const BODY: &str = r#"{"amount": 500, "currency": "usd", "customer": "cus_123"}"#;
 
 fn request(path: &str) -> Request<Body> {
+    keyed(
+        path,
+        format!("8e03978e-40d5-43e8-bc93{}", path.replace('/', "-")),
+    )
+}
+
+fn keyed(path: &str, key: String) -> Request<Body> {
     Request::post(path)
         .header("authorization", "Bearer acct_1")
-        .header(
-            "idempotency-key",
-            format!("8e03978e-40d5-43e8-bc93{}", path.replace('/', "-")),
-        )
+        .header("idempotency-key", key)
         .header("content-type", "application/json")
         .body(Body::from(BODY))
         .expect("request")
+}
+
+/// A router with the three routes, on a memory store of its own with no limits.
+fn router() -> Router {
+    let store = MemoryStore::builder()
+        .max_entries(usize::MAX)
+        .max_per_scope(usize::MAX)
+        .max_bytes(u64::MAX)
+        .max_bytes_per_scope(u64::MAX)
+        .build();
+    Router::new()
+        .route("/json", post(with_json))
+        .route("/bytes", post(with_bytes))
+        .route("/bare", post(bare))
+        .layer(Idempotency::new(store).layer())
+}
+
+/// Sends `request` through `app` and returns the response's body, checking its status.
+async fn send_to(app: &Router, request: Request<Body>) -> Bytes {
+    let res = app.clone().oneshot(request).await.expect("infallible");
+    let status = res.status();
+    let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    assert!(status.is_success(), "{status} {body:?}");
+    body
 }
 
 fn benches(c: &mut Criterion) {
@@ -90,22 +122,10 @@ fn benches(c: &mut Criterion) {
         .enable_all()
         .build()
         .expect("runtime");
-    let app: Router = Router::new()
-        .route("/json", post(with_json))
-        .route("/bytes", post(with_bytes))
-        .route("/bare", post(bare))
-        .layer(Idempotency::new(MemoryStore::new()).layer());
+    let app = router();
     let send = |path: &'static str| {
         let app = app.clone();
-        async move {
-            let res = app.oneshot(request(path)).await.expect("infallible");
-            let status = res.status();
-            let body = axum::body::to_bytes(res.into_body(), usize::MAX)
-                .await
-                .expect("body");
-            assert!(status.is_success(), "{status} {body:?}");
-            body
-        }
+        async move { send_to(&app, request(path)).await }
     };
     // First executions, so the benches below measure replays.
     rt.block_on(async {
@@ -117,6 +137,31 @@ fn benches(c: &mut Criterion) {
     group.bench_function("raw_body", |b| b.to_async(&rt).iter(|| send("/bytes")));
     group.bench_function("bare_handler_no_attribute", |b| {
         b.to_async(&rt).iter(|| send("/bare"))
+    });
+    group.finish();
+
+    // A new key for every request, on a new store for every sample (so a sample's records
+    // are all it holds): the handler runs each time, as the bare one does.
+    let mut group = c.benchmark_group("axum_first");
+    group.bench_function("json_extractor", |b| {
+        b.to_async(&rt).iter_custom(|iters| async move {
+            let app = router();
+            let keys: Vec<String> = (0..iters).map(|i| format!("key-{i:016}")).collect();
+            let start = std::time::Instant::now();
+            for key in keys {
+                send_to(&app, keyed("/json", key)).await;
+            }
+            start.elapsed()
+        })
+    });
+    group.bench_function("bare_handler_no_attribute", |b| {
+        b.to_async(&rt).iter(|| send("/bare"))
+    });
+    // The bare handler on a router without the layer: what the layer costs a route it does
+    // not protect is the difference with the line above.
+    let plain: Router = Router::new().route("/bare", post(bare));
+    group.bench_function("bare_handler_no_layer", |b| {
+        b.to_async(&rt).iter(|| send_to(&plain, request("/bare")))
     });
     group.finish();
 }
