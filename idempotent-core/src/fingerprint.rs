@@ -23,8 +23,8 @@ use std::fmt;
 /// Time is linear in the body (plus the sort of out-of-order form fields or JSON members), and
 /// the working memory a small multiple of it, whatever its shape: a form is hashed as it is
 /// written in canonical order, from one sort record per field pointing into the body and a
-/// bit per byte (at most 3⅛ times the body, see [`canonical_form`]), never from a copy;
-/// JSON is written once
+/// bit per byte (at most 3⅛ times the body below 4 GiB, 4 times above, see
+/// [`canonical_form`]), never from a copy; JSON is written once
 /// in canonical form (see [`canonical_json`]).
 /// Both stay within 4 times the body (`tests/alloc_bounds.rs` checks hostile shapes up to
 /// 2 MiB). Large bodies are best fingerprinted off the async workers:
@@ -267,7 +267,8 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 ///
 /// Working memory, beyond the canonical text it returns: one sort record per field, at most
 /// 3 times the body, and a bit per byte of the body (which segments are already in canonical
-/// form, so they are copied without a second look). A record is 16 bytes (the first 11 decoded bytes of the name and the
+/// form, so they are copied without a second look); above 4 GiB, an 8-byte offset per field
+/// (at most 4 times the body) and no bits. A record is 16 bytes (the first 11 decoded bytes of the name and the
 /// field's offset, so that most comparisons are one integer comparison) when fields average
 /// 16/3 bytes or more, 8 bytes (3 name bytes) from 8/3, and 4 bytes for tinier fields (1
 /// name byte below 4 MiB, or the offset alone, at most 2 times the body as a field takes 2
@@ -392,7 +393,8 @@ fn scanned_segments<'b>(
 
 /// One bit per byte of a form body, set where a segment starts that is written as it is
 /// (canonical, with its `=`): the second pass copies such a segment up to its `&` without
-/// scanning it again. An eighth of the body.
+/// scanning it again. An eighth of the body, or nothing ([`AsIs::none`]: every segment is
+/// scanned again).
 struct AsIs(Vec<u64>);
 
 impl AsIs {
@@ -400,12 +402,21 @@ impl AsIs {
         AsIs(vec![0; body.len() / 64 + 1])
     }
 
+    /// Marks nothing.
+    fn none() -> Self {
+        AsIs(Vec::new())
+    }
+
     fn mark(&mut self, at: usize) {
-        self.0[at / 64] |= 1 << (at % 64);
+        if let Some(word) = self.0.get_mut(at / 64) {
+            *word |= 1 << (at % 64);
+        }
     }
 
     fn marked(&self, at: usize) -> bool {
-        self.0[at / 64] & 1 << (at % 64) != 0
+        self.0
+            .get(at / 64)
+            .is_some_and(|word| word & 1 << (at % 64) != 0)
     }
 }
 
@@ -480,7 +491,13 @@ fn write_in_order<S: Start>(sink: &mut impl Sink, body: &[u8], order: &[S], as_i
 fn write_sorted_offsets<O: Offset>(sink: &mut impl Sink, body: &[u8], fields: usize) {
     let mut order = Vec::with_capacity(fields);
     let mut len = fields.saturating_sub(1) as u64;
-    let mut as_is = AsIs::new(body);
+    // Offsets of 8 bytes (above 4 GiB) may take 4 times the body already, the bound: no
+    // bitset on top of them.
+    let mut as_is = if size_of::<O>() < 8 {
+        AsIs::new(body)
+    } else {
+        AsIs::none()
+    };
     order.extend(scanned_segments(body, &mut as_is).map(|(start, scan)| {
         len += canonical_len(&body[start..start + scan.len], &scan);
         O::at(start)
@@ -1317,6 +1334,42 @@ mod tests {
             for (order, form, len) in every_order(body) {
                 assert_eq!(form, want, "{order}: {body:?}");
                 assert_eq!(len, want.len() as u64, "{order}: {body:?}");
+            }
+        }
+    }
+
+    /// Every depth around the key boundaries (1, 3, 11 and 48 decoded bytes), with the shared
+    /// bytes spelled canonically and not, escapes of reserved bytes before them, and segments
+    /// copied as they are next to ones written again.
+    #[test]
+    fn every_order_at_key_boundaries() {
+        let heads = [
+            "", "%3D", "%3d", "%26", "%25", "%", "+", "%20", "%2B", "%C3%A9", "%c3%A9", "s", "%73",
+        ];
+        let tails = ["", "s", "t", "%00", "%3D", "+", "%74"];
+        let values = ["=v", "", "=%7e", "="];
+        let depths = [
+            0, 1, 2, 3, 4, 9, 10, 11, 12, 20, 21, 22, 23, 32, 33, 34, 43, 44, 45, 46, 47, 48, 49,
+            50, 56,
+        ];
+        for shared in depths {
+            let mut segments = Vec::new();
+            for head in heads {
+                for tail in tails {
+                    for value in values {
+                        segments.push(format!("{head}{}{tail}{value}", "s".repeat(shared)));
+                    }
+                }
+            }
+            let forward = segments.join("&");
+            segments.reverse();
+            for body in [forward, segments.join("&")] {
+                let want = canonical_form_reference(body.as_bytes());
+                assert_eq!(canonical_form(body.as_bytes()), want, "{body}");
+                for (order, form, len) in every_order(body.as_bytes()) {
+                    assert_eq!(form, want, "{order}: {body}");
+                    assert_eq!(len, want.len() as u64, "{order}: {body}");
+                }
             }
         }
     }
