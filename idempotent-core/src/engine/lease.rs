@@ -28,6 +28,14 @@ pub type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 /// stops its heartbeat and leaves the record in progress until the lease runs out (logged):
 /// that is what a crash does too, and it never lets a retry run while the work may be done.
 pub struct Execution {
+    /// Boxed, so the futures that hold an execution (the handler's run, storing its response)
+    /// each hold a pointer: moved through their nested states it would be copied at each
+    /// level, making the boxed execution future of a first execution larger than 3 KiB.
+    inner: Box<Inner>,
+}
+
+/// What an [`Execution`] holds.
+struct Inner {
     /// The request's span ([`crate::observe`]).
     span: tracing::Span,
     /// Whether this execution counts its own outcome (not when a transactional execution,
@@ -47,8 +55,8 @@ pub struct Execution {
 impl std::fmt::Debug for Execution {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Execution")
-            .field("token", &self.token)
-            .field("policy", &self.policy)
+            .field("token", &self.inner.token)
+            .field("policy", &self.inner.policy)
             .finish_non_exhaustive()
     }
 }
@@ -64,32 +72,34 @@ impl Execution {
         policy: Policy,
     ) -> Self {
         Execution {
-            span: tracing::Span::none(),
-            observed: false,
-            slot,
-            claimed_at,
-            key,
-            token,
-            policy,
-            heartbeat: Heartbeat::default(),
-            finished: false,
+            inner: Box::new(Inner {
+                span: tracing::Span::none(),
+                observed: false,
+                slot,
+                claimed_at,
+                key,
+                token,
+                policy,
+                heartbeat: Heartbeat::default(),
+                finished: false,
+            }),
         }
     }
 
     /// Runs under the request's `span` and counts its own outcome ([`crate::observe`]).
     pub(super) fn observe(&mut self, span: tracing::Span) {
-        self.span = span;
-        self.observed = true;
+        self.inner.span = span;
+        self.inner.observed = true;
     }
 
     /// The route's policy this execution runs under.
     pub fn policy(&self) -> &Policy {
-        &self.policy
+        &self.inner.policy
     }
 
     /// The record's (scope, key).
     pub fn key(&self) -> &RecordKey {
-        &self.key
+        &self.inner.key
     }
 
     /// The lease token this execution holds.
@@ -98,7 +108,7 @@ impl Execution {
         allow(dead_code)
     )]
     pub(crate) fn token(&self) -> LeaseToken {
-        self.token
+        self.inner.token
     }
 
     /// Runs `fut` to completion while keeping the lease alive; a panic in it is caught and
@@ -107,7 +117,7 @@ impl Execution {
     /// # Errors
     /// The panic's payload, if `fut` panicked.
     pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
-        let fut = fut.instrument(self.span.clone());
+        let fut = fut.instrument(self.inner.span.clone());
         let mut fut = std::pin::pin!(AssertUnwindSafe(fut).catch_unwind());
         std::future::poll_fn(|cx| {
             if let Poll::Ready(out) = fut.as_mut().poll(cx) {
@@ -124,11 +134,12 @@ impl Execution {
     /// half lease until this execution is finished or dropped. Registers a wake-up with `cx`
     /// until then. Needs a tokio runtime with timers.
     pub fn poll_heartbeat(&mut self, cx: &mut Context<'_>) {
-        if self.heartbeat.task.is_some() || self.finished {
+        if self.inner.heartbeat.task.is_some() || self.inner.finished {
             return;
         }
         let first = self.first_extension();
         let timer = self
+            .inner
             .heartbeat
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(first)));
@@ -149,17 +160,17 @@ impl Execution {
 
     /// When the first extension is due: half a lease after the claim was sent.
     fn first_extension(&self) -> tokio::time::Instant {
-        self.claimed_at + self.policy.lease / 2
+        self.inner.claimed_at + self.inner.policy.lease / 2
     }
 
     fn start_heartbeat(&mut self, first_after: Duration) {
         start_heartbeat(
-            &mut self.heartbeat,
-            self.finished,
-            &self.slot.engine.store,
-            &self.key,
-            self.token,
-            &self.policy,
+            &mut self.inner.heartbeat,
+            self.inner.finished,
+            &self.inner.slot.engine.store,
+            &self.inner.key,
+            self.inner.token,
+            &self.inner.policy,
             first_after,
         );
     }
@@ -168,14 +179,14 @@ impl Execution {
     /// releases the key. Store errors are retried (bounded, within the lease); if it still
     /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
     pub async fn finish(mut self, outcome: StoredOutcome) -> Recorded {
-        let stores = self.policy.stores(outcome.status());
-        let span = self.span.clone();
+        let stores = self.inner.policy.stores(outcome.status());
+        let span = self.inner.span.clone();
         let recorded = self
             .write(stores.then_some(&outcome))
             .instrument(span.clone())
             .await;
-        if self.observed {
-            observe::settled(&span, self.policy.route, (&recorded).into());
+        if self.inner.observed {
+            observe::settled(&span, self.inner.policy.route, (&recorded).into());
         }
         self.done();
         recorded
@@ -185,15 +196,15 @@ impl Execution {
     /// could be stored): releases the key so a retry runs again. Failures are retried and
     /// logged like [`Execution::finish`]'s.
     pub async fn release(mut self) -> Recorded {
-        let span = self.span.clone();
+        let span = self.inner.span.clone();
         let recorded = self.write(None).instrument(span.clone()).await;
-        if self.observed {
+        if self.inner.observed {
             let settled = match &recorded {
                 Recorded::Failed(StoreError::StaleLease) => Settled::FenceRefused,
                 Recorded::Failed(_) => Settled::ReleaseFailed,
                 other => other.into(),
             };
-            observe::settled(&span, self.policy.route, settled);
+            observe::settled(&span, self.inner.policy.route, settled);
         }
         self.done();
         recorded
@@ -202,7 +213,7 @@ impl Execution {
     /// Stores `outcome` (`Some`) or releases the key (`None`), fenced, retried within the
     /// lease; a final failure is logged and leaves the record in progress until its lease ends.
     async fn write(&mut self, outcome: Option<&StoredOutcome>) -> Recorded {
-        let Execution {
+        let Inner {
             slot,
             key,
             token,
@@ -210,7 +221,7 @@ impl Execution {
             heartbeat,
             finished,
             ..
-        } = self;
+        } = &mut *self.inner;
         let store = &slot.engine.store;
         let result = fenced_write(
             policy,
@@ -268,8 +279,8 @@ impl Execution {
     }
 
     fn done(&mut self) {
-        self.finished = true;
-        self.heartbeat = Heartbeat::default();
+        self.inner.finished = true;
+        self.inner.heartbeat = Heartbeat::default();
     }
 
     /// Ends this execution without a write of its own: the caller settled the record (a
@@ -285,14 +296,15 @@ impl Execution {
 
 impl Drop for Execution {
     fn drop(&mut self) {
-        if !self.finished {
-            self.slot
+        if !self.inner.finished {
+            self.inner
+                .slot
                 .engine
                 .flight
                 .dropped
                 .fetch_add(1, Ordering::SeqCst);
             tracing::warn!(
-                route = self.policy.route,
+                route = self.inner.policy.route,
                 "idempotency: an execution was dropped before its outcome was stored; its record stays in progress until its lease ends"
             );
         }

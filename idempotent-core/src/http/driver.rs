@@ -233,29 +233,34 @@ fn resolve(route: &Route, config: &Config) -> Result<RoutePolicy, Reply> {
 }
 
 /// Resolves the route and identifies the request (scope, key, fingerprint of `body`).
-pub async fn prepare(
-    config: &Config,
+///
+/// Not an `async fn`, which would hold its arguments twice (see [`Job::run`]).
+#[allow(clippy::manual_async_fn, reason = "an async fn holds its arguments twice")]
+pub fn prepare<'a>(
+    config: &'a Config,
     route: &'static Route,
-    head: RequestHead<'_>,
+    head: RequestHead<'a>,
     key: Result<IdempotencyKey, KeyError>,
     body: Bytes,
     scope: Result<Scope, ScopeError>,
-) -> Prepared {
-    if is_safe_method(head.method) || key.is_err() {
-        // Safe methods ignore the key; a missing key got here only where it is optional.
-        return Prepared::Pass;
-    }
-    let resolved = match resolve(route, config) {
-        Ok(resolved) => resolved,
-        Err(reply) => return Prepared::Reply(reply),
-    };
-    match execute_request(&head, key, body, scope).await {
-        Ok(request) => Prepared::Run(Job {
-            engine: config.engine().clone(),
-            request,
-            resolved,
-        }),
-        Err(reply) => Prepared::Reply(reply),
+) -> impl Future<Output = Prepared> + 'a {
+    async move {
+        if is_safe_method(head.method) || key.is_err() {
+            // Safe methods ignore the key; a missing key got here only where it is optional.
+            return Prepared::Pass;
+        }
+        let resolved = match resolve(route, config) {
+            Ok(resolved) => resolved,
+            Err(reply) => return Prepared::Reply(reply),
+        };
+        match execute_request(&head, key, body, scope).await {
+            Ok(request) => Prepared::Run(Job {
+                engine: config.engine().clone(),
+                request,
+                resolved,
+            }),
+            Err(reply) => Prepared::Reply(reply),
+        }
     }
 }
 
@@ -274,16 +279,22 @@ impl Job {
     /// `handler` makes the handler's future; it is called only when the handler runs (under
     /// the execution's panic guard, as the handler itself runs), so a replay or a conflict
     /// never builds it.
-    pub async fn run<G: Glue, Fut: Future<Output = G::Response>>(
+    ///
+    /// Not an `async fn`: one would keep its arguments in the future twice (as arguments, and
+    /// as the locals they move into), which put this future over 1 KiB.
+    #[allow(clippy::manual_async_fn, reason = "an async fn holds its arguments twice")]
+    pub fn run<G: Glue, Fut: Future<Output = G::Response>>(
         self,
         handler: impl FnOnce() -> Fut,
-    ) -> G::Response {
-        match Step::from(self.engine.begin(self.request, &self.resolved.policy).await) {
-            Step::Respond(reply) => G::reply(reply),
-            Step::Unprotected => handler().await,
-            Step::Execute(execution) => {
-                let max_response = self.resolved.max_response;
-                Box::pin(execute::<G, _>(execution, handler, max_response)).await
+    ) -> impl Future<Output = G::Response> {
+        async move {
+            match Step::from(self.engine.begin(self.request, &self.resolved.policy).await) {
+                Step::Respond(reply) => G::reply(reply),
+                Step::Unprotected => handler().await,
+                Step::Execute(execution) => {
+                    let max_response = self.resolved.max_response;
+                    Box::pin(execute::<G, _>(execution, handler, max_response)).await
+                }
             }
         }
     }
