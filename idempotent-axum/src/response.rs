@@ -73,8 +73,11 @@ impl Glue for Axum {
     }
 
     fn mark_first_execution(head: &mut Parts) {
-        let value = HeaderValue::from_static(FIRST_EXECUTION.1);
-        head.headers.insert(FIRST_EXECUTION.0, value);
+        // A `HeaderName` made in a const holds the static name: a `&str` key would be copied
+        // into a new allocation on every first execution.
+        const NAME: HeaderName = HeaderName::from_static(FIRST_EXECUTION.0);
+        head.headers
+            .insert(NAME, HeaderValue::from_static(FIRST_EXECUTION.1));
     }
 
     fn exact_len(body: &Body) -> Option<u64> {

@@ -53,7 +53,12 @@ impl StoredResponse {
     /// Headers as one length-prefixed byte string (for SQL stores); see
     /// [`StoredResponse::decode_headers`].
     pub fn encode_headers(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+        let len = self
+            .headers
+            .iter()
+            .map(|(n, v)| 8 + n.len() + v.len())
+            .sum();
+        let mut out = Vec::with_capacity(len);
         for (name, value) in &self.headers {
             out.extend_from_slice(&(name.len() as u32).to_be_bytes());
             out.extend_from_slice(name.as_bytes());
