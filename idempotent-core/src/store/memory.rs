@@ -6,6 +6,7 @@ use crate::scope::Scope;
 use crate::store::fence::{Lease, LeaseToken};
 use crate::store::record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse};
 use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
+use hashbrown::HashTable;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -105,8 +106,39 @@ pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
-/// One shard's records.
-type Shard = HashMap<RecordKey, Box<Entry>>;
+/// One shard's records. An operation hashes its key once ([`MemoryStore::shard`] picks the
+/// shard from that hash) and finds the record with the same hash: a `HashMap` would hash it
+/// again for every lookup, four times in a claim of a new key.
+#[derive(Debug, Default)]
+struct Shard(HashTable<(RecordKey, Box<Entry>)>);
+
+/// A record's key with its hash under the store's hasher.
+#[derive(Clone, Copy)]
+struct Hashed<'a> {
+    key: &'a RecordKey,
+    hash: u64,
+}
+
+impl Shard {
+    fn get(&self, k: Hashed<'_>) -> Option<&Entry> {
+        self.0.find(k.hash, |(x, _)| x == k.key).map(|(_, e)| &**e)
+    }
+
+    fn get_mut(&mut self, k: Hashed<'_>) -> Option<&mut Box<Entry>> {
+        self.0.find_mut(k.hash, |(x, _)| x == k.key).map(|(_, e)| e)
+    }
+
+    fn remove_entry(&mut self, k: Hashed<'_>) -> Option<(RecordKey, Box<Entry>)> {
+        let found = self.0.find_entry(k.hash, |(x, _)| x == k.key).ok()?;
+        Some(found.remove().0)
+    }
+
+    /// Inserts the record of a key this shard does not hold (checked under its lock).
+    fn insert_new(&mut self, k: Hashed<'_>, entry: Box<Entry>, hasher: &RandomState) {
+        self.0
+            .insert_unique(k.hash, (k.key.clone(), entry), |(x, _)| hasher.hash_one(x));
+    }
+}
 
 #[derive(Debug)]
 struct Inner {
@@ -199,7 +231,7 @@ impl MemoryStoreBuilder {
             .max(16);
         MemoryStore {
             inner: Arc::new(Inner {
-                shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+                shards: (0..n).map(|_| Mutex::default()).collect(),
                 hasher: RandomState::new(),
                 len: AtomicUsize::new(0),
                 max_entries: self.max_entries,
@@ -284,13 +316,18 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {
-        let i = self.inner.hasher.hash_one(key) as usize & (self.inner.shards.len() - 1);
+    /// The shard of `key`, locked, and the key with its hash to look it up there.
+    fn shard<'k>(&self, key: &'k RecordKey) -> (MutexGuard<'_, Shard>, Hashed<'k>) {
+        let hash = self.inner.hasher.hash_one(key);
+        // The shard from bits the table does not use for the slot (the low ones) or the tag
+        // (the top seven), so the keys of one shard still spread over its table.
+        let i = (hash >> 32) as usize & (self.inner.shards.len() - 1);
         // A poisoned shard only means a panic elsewhere mid-operation; every operation leaves
         // the map consistent before it can panic, so keep going.
-        self.inner.shards[i]
+        let shard = self.inner.shards[i]
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|e| e.into_inner());
+        (shard, Hashed { key, hash })
     }
 
     fn now(&self) -> Now {
@@ -496,7 +533,7 @@ impl MemoryStore {
                 break;
             }
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
-            map.retain(|k, r| {
+            map.0.retain(|(k, r)| {
                 if left > 0 && r.expires_at <= now {
                     left -= 1;
                     purged += 1;
@@ -512,7 +549,7 @@ impl MemoryStore {
 
     fn try_claim(&self, req: &ClaimRequest<'_>) -> Result<ClaimOutcome, Refused> {
         let now = self.now();
-        let mut map = self.shard(req.key);
+        let (mut map, key) = self.shard(req.key);
         let fresh = |took_over, counted| {
             let token = LeaseToken::generate();
             let locked_until = later(now.mono, req.lease);
@@ -537,18 +574,16 @@ impl MemoryStore {
         // Past its ttl, a record counts as absent, whatever its fingerprint: it is purged here
         // and the key claimed as a new record (a take-over), so that claim is bounded as any
         // new record is (refused while a byte budget is over).
-        let expired = map
-            .get(req.key)
-            .is_some_and(|rec| rec.expires_at <= now.mono);
-        if expired && let Some((key, entry)) = map.remove_entry(req.key) {
+        let expired = map.get(key).is_some_and(|rec| rec.expires_at <= now.mono);
+        if expired && let Some((key, entry)) = map.remove_entry(key) {
             self.forget(&key, &entry);
         }
-        match map.get_mut(req.key) {
+        match map.get_mut(key) {
             None => {
                 let counted = !req.key.scope.is_shared();
                 self.admit(req.key, Self::base_charge(req.key), counted)?;
                 let (lease, record) = fresh(expired, counted);
-                map.insert(req.key.clone(), Box::new(record));
+                map.insert_new(key, Box::new(record), &self.inner.hasher);
                 Ok(ClaimOutcome::Claimed(lease))
             }
             Some(rec) if !req.fingerprint.matches_stored(&rec.fingerprint()) => {
@@ -582,16 +617,16 @@ impl MemoryStore {
         &self,
         key: &RecordKey,
         token: LeaseToken,
-        f: impl FnOnce(&mut Shard, Now) -> T,
+        f: impl FnOnce(&mut Shard, Hashed<'_>, Now) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
-        let mut map = self.shard(key);
-        match map.get(key).map(|entry| &**entry) {
+        let (mut map, key) = self.shard(key);
+        match map.get(key) {
             Some(Entry {
                 state: EntryState::InProgress { token: held, .. },
                 expires_at,
                 ..
-            }) if *held == token && *expires_at > now.mono => Ok(f(&mut map, now)),
+            }) if *held == token && *expires_at > now.mono => Ok(f(&mut map, key, now)),
             _ => Err(StoreError::StaleLease),
         }
     }
@@ -801,8 +836,8 @@ impl Store for MemoryStore {
                 self.purge_for_room();
             }
         }
-        self.fenced(key, token, |map, now| {
-            if let Some(rec) = map.get_mut(key) {
+        self.fenced(key, token, |map, hashed, now| {
+            if let Some(rec) = map.get_mut(hashed) {
                 rec.state = EntryState::Done {
                     outcome: self.pack_charged(key, rec.counted, outcome),
                     completed_at: now.wall,
@@ -813,8 +848,8 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
-        self.fenced(key, token, |map, _| {
-            if let Some((key, entry)) = map.remove_entry(key) {
+        self.fenced(key, token, |map, hashed, _| {
+            if let Some((key, entry)) = map.remove_entry(hashed) {
                 self.forget(&key, &entry);
             }
         })
@@ -826,9 +861,9 @@ impl Store for MemoryStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
-        self.fenced(key, token, |map, now| {
+        self.fenced(key, token, |map, hashed, now| {
             let until = later(now.mono, lease);
-            if let Some(rec) = map.get_mut(key) {
+            if let Some(rec) = map.get_mut(hashed) {
                 rec.state = EntryState::InProgress {
                     token,
                     locked_until: until,
@@ -845,8 +880,8 @@ impl Store for MemoryStore {
 
     async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
         let now = self.now();
-        let mut map = self.shard(key);
-        let Some(entry) = map.get(key) else {
+        let (mut map, hashed) = self.shard(key);
+        let Some(entry) = map.get(hashed) else {
             return Ok(Deleted::Absent);
         };
         let record = entry.to_record(key, now).ok_or_else(corrupt)?;
@@ -855,7 +890,7 @@ impl Store for MemoryStore {
         if in_progress && !force && entry.expires_at > now.mono {
             return Ok(Deleted::InProgress(record));
         }
-        if let Some((key, entry)) = map.remove_entry(key) {
+        if let Some((key, entry)) = map.remove_entry(hashed) {
             self.forget(&key, &entry);
         }
         Ok(Deleted::Deleted(record))
@@ -863,7 +898,8 @@ impl Store for MemoryStore {
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let now = self.now();
-        match self.shard(key).get(key).filter(|r| r.expires_at > now.mono) {
+        let (map, hashed) = self.shard(key);
+        match map.get(hashed).filter(|r| r.expires_at > now.mono) {
             None => Ok(None),
             Some(entry) => entry.to_record(key, now).map(Some).ok_or_else(corrupt),
         }
