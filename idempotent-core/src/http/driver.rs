@@ -235,7 +235,10 @@ fn resolve(route: &Route, config: &Config) -> Result<RoutePolicy, Reply> {
 /// Resolves the route and identifies the request (scope, key, fingerprint of `body`).
 ///
 /// Not an `async fn`, which would hold its arguments twice (see [`Job::run`]).
-#[allow(clippy::manual_async_fn, reason = "an async fn holds its arguments twice")]
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an async fn holds its arguments twice"
+)]
 pub fn prepare<'a>(
     config: &'a Config,
     route: &'static Route,
@@ -282,7 +285,10 @@ impl Job {
     ///
     /// Not an `async fn`: one would keep its arguments in the future twice (as arguments, and
     /// as the locals they move into), which put this future over 1 KiB.
-    #[allow(clippy::manual_async_fn, reason = "an async fn holds its arguments twice")]
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn holds its arguments twice"
+    )]
     pub fn run<G: Glue, Fut: Future<Output = G::Response>>(
         self,
         handler: impl FnOnce() -> Fut,
