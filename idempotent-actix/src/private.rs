@@ -13,6 +13,7 @@ use idempotent_core::{IdempotencyKey, KeyError, Problem, Scope, ScopeError, Scop
 use idempotent_core::{Transaction, tx::TxDatabase};
 use std::future::{Future, ready};
 use std::pin::Pin;
+use std::task::Poll;
 
 pub use ::core::time::Duration;
 pub use actix_web::HttpResponse as Output;
@@ -185,14 +186,14 @@ fn misconfigured(what: &str) -> ProblemError {
 }
 
 /// Claim → execute → store → replay, around the handler's body. The claim and everything
-/// after it run as a task of their own on the worker's runtime: if the client goes away (a
-/// reset, or a half-close after which actix stops polling the handler), the execution still
-/// runs to the end and its outcome is stored.
+/// after it run detached from the request ([`detached`]): if the client goes away (a reset,
+/// or a half-close after which actix stops polling the handler), the execution still runs to
+/// the end and its outcome is stored.
 ///
 /// `handler` makes the handler's future (the attribute passes the body as `move || async
 /// move { … }`): it is called only when the handler runs, so a replay never builds it, and
 /// the future it makes (as large as everything the handler awaits) is boxed as it is made,
-/// so the futures around it and the spawned task hold a pointer and never copy it.
+/// so the futures around it and the detached job hold a pointer and never copy it.
 pub fn run<F, Fut, R>(
     ctx: Ready,
     route: &'static Route,
@@ -213,8 +214,22 @@ where
         match prepared.await {
             Prepared::Reply(reply) => crate::response::reply(reply),
             Prepared::Pass => handler().await,
-            Prepared::Run(job) => joined(actix_rt::spawn(job.run::<Actix, _>(handler))).await,
+            Prepared::Run(job) => detached(job.run::<Actix, _>(handler)).await,
         }
+    }
+}
+
+/// Runs a claim and what follows it detached from the request. It is polled here once: a
+/// job that finishes in that poll (a replay or a conflict from a store that answers at once,
+/// a handler that does not wait) costs no task. One that has to wait is spawned at once as a
+/// task of its own on the worker's runtime, before this future returns `Pending`, so it runs
+/// to the end even if actix never polls the request again (a half-close) or drops it (a
+/// reset).
+async fn detached(job: impl Future<Output = HttpResponse> + 'static) -> HttpResponse {
+    let mut job = Box::pin(job);
+    match std::future::poll_fn(|cx| Poll::Ready(job.as_mut().poll(cx))).await {
+        Poll::Ready(response) => response,
+        Poll::Pending => joined(actix_rt::spawn(job)).await,
     }
 }
 
@@ -250,7 +265,7 @@ where
         let (config, head) = (&ctx.config.config, head(&ctx.req));
         let prepared = driver::prepare_tx::<DB>(config, route, head, ctx.key, ctx.body, scope);
         match prepared.await {
-            Ok(job) => joined(actix_rt::spawn(job.run::<Actix, _, _>(handler))).await,
+            Ok(job) => detached(job.run::<Actix, _, _>(handler)).await,
             Err(reply) => crate::response::reply(reply),
         }
     }
