@@ -9,6 +9,7 @@ use actix_web::{HttpResponse, ResponseError};
 use idempotent_core::__private::driver::{Glue, Tee, no_runtime};
 use idempotent_core::__private::{FIRST_EXECUTION, Recorder, Reply};
 use idempotent_core::Problem;
+use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
@@ -27,16 +28,29 @@ pub fn problem(p: &Problem) -> HttpResponse {
     reply(Reply::problem(p))
 }
 
-/// A core [`Reply`] as a response (headers that are not valid HTTP are skipped).
+/// `Idempotent-Replayed`, made in a const so that it holds the static name: one made from a
+/// `&str` copies a name that is not a standard one into a new allocation every time.
+const REPLAYED: HeaderName = HeaderName::from_static(FIRST_EXECUTION.0);
+
+/// A core [`Reply`] as a response (headers that are not valid HTTP are skipped). Nothing is
+/// copied: the body and each stored header value are moved into the response, a static value
+/// is borrowed.
 pub(crate) fn reply(r: Reply) -> HttpResponse {
     let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut res = HttpResponse::with_body(status, r.body).map_into_boxed_body();
     let headers = res.headers_mut();
+    headers.reserve(r.headers.len());
     for (name, value) in r.headers {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(&value),
-        ) {
+        let name = if name == REPLAYED.as_str() {
+            Ok(REPLAYED)
+        } else {
+            HeaderName::from_bytes(name.as_bytes())
+        };
+        let value = HeaderValue::from_maybe_shared(match value {
+            Cow::Borrowed(value) => Bytes::from_static(value),
+            Cow::Owned(value) => Bytes::from(value),
+        });
+        if let (Ok(n), Ok(v)) = (name, value) {
             headers.append(n, v);
         }
     }
@@ -101,10 +115,8 @@ impl Glue for Actix {
     }
 
     fn mark_first_execution(head: &mut HttpResponse<()>) {
-        head.headers_mut().insert(
-            HeaderName::from_static(FIRST_EXECUTION.0),
-            HeaderValue::from_static(FIRST_EXECUTION.1),
-        );
+        head.headers_mut()
+            .insert(REPLAYED, HeaderValue::from_static(FIRST_EXECUTION.1));
     }
 
     fn exact_len(body: &BoxBody) -> Option<u64> {

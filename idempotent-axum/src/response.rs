@@ -9,6 +9,7 @@ use http_body_util::BodyExt;
 use idempotent_core::__private::driver::{self, Glue, Tee};
 use idempotent_core::__private::{FIRST_EXECUTION, Recorder, Reply};
 use idempotent_core::Problem;
+use std::borrow::Cow;
 use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
 
@@ -26,17 +27,29 @@ pub fn problem(p: &Problem) -> Response {
     reply(Reply::problem(p))
 }
 
-/// A core [`Reply`] as a response (headers that are not valid HTTP are skipped).
+/// `Idempotent-Replayed`, made in a const so that it holds the static name: one made from a
+/// `&str` copies a name that is not a standard one into a new allocation every time.
+const REPLAYED: HeaderName = HeaderName::from_static(FIRST_EXECUTION.0);
+
+/// A core [`Reply`] as a response (headers that are not valid HTTP are skipped). Nothing is
+/// copied: the body and each stored header value are moved into the response, a static value
+/// is borrowed.
 pub(crate) fn reply(r: Reply) -> Response {
     let mut res = Response::new(Body::from(r.body));
     *res.status_mut() = StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = res.headers_mut();
     headers.reserve(r.headers.len());
     for (name, value) in r.headers {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(&value),
-        ) {
+        let name = if name == REPLAYED.as_str() {
+            Ok(REPLAYED)
+        } else {
+            HeaderName::from_bytes(name.as_bytes())
+        };
+        let value = HeaderValue::from_maybe_shared(match value {
+            Cow::Borrowed(value) => Bytes::from_static(value),
+            Cow::Owned(value) => Bytes::from(value),
+        });
+        if let (Ok(n), Ok(v)) = (name, value) {
             headers.append(n, v);
         }
     }
@@ -73,11 +86,8 @@ impl Glue for Axum {
     }
 
     fn mark_first_execution(head: &mut Parts) {
-        // A `HeaderName` made in a const holds the static name: a `&str` key would be copied
-        // into a new allocation on every first execution.
-        const NAME: HeaderName = HeaderName::from_static(FIRST_EXECUTION.0);
         head.headers
-            .insert(NAME, HeaderValue::from_static(FIRST_EXECUTION.1));
+            .insert(REPLAYED, HeaderValue::from_static(FIRST_EXECUTION.1));
     }
 
     fn exact_len(body: &Body) -> Option<u64> {
