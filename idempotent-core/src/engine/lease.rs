@@ -178,36 +178,51 @@ impl Execution {
     /// Finishes with the handler's outcome: stores it if the policy stores its status, else
     /// releases the key. Store errors are retried (bounded, within the lease); if it still
     /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
-    pub async fn finish(mut self, outcome: StoredOutcome) -> Recorded {
-        let stores = self.inner.policy.stores(outcome.status());
-        let span = self.inner.span.clone();
-        let recorded = self
-            .write(stores.then_some(&outcome))
-            .instrument(span.clone())
-            .await;
-        if self.inner.observed {
-            observe::settled(&span, self.inner.policy.route, (&recorded).into());
+    // Not an `async fn`: one keeps its by-value arguments in its future twice (as arguments
+    // and as the locals they move into), and this future is nested in every first execution's.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn holds its arguments twice"
+    )]
+    pub fn finish(mut self, outcome: StoredOutcome) -> impl Future<Output = Recorded> {
+        async move {
+            let stores = self.inner.policy.stores(outcome.status());
+            let span = self.inner.span.clone();
+            let recorded = self
+                .write(stores.then_some(&outcome))
+                .instrument(span.clone())
+                .await;
+            if self.inner.observed {
+                observe::settled(&span, self.inner.policy.route, (&recorded).into());
+            }
+            self.done();
+            recorded
         }
-        self.done();
-        recorded
     }
 
     /// Finishes without an outcome to store (a panic, a response body that failed before it
     /// could be stored): releases the key so a retry runs again. Failures are retried and
     /// logged like [`Execution::finish`]'s.
-    pub async fn release(mut self) -> Recorded {
-        let span = self.inner.span.clone();
-        let recorded = self.write(None).instrument(span.clone()).await;
-        if self.inner.observed {
-            let settled = match &recorded {
-                Recorded::Failed(StoreError::StaleLease) => Settled::FenceRefused,
-                Recorded::Failed(_) => Settled::ReleaseFailed,
-                other => other.into(),
-            };
-            observe::settled(&span, self.inner.policy.route, settled);
+    // Not an `async fn`, for the reason `finish` gives.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn holds its arguments twice"
+    )]
+    pub fn release(mut self) -> impl Future<Output = Recorded> {
+        async move {
+            let span = self.inner.span.clone();
+            let recorded = self.write(None).instrument(span.clone()).await;
+            if self.inner.observed {
+                let settled = match &recorded {
+                    Recorded::Failed(StoreError::StaleLease) => Settled::FenceRefused,
+                    Recorded::Failed(_) => Settled::ReleaseFailed,
+                    other => other.into(),
+                };
+                observe::settled(&span, self.inner.policy.route, settled);
+            }
+            self.done();
+            recorded
         }
-        self.done();
-        recorded
     }
 
     /// Stores `outcome` (`Some`) or releases the key (`None`), fenced, retried within the

@@ -139,18 +139,21 @@ impl Recorder {
     }
 
     /// The body ended: stores the copy (or the marker, if it passed the limit).
-    pub async fn end(self) -> Recorded {
-        self.execution.finish(self.capture.finish()).await
+    // Neither this nor `fail` is an `async fn`: one would hold the recorder twice (as its
+    // argument and as the local it moves into) around the store's future.
+    pub fn end(self) -> impl Future<Output = Recorded> {
+        self.execution.finish(self.capture.finish())
     }
 
-    /// The body failed before it could be stored: releases the key.
-    pub async fn fail(self, error: &(dyn std::fmt::Display + Sync)) -> Recorded {
+    /// The body failed before it could be stored: releases the key (the failure is logged
+    /// when this is called).
+    pub fn fail(self, error: &(dyn std::fmt::Display + Sync)) -> impl Future<Output = Recorded> {
         tracing::error!(
             route = self.execution.policy().route,
             error = %error,
             "idempotency: the handler's response body failed before it could be stored; the key is released"
         );
-        self.execution.release().await
+        self.execution.release()
     }
 
     /// The client went away before the end: reads the `rest` of the body (bounded, see the

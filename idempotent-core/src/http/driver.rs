@@ -308,67 +308,85 @@ impl Job {
 
 /// Runs the handler under a claimed execution and finishes it with the response; a panic in
 /// the handler (or in making its future) releases the key and resumes here.
-async fn execute<G: Glue, Fut: Future<Output = G::Response>>(
+///
+/// Not an `async fn` (see [`Job::run`]).
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an async fn holds its arguments twice"
+)]
+fn execute<G: Glue, Fut: Future<Output = G::Response>>(
     mut execution: Execution,
     handler: impl FnOnce() -> Fut,
     max_response: usize,
-) -> G::Response {
-    match execution.run(async move { handler().await }).await {
-        Ok(response) => finish::<G>(execution, response, max_response).await,
-        Err(panic) => {
-            execution.release().await;
-            std::panic::resume_unwind(panic)
+) -> impl Future<Output = G::Response> {
+    async move {
+        match execution.run(async move { handler().await }).await {
+            Ok(response) => finish::<G>(execution, response, max_response).await,
+            Err(panic) => {
+                execution.release().await;
+                std::panic::resume_unwind(panic)
+            }
         }
     }
 }
 
 /// Finishes a claimed execution with the handler's response and returns what the client gets,
 /// following the [`ResponsePlan`]; a streamed body is recorded as it goes ([`Glue::tee`]).
-pub async fn finish<G: Glue>(
+///
+/// Not an `async fn` (see [`Job::run`]).
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an async fn holds its arguments twice"
+)]
+pub fn finish<G: Glue>(
     execution: Execution,
     response: G::Response,
     limit: usize,
-) -> G::Response {
+) -> impl Future<Output = G::Response> {
+    // Taken apart before the future is made, so the future does not keep the whole response
+    // beside its parts.
     let (mut head, body) = G::split(response);
     let status = G::status(&head);
     let plan = ResponsePlan::new(execution.policy(), status, G::exact_len(&body), limit);
-    let capture = |head: &G::Head| Capture::new(status, G::headers(head), limit);
-    let body = match plan {
-        ResponsePlan::Release => {
-            execution.release().await;
-            return G::join(head, body);
-        }
-        ResponsePlan::Collect => {
-            let mut recorder = Recorder::new(execution, capture(&head));
-            match recorder.run(G::collect(body)).await {
-                Ok(Ok(bytes)) => {
-                    recorder.data(&bytes);
-                    recorder.end().await;
-                    G::from_bytes(bytes)
-                }
-                Ok(Err(error)) => {
-                    recorder.fail(&error.to_string()).await;
-                    return G::reply(Reply::problem(&Problem::response_failed()));
-                }
-                Err(panic) => {
-                    recorder.fail(&"the response body panicked").await;
-                    std::panic::resume_unwind(panic)
+    async move {
+        let capture = |head: &G::Head| Capture::new(status, G::headers(head), limit);
+        let body = match plan {
+            ResponsePlan::Release => {
+                execution.release().await;
+                return G::join(head, body);
+            }
+            ResponsePlan::Collect => {
+                let mut recorder = Recorder::new(execution, capture(&head));
+                match recorder.run(G::collect(body)).await {
+                    Ok(Ok(bytes)) => {
+                        recorder.data(&bytes);
+                        recorder.end().await;
+                        G::from_bytes(bytes)
+                    }
+                    Ok(Err(error)) => {
+                        recorder.fail(&error.to_string()).await;
+                        return G::reply(Reply::problem(&Problem::response_failed()));
+                    }
+                    Err(panic) => {
+                        recorder.fail(&"the response body panicked").await;
+                        std::panic::resume_unwind(panic)
+                    }
                 }
             }
-        }
-        ResponsePlan::Oversized { size } => {
-            execution
-                .finish(StoredOutcome::Oversized { status, size })
-                .await;
-            body
-        }
-        ResponsePlan::Stream => {
-            let recorder = Recorder::streaming(execution, capture(&head));
-            G::tee(body, recorder)
-        }
-    };
-    G::mark_first_execution(&mut head);
-    G::join(head, body)
+            ResponsePlan::Oversized { size } => {
+                execution
+                    .finish(StoredOutcome::Oversized { status, size })
+                    .await;
+                body
+            }
+            ResponsePlan::Stream => {
+                let recorder = Recorder::streaming(execution, capture(&head));
+                G::tee(body, recorder)
+            }
+        };
+        G::mark_first_execution(&mut head);
+        G::join(head, body)
+    }
 }
 
 /// The recording side of a streamed body on its way to the client, fed chunk by chunk (see
