@@ -23,15 +23,14 @@ impl Reply {
     /// A stored response as its replay: status, every stored header in order, the body, and
     /// `Idempotent-Replayed: true`.
     pub fn replay(stored: StoredResponse) -> Self {
-        let mut headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)> =
-            Vec::with_capacity(stored.headers.len() + 1);
-        headers.extend(
-            stored
-                .headers
-                .into_iter()
-                .filter(|(name, _)| !name.eq_ignore_ascii_case(IDEMPOTENT_REPLAYED))
-                .map(|(n, v)| (Cow::Owned(n), Cow::Owned(v))),
-        );
+        // Collected in place: the lines are the same size as the stored ones, so the stored
+        // vector's allocation is reused (and grown only if it has no room for the marker).
+        let mut headers: Vec<(Cow<'static, str>, Cow<'static, [u8]>)> = stored
+            .headers
+            .into_iter()
+            .filter(|(name, _)| !name.eq_ignore_ascii_case(IDEMPOTENT_REPLAYED))
+            .map(|(n, v)| (Cow::Owned(n), Cow::Owned(v)))
+            .collect();
         headers.push((Cow::Borrowed(IDEMPOTENT_REPLAYED), Cow::Borrowed(b"true")));
         Reply {
             status: stored.status,
