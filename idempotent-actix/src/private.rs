@@ -224,12 +224,24 @@ where
 /// a handler that does not wait) costs no task. One that has to wait is spawned at once as a
 /// task of its own on the worker's runtime, before this future returns `Pending`, so it runs
 /// to the end even if actix never polls the request again (a half-close) or drops it (a
-/// reset).
-async fn detached(job: impl Future<Output = HttpResponse> + 'static) -> HttpResponse {
+/// reset). Outside an actix arbiter (unsupported, see the crate's docs) the job is spawned
+/// before it is polled, as it always was, so a runtime that cannot spawn it fails before
+/// anything is claimed.
+///
+/// Not an `async fn`, which would hold the job twice (as its argument and, boxed, as a local).
+fn detached(
+    job: impl Future<Output = HttpResponse> + 'static,
+) -> impl Future<Output = HttpResponse> {
     let mut job = Box::pin(job);
-    match std::future::poll_fn(|cx| Poll::Ready(job.as_mut().poll(cx))).await {
-        Poll::Ready(response) => response,
-        Poll::Pending => joined(actix_rt::spawn(job)).await,
+    let inline = actix_rt::Arbiter::try_current().is_some();
+    async move {
+        if inline
+            && let Poll::Ready(response) =
+                std::future::poll_fn(|cx| Poll::Ready(job.as_mut().poll(cx))).await
+        {
+            return response;
+        }
+        joined(actix_rt::spawn(job)).await
     }
 }
 

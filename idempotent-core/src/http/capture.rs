@@ -145,8 +145,8 @@ impl Recorder {
         self.execution.finish(self.capture.finish())
     }
 
-    /// The body failed before it could be stored: releases the key (the failure is logged
-    /// when this is called).
+    /// The body failed before it could be stored: releases the key. The failure is logged
+    /// when this is called, so await the future it returns.
     pub fn fail(self, error: &(dyn std::fmt::Display + Sync)) -> impl Future<Output = Recorded> {
         tracing::error!(
             route = self.execution.policy().route,

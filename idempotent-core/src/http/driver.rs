@@ -6,7 +6,8 @@
 //! body is collected, how a streamed one is recorded) and calls [`admit`], [`read_body`],
 //! [`prepare`] and [`Job::run`] (or [`prepare_tx`] and [`TxJob::run`]). Nothing here requires
 //! `Send`: the futures are `Send` exactly when the adapter's types and handler are, so Axum
-//! spawns them on a multi-threaded runtime and Actix on its worker's local one.
+//! runs them on a multi-threaded runtime (in place, spawned only if the request is dropped)
+//! and Actix on its worker's local one (in place, spawned once the job first has to wait).
 
 use super::capture::{Capture, Recorder, ResponsePlan};
 use super::config::Config;
