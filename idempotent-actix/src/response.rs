@@ -9,7 +9,6 @@ use actix_web::{HttpResponse, ResponseError};
 use idempotent_core::__private::driver::{Glue, Tee, no_runtime};
 use idempotent_core::__private::{FIRST_EXECUTION, Recorder, Reply};
 use idempotent_core::Problem;
-use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
@@ -46,11 +45,7 @@ pub(crate) fn reply(r: Reply) -> HttpResponse {
         } else {
             HeaderName::from_bytes(name.as_bytes())
         };
-        let value = HeaderValue::from_maybe_shared(match value {
-            Cow::Borrowed(value) => Bytes::from_static(value),
-            Cow::Owned(value) => Bytes::from(value),
-        });
-        if let (Ok(n), Ok(v)) = (name, value) {
+        if let (Ok(n), Ok(v)) = (name, HeaderValue::from_maybe_shared(Reply::shared(value))) {
             headers.append(n, v);
         }
     }

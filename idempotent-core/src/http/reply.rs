@@ -39,6 +39,22 @@ impl Reply {
         }
     }
 
+    /// A header value of a reply as [`Bytes`](bytes::Bytes), without a copy: a stored value is
+    /// moved, a static one borrowed. For an adapter whose header values can take shared bytes.
+    ///
+    /// ```
+    /// use idempotent_core::__private::Reply;
+    /// use std::borrow::Cow;
+    /// assert_eq!(Reply::shared(Cow::Borrowed(b"true")), "true");
+    /// assert_eq!(Reply::shared(Cow::Owned(b"v".to_vec())), "v");
+    /// ```
+    pub fn shared(value: Cow<'static, [u8]>) -> bytes::Bytes {
+        match value {
+            Cow::Borrowed(value) => bytes::Bytes::from_static(value),
+            Cow::Owned(value) => bytes::Bytes::from(value),
+        }
+    }
+
     /// A problem as `application/problem+json` with `Cache-Control: no-store` and, when set,
     /// `Retry-After`.
     pub fn problem(p: &Problem) -> Self {
