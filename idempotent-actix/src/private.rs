@@ -186,9 +186,9 @@ fn misconfigured(what: &str) -> ProblemError {
 }
 
 /// Claim → execute → store → replay, around the handler's body. The claim and everything
-/// after it run detached from the request ([`detached`]): if the client goes away (a reset,
-/// or a half-close after which actix stops polling the handler), the execution still runs to
-/// the end and its outcome is stored.
+/// after it run detached from the request (`detached`, below): if the client goes away (a
+/// reset, or a half-close after which actix stops polling the handler), the execution still
+/// runs to the end and its outcome is stored.
 ///
 /// `handler` makes the handler's future (the attribute passes the body as `move || async
 /// move { … }`): it is called only when the handler runs, so a replay never builds it, and
