@@ -15,7 +15,10 @@
 //! commit, the default path on both databases) and the `plain` arm in its own transaction
 //! under the attribute's plain mode. Every run checks the server's execution count against
 //! what the scenario allows (a new key runs the handler exactly once, a replay never), so a
-//! benchmark that replays instead of executing fails. On PostgreSQL a second pass through a
+//! benchmark that replays instead of executing fails. Each table also gives the server
+//! process's CPU time (user and system, from `/proc`) per answered request: unlike req/s it
+//! does not move with the load generator's share of the machine, so it shows what the
+//! attribute costs a server when throughput is too noisy to. On PostgreSQL a second pass through a
 //! counting proxy reports statements, round trips and write transactions per request.
 //! See BENCHMARKS.md for the figures.
 
@@ -253,6 +256,8 @@ fn pin_self() -> bool {
 struct Server {
     /// Killed when dropped.
     _child: tokio::process::Child,
+    /// The server's process (`taskset` execs it, so the same one when pinned).
+    pid: Option<u32>,
     /// Kept open, so the server never writes into a closed pipe.
     _stdout: BufReader<tokio::process::ChildStdout>,
     addr: SocketAddr,
@@ -301,12 +306,28 @@ impl Server {
                 format!("{framework_name} {arm_name} on {database}: exited ({line:?})")
             })?;
         Ok(Server {
+            pid: child.id(),
             _child: child,
             _stdout: stdout,
             addr,
         })
     }
+
+    /// The CPU time the server's process has used so far (user and system, all its threads),
+    /// in clock ticks, from `/proc/<pid>/stat`; `None` where that cannot be read.
+    fn cpu_ticks(&self) -> Option<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid?)).ok()?;
+        // The fields after the command name (which may hold spaces) start at the state, the
+        // third field; utime and stime are the 14th and 15th.
+        let mut fields = stat.get(stat.rfind(')')? + 2..)?.split(' ').skip(11);
+        let user: u64 = fields.next()?.parse().ok()?;
+        let system: u64 = fields.next()?.parse().ok()?;
+        Some(user + system)
+    }
 }
+
+/// Clock ticks per second in `/proc/<pid>/stat` (`USER_HZ`, 100 on Linux).
+const TICKS_PER_SECOND: f64 = 100.0;
 
 /// One measured run of one arm.
 struct Measured {
@@ -315,6 +336,8 @@ struct Measured {
     p99_us: u32,
     conflicts: f64,
     executions_per_request: f64,
+    /// The server's CPU time per answered request, in µs (`None` where it cannot be read).
+    cpu_us: Option<f64>,
 }
 
 /// Runs `scenario` against `server` and checks the handler's executions against what the
@@ -328,7 +351,9 @@ async fn measure(
     ok: &mut bool,
 ) -> Result<Measured, String> {
     let before = load::executions(server.addr).await?;
+    let cpu_before = server.cpu_ticks();
     let mut sample = load::run(server.addr, scenario, ns, replay_ns, connections, duration).await;
+    let cpu_after = server.cpu_ticks();
     let executions = load::executions(server.addr).await? - before;
     let mut problems = Vec::new();
     if sample.errors > 0 {
@@ -375,6 +400,9 @@ async fn measure(
         p99_us: sample.quantile_us(0.99),
         conflicts: sample.conflicts as f64 / answered,
         executions_per_request: executions as f64 / answered,
+        cpu_us: cpu_before
+            .zip(cpu_after)
+            .map(|(b, a)| a.saturating_sub(b) as f64 / TICKS_PER_SECOND * 1e6 / answered),
     })
 }
 
@@ -564,7 +592,7 @@ fn table(
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\n{framework:?}, {store:?}, {}\n\n| arm | req/s (median) | p50 ms | p99 ms | ÷ bare | 409s | executions per request | rounds (req/s) |\n|---|---|---|---|---|---|---|---|",
+        "\n{framework:?}, {store:?}, {}\n\n| arm | req/s (median) | p50 ms | p99 ms | ÷ bare | server CPU µs per request | 409s | executions per request | rounds (req/s) |\n|---|---|---|---|---|---|---|---|---|",
         scenario.name()
     );
     let medians: Vec<f64> = results
@@ -585,9 +613,11 @@ fn table(
             .map(|m| format!("{:.0}", m.per_second))
             .collect();
         let ratio = if bare > 0.0 { rps / bare } else { 0.0 };
+        let cpu: Option<Vec<f64>> = runs.iter().map(|m| m.cpu_us).collect();
+        let cpu = cpu.map_or_else(|| "–".to_owned(), |c| format!("{:.1}", median(c)));
         let _ = writeln!(
             out,
-            "| {} | {rps:.0} | {p50:.2} | {p99:.2} | {} | {:.1} % | {execs:.2} | {} |",
+            "| {} | {rps:.0} | {p50:.2} | {p99:.2} | {} | {cpu} | {:.1} % | {execs:.2} | {} |",
             arm.label(),
             if *arm == Arm::Bare {
                 "1".to_owned()
