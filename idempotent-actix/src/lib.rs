@@ -39,9 +39,11 @@
 //! fingerprinted decoded, with the decoders actix-web's extractors use, and the size limit on
 //! the decoded bytes: decoding stops there, so a small body that would expand enormously is a
 //! 413 (features `compress-gzip`, `compress-brotli`, `compress-zstd`, on by default; they do
-//! not switch on actix-web's own, which decide what your extractors decode). The execution is polled in the request's
-//! future until it first has to wait, and from there runs as a task of its own on the
-//! worker's runtime, so a client that goes away does not stop it. At shutdown, build the
+//! not switch on actix-web's own, which decide what your extractors decode). On an actix arbiter (the workers of an
+//! `HttpServer` under `#[actix_web::main]`, `#[actix_web::test]`) the execution is polled in the
+//! request's future until it first has to wait, and from there runs as a task of its own on
+//! the worker's runtime; elsewhere it is such a task from the start. Either way a client that
+//! goes away does not stop it. At shutdown, build the
 //! server with `.disable_signals()` and call [`Idempotency::stop_server`] from your signal
 //! handler: it stops accepting, drains, then stops the workers. (Actix's own stop drops the
 //! workers' runtimes with any execution still on them, so draining after it is too late.)

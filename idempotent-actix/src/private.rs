@@ -224,9 +224,11 @@ where
 /// a handler that does not wait) costs no task. One that has to wait is spawned at once as a
 /// task of its own on the worker's runtime, before this future returns `Pending`, so it runs
 /// to the end even if actix never polls the request again (a half-close) or drops it (a
-/// reset). Outside an actix arbiter (unsupported, see the crate's docs) the job is spawned
-/// before it is polled, as it always was, so a runtime that cannot spawn it fails before
-/// anything is claimed.
+/// reset). Where the thread has no actix arbiter (`Arbiter::try_current`, a thread-local that
+/// `actix_rt::System` and actix's workers set) the job is spawned before it is polled, as it
+/// always was, so a runtime that cannot spawn it fails before anything is claimed. A thread
+/// that once ran a `System` keeps its arbiter: driving a handler there from outside actix's
+/// runtime is not supported (see the crate's docs).
 ///
 /// Not an `async fn`, which would hold the job twice (as its argument and, boxed, as a local).
 fn detached(

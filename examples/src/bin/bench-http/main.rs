@@ -16,9 +16,9 @@
 //! under the attribute's plain mode. Every run checks the server's execution count against
 //! what the scenario allows (a new key runs the handler exactly once, a replay never), so a
 //! benchmark that replays instead of executing fails. Each table also gives the server
-//! process's CPU time (user and system, from `/proc`) per answered request: unlike req/s it
-//! does not move with the load generator's share of the machine, so it shows what the
-//! attribute costs a server when throughput is too noisy to. On PostgreSQL a second pass through a
+//! process's CPU time (user and system, from `/proc`, in 10 ms ticks) per answered request:
+//! it moves less than req/s with the load generator's share of the machine (though it
+//! includes the kernel's work of waking the load generator for each response). On PostgreSQL a second pass through a
 //! counting proxy reports statements, round trips and write transactions per request.
 //! See BENCHMARKS.md for the figures.
 
