@@ -44,9 +44,10 @@ use tokio::sync::watch;
 /// (leases of a second or two, faults of a few seconds) must not compete with another test's
 /// load on a 2-core machine. They take this lock for writing. The tests that send a request or
 /// two and then mostly wait (a handler slower than its lease, a process frozen past it) take it
-/// for reading, so two of them wait side by side (about 27 s less of CI's run), never beside a
-/// test under load.
-static SERIAL: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+/// for reading, so two of them (at most: the lock admits two readers, whatever the number of
+/// test threads) wait side by side, about 27 s less of CI's run, and never beside a test under
+/// load.
+static SERIAL: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_with_max_readers((), 2);
 
 fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap()

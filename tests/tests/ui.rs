@@ -25,6 +25,9 @@ const TRYBUILD_RUSTFLAGS: &[&str] = &[
 /// Set in the child process that runs the cases (see [`ui`]).
 const IN_CHILD: &str = "IDEMPOTENT_UI_CHILD";
 
+/// What the child prints once every case has passed.
+const CHILD_RAN: &str = "idempotent-ui: every case checked";
+
 /// Every misuse fails to compile with the expected message.
 ///
 /// The cases run in a child process of this test binary, with `CARGO_ENCODED_RUSTFLAGS` set
@@ -37,6 +40,9 @@ fn ui() {
         t.compile_fail("ui/axum/fail/*.rs");
         t.compile_fail("ui/actix/fail/*.rs");
         t.compile_fail("ui/function/fail/*.rs");
+        // The cases run when `t` is dropped, and panic there if one fails.
+        drop(t);
+        println!("{CHILD_RAN}");
         return;
     }
     let mut flags = TRYBUILD_RUSTFLAGS.to_vec();
@@ -44,8 +50,11 @@ fn ui() {
     if std::env::var("RUSTFLAGS").is_ok_and(|f| f.contains("-C instrument-coverage")) {
         flags.extend(["-C", "instrument-coverage"]);
     }
+    // trybuild's own filter (`cargo test --test ui -- trybuild=name.rs`) goes to the child.
+    let filters = std::env::args().filter(|a| a.starts_with("trybuild="));
     let output = std::process::Command::new(std::env::current_exe().expect("this test binary"))
         .args(["ui", "--exact", "--nocapture", "--test-threads=1"])
+        .args(filters)
         .env(IN_CHILD, "1")
         .env("CARGO_ENCODED_RUSTFLAGS", flags.join("\x1f"))
         .output()
@@ -57,6 +66,11 @@ fn ui() {
         output.status.success(),
         "the UI cases failed ({}); their output is above",
         output.status
+    );
+    // A child that selected no test (this one renamed, say) would exit 0 having run nothing.
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains(CHILD_RAN),
+        "the child process did not run the UI cases; its output is above"
     );
 }
 
