@@ -206,8 +206,13 @@ where
     R: Responder + 'static,
 {
     let req = ctx.req.clone();
-    let handler =
-        move || Box::pin(async move { handler().await.respond_to(&req).map_into_boxed_body() });
+    let handler = move || {
+        // The handler's own future boxed as `handler()` returns it, and only then wrapped: an
+        // async block around `handler().await`, boxed, would copy the whole future three times
+        // (into the block, into its await, into the box) where this copies it once.
+        let future = Box::pin(handler());
+        async move { future.await.respond_to(&req).map_into_boxed_body() }
+    };
     async move {
         let (config, head) = (&ctx.config.config, head(&ctx.req));
         let prepared = driver::prepare(config, route, head, ctx.key, ctx.body, scope);
@@ -273,8 +278,10 @@ where
     R: Responder + 'static,
 {
     let req = ctx.req.clone();
-    let handler =
-        move |tx| Box::pin(async move { handler(tx).await.respond_to(&req).map_into_boxed_body() });
+    let handler = move |tx| {
+        let future = Box::pin(handler(tx));
+        async move { future.await.respond_to(&req).map_into_boxed_body() }
+    };
     async move {
         let (config, head) = (&ctx.config.config, head(&ctx.req));
         let prepared = driver::prepare_tx::<DB>(config, route, head, ctx.key, ctx.body, scope);

@@ -169,7 +169,13 @@ where
     Fut: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    let handler = move || Box::pin(async move { handler().await.into_response() });
+    let handler = move || {
+        // The handler's own future boxed as `handler()` returns it, and only then wrapped: an
+        // async block around `handler().await`, boxed, would copy the whole future three times
+        // (into the block, into its await, into the box) where this copies it once.
+        let future = Box::pin(handler());
+        async move { future.await.into_response() }
+    };
     // Boxed, so the handler's future that axum boxes holds a pointer to this one: every
     // future allocated per request stays under 1 KiB, where glibc's allocator serves it from
     // its per-thread cache instead of consolidating its free lists for a large block.
@@ -199,7 +205,10 @@ where
     Fut: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    let handler = move |tx| Box::pin(async move { handler(tx).await.into_response() });
+    let handler = move |tx| {
+        let future = Box::pin(handler(tx));
+        async move { future.await.into_response() }
+    };
     async move {
         let Context {
             config,
