@@ -117,28 +117,40 @@ pub const KEY_HEADER: &str = IDEMPOTENCY_KEY;
 
 /// The whole of `body`, at most `limit` bytes: 413 past it, 400 for a broken stream.
 ///
+/// A body that arrives as one chunk (a small request, as a server reads it) is returned as
+/// that chunk, not copied: the bytes the handler reads and the fingerprint hashes are the
+/// server's own, as a bare handler's body extractor would have them.
+///
 /// # Errors
 /// The problem to answer with.
-pub async fn read_body<B, E>(
-    body: impl Stream<Item = Result<B, E>>,
+pub async fn read_body<E>(
+    body: impl Stream<Item = Result<Bytes, E>>,
     limit: usize,
-) -> Result<Bytes, Box<Problem>>
-where
-    B: AsRef<[u8]>,
-{
+) -> Result<Bytes, Box<Problem>> {
     let mut body = std::pin::pin!(body);
+    // The first chunk, kept as it is while no second one has come.
+    let mut first: Option<Bytes> = None;
     let mut read = BytesMut::new();
+    let mut len = 0usize;
     while let Some(chunk) = body.next().await {
         let Ok(chunk) = chunk else {
             return Err(Box::new(Problem::request_body_invalid()));
         };
-        let chunk = chunk.as_ref();
-        if read.len() + chunk.len() > limit {
+        len = len.saturating_add(chunk.len());
+        if len > limit {
             return Err(Box::new(Problem::request_too_large(limit)));
         }
-        read.extend_from_slice(chunk);
+        if first.is_none() && read.is_empty() {
+            first = Some(chunk);
+            continue;
+        }
+        if let Some(first) = first.take() {
+            read.reserve(len);
+            read.extend_from_slice(&first);
+        }
+        read.extend_from_slice(&chunk);
     }
-    Ok(read.freeze())
+    Ok(first.unwrap_or_else(|| read.freeze()))
 }
 
 /// `read` (a body read), refused with 408 when it takes longer than `timeout`.
@@ -627,5 +639,60 @@ mod transactional {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_body;
+    use bytes::Bytes;
+    use futures_util::stream;
+
+    fn chunks(parts: &[&'static [u8]]) -> Vec<Result<Bytes, &'static str>> {
+        parts.iter().map(|p| Ok(Bytes::from_static(p))).collect()
+    }
+
+    async fn read(parts: Vec<Result<Bytes, &'static str>>, limit: usize) -> Result<Bytes, u16> {
+        read_body(stream::iter(parts), limit)
+            .await
+            .map_err(|p| p.status)
+    }
+
+    #[tokio::test]
+    async fn one_chunk_is_the_body_itself_not_a_copy() {
+        let chunk = Bytes::from(b"{\"amount\":1}".to_vec());
+        let body = read(vec![Ok(chunk.clone())], 64).await.unwrap();
+        assert_eq!(body, chunk);
+        assert_eq!(body.as_ptr(), chunk.as_ptr(), "the chunk was copied");
+    }
+
+    #[tokio::test]
+    async fn chunks_are_joined_in_order() {
+        let body = read(chunks(&[b"ab", b"", b"cd", b"e"]), 64).await.unwrap();
+        assert_eq!(&body[..], b"abcde");
+        let body = read(chunks(&[b"", b"xy"]), 64).await.unwrap();
+        assert_eq!(&body[..], b"xy");
+        assert!(read(Vec::new(), 64).await.unwrap().is_empty());
+        assert!(read(chunks(&[b""]), 0).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_limit_holds_for_one_chunk_and_for_many() {
+        assert_eq!(read(chunks(&[b"abcd"]), 4).await.unwrap().len(), 4);
+        assert_eq!(read(chunks(&[b"abcde"]), 4).await, Err(413));
+        assert_eq!(read(chunks(&[b"ab", b"cd"]), 4).await.unwrap().len(), 4);
+        assert_eq!(read(chunks(&[b"ab", b"cd", b"e"]), 4).await, Err(413));
+        assert_eq!(read(chunks(&[b"abc", b"de"]), 4).await, Err(413));
+    }
+
+    #[tokio::test]
+    async fn a_broken_stream_is_400_wherever_it_breaks() {
+        assert_eq!(read(vec![Err("reset")], 64).await, Err(400));
+        let mut parts = chunks(&[b"ab"]);
+        parts.push(Err("reset"));
+        assert_eq!(read(parts, 64).await, Err(400));
+        let mut parts = chunks(&[b"ab", b"cd"]);
+        parts.push(Err("reset"));
+        assert_eq!(read(parts, 64).await, Err(400));
     }
 }
