@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Instruction counts of one bench-http server under callgrind (see README.md here).
 
-  callgrind.py drive HOST:PORT N PREFIX first|replay   send N requests on one connection
-  callgrind.py summary FILE N                          per request: instructions, memcpy, allocations
-  callgrind.py diff BASE FILE N [ROWS]                 per request: self cost by function, FILE - BASE
+  callgrind.py measure HOST:PORT PID WARMUP N first|replay
+      on one keep-alive connection: WARMUP requests, zero callgrind's counters (PID is the
+      valgrind process), N requests, dump the counts (`callgrind_control`)
+  callgrind.py summary FILE N      per request: instructions, memcpy, malloc calls
+  callgrind.py diff BASE FILE N [ROWS]
+      per request: each function's own instructions in BASE and FILE, largest changes first
 """
 import collections
 import re
 import socket
+import subprocess
 import sys
 
 
@@ -19,40 +23,71 @@ def body(i):
             % (100 + i % 10000, i, (i * 2654435761) & 0xffffffff, 1 + i % 7))
 
 
-def drive(addr, n, prefix, scenario):
-    host, port = addr.rsplit(':', 1)
-    s = socket.create_connection((host, int(port)))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = b''
-    codes = collections.Counter()
-    for i in range(n):
-        j = 0 if scenario == 'replay' else i
-        b = body(j)
-        req = ('POST /v1/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer acct_bench\r\n'
-               'Content-Type: application/json\r\nIdempotency-Key: %s-%d\r\n'
-               'Content-Length: %d\r\n\r\n%s' % (prefix, j, len(b), b)).encode()
-        s.sendall(req)
-        while b'\r\n\r\n' not in buf:
-            d = s.recv(65536)
-            if not d:
-                sys.exit('the server closed the connection')
-            buf += d
-        head, rest = buf.split(b'\r\n\r\n', 1)
-        codes[int(head.split(b' ', 2)[1])] += 1
-        length = 0
+class Client:
+    """One keep-alive connection sending the benchmark's requests."""
+
+    def __init__(self, addr):
+        host, port = addr.rsplit(':', 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b''
+
+    def recv(self):
+        d = self.sock.recv(65536)
+        if not d:
+            sys.exit('the server closed the connection')
+        self.buf += d
+
+    def send(self, key, n):
+        """POSTs order `n` under `key`; returns the status and the Idempotent-Replayed value."""
+        b = body(n)
+        self.sock.sendall(
+            ('POST /v1/orders HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer acct_bench\r\n'
+             'Content-Type: application/json\r\nIdempotency-Key: %s\r\n'
+             'Content-Length: %d\r\n\r\n%s' % (key, len(b), b)).encode())
+        while b'\r\n\r\n' not in self.buf:
+            self.recv()
+        head, self.buf = self.buf.split(b'\r\n\r\n', 1)
+        status = int(head.split(b' ', 2)[1])
+        length, replayed = 0, None
         for line in head.split(b'\r\n')[1:]:
             k, v = line.split(b':', 1)
-            if k.strip().lower() == b'content-length':
+            k = k.strip().lower()
+            if k == b'content-length':
                 length = int(v)
-        while len(rest) < length:
-            d = s.recv(65536)
-            if not d:
-                sys.exit('the server closed the connection')
-            rest += d
-        buf = rest[length:]
-    want = 201
-    if set(codes) != {want}:
-        sys.exit('unexpected statuses: %s' % dict(codes))
+            elif k == b'idempotent-replayed':
+                replayed = v.strip().decode()
+        while len(self.buf) < length:
+            self.recv()
+        self.buf = self.buf[length:]
+        return status, replayed
+
+
+def run(client, first, n, scenario):
+    """Requests first..first+n: each under a new key, or every one a replay of key 0 (its
+    first request, made during the warm-up, executes). The bare arm sends no
+    Idempotent-Replayed header; the annotated one must say what the scenario expects."""
+    for i in range(first, first + n):
+        key = 'order-%d' % (0 if scenario == 'replay' else i)
+        status, replayed = client.send(key, 0 if scenario == 'replay' else i)
+        if status != 201:
+            sys.exit('request %d: status %d' % (i, status))
+        expected = 'true' if scenario == 'replay' and i > 0 else 'false'
+        if replayed is not None and replayed != expected:
+            sys.exit('request %d: Idempotent-Replayed: %s, expected %s' % (i, replayed, expected))
+
+
+def measure(addr, pid, warmup, n, scenario):
+    if scenario not in ('first', 'replay'):
+        sys.exit('scenario: first or replay, not %r' % scenario)
+    if warmup < 1:
+        sys.exit('at least one warm-up request')
+    client = Client(addr)
+    run(client, 0, warmup, scenario)
+    subprocess.run(['callgrind_control', '-z', str(pid)], check=True, stdout=subprocess.DEVNULL)
+    run(client, warmup, n, scenario)
+    subprocess.run(['callgrind_control', '-d', 'measured', str(pid)], check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 def parse(path):
@@ -98,22 +133,22 @@ def summary(path, n):
     total = sum(selfc.values())
     memcpy = sum(v for k, v in selfc.items() if k and k.startswith('__memcpy'))
     mallocs = into.get('malloc', [0, 0])[0]
-    print('instructions per request %.0f; memcpy %.0f (bytes copied, about: rep movsb counts each byte); '
-          'malloc calls %.1f' % (total / n, memcpy / n, mallocs / n))
+    print('instructions per request %.0f; memcpy instructions %.0f (for a large copy, about its '
+          'bytes: rep movsb counts one per byte); malloc calls %.1f' % (total / n, memcpy / n, mallocs / n))
 
 
 def diff(base, path, n, rows):
     a, _ = parse(base)
     b, _ = parse(path)
     print('per request: %.0f -> %.0f instructions' % (sum(a.values()) / n, sum(b.values()) / n))
-    for k in sorted(set(a) | set(b), key=lambda k: -(b[k] - a[k]))[:rows]:
+    for k in sorted(set(a) | set(b), key=lambda k: -abs(b[k] - a[k]))[:rows]:
         print('%8.0f %8.0f %+8.0f  %s' % (a[k] / n, b[k] / n, (b[k] - a[k]) / n, (k or '?')[:140]))
 
 
 if __name__ == '__main__':
     cmd = sys.argv[1:2]
-    if cmd == ['drive']:
-        drive(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    if cmd == ['measure']:
+        measure(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     elif cmd == ['summary']:
         summary(sys.argv[2], int(sys.argv[3]))
     elif cmd == ['diff']:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Instructions per request of one bench-http server arm, counted by callgrind (see README.md
-# here): the server runs under valgrind, takes WARMUP requests on one keep-alive connection,
-# then the counters are zeroed, REQUESTS more are sent, and the counts are dumped.
+# here): the server runs under valgrind; on one keep-alive connection it takes 300 warm-up
+# requests, the counters are zeroed, it takes REQUESTS more, and the counts are dumped.
 #
 #   examples/callgrind/instructions.sh BENCH_HTTP FRAMEWORK ARM [first|replay] [REQUESTS] [OUT]
 #
@@ -10,12 +10,24 @@
 # `callgrind.py diff`.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+if [ $# -lt 3 ]; then
+    sed -n '6p' "$0" >&2
+    exit 2
+fi
 bin=$1 framework=$2 arm=$3 scenario=${4:-first} requests=${5:-1000}
 out=${6:-callgrind.$framework.$arm.$scenario}
-warmup=300
+case "$scenario" in first | replay) ;; *) echo "instructions.sh: first or replay, not $scenario" >&2; exit 2 ;; esac
 command -v valgrind >/dev/null || { echo "instructions.sh: valgrind is not installed" >&2; exit 1; }
 work=$(mktemp -d)
-trap 'kill "$pid" 2>/dev/null || true; rm -rf "$work"' EXIT
+pid=
+cleanup() {
+    if [ -n "$pid" ]; then
+        kill "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
 valgrind --tool=callgrind --callgrind-out-file="$work/cg.%p" ${CALLGRIND_OPTS:-} \
     "$bin" serve --framework "$framework" --arm "$arm" --database memory --tag cg \
     >"$work/stdout" 2>"$work/stderr" &
@@ -27,18 +39,14 @@ for _ in $(seq 1 240); do
 done
 addr=$(sed -n 's/^listening on //p' "$work/stdout" | head -n 1)
 [ -n "$addr" ] || { echo "instructions.sh: the server never listened" >&2; exit 1; }
-# Replays go to one key, executed during the warm-up; first executions each get a new key.
-prefix=$([ "$scenario" = replay ] && echo measured || echo warmup)
-python3 "$here/callgrind.py" drive "$addr" "$warmup" "$prefix" "$scenario"
-callgrind_control -z "$pid" >/dev/null
-python3 "$here/callgrind.py" drive "$addr" "$requests" measured "$scenario"
-callgrind_control -d measured "$pid" >/dev/null
-for _ in $(seq 1 60); do
-    dump=$(ls "$work"/cg.*.1 2>/dev/null || true)
-    [ -n "$dump" ] && grep -q '^totals:' "$dump" && break
+python3 "$here/callgrind.py" measure "$addr" "$pid" 300 "$requests" "$scenario"
+# The dump of the measured requests is cg.<pid>.1, complete once its `totals:` line is written.
+dump="$work/cg.$pid.1"
+for _ in $(seq 1 120); do
+    [ -f "$dump" ] && grep -q '^totals:' "$dump" && break
     sleep 0.5
 done
-[ -n "$dump" ] || { echo "instructions.sh: callgrind wrote no dump" >&2; exit 1; }
+grep -q '^totals:' "$dump" 2>/dev/null || { echo "instructions.sh: no complete dump ($dump)" >&2; exit 1; }
 cp "$dump" "$out"
 echo "$out"
 python3 "$here/callgrind.py" summary "$out" "$requests"

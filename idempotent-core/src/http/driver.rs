@@ -118,8 +118,8 @@ pub const KEY_HEADER: &str = IDEMPOTENCY_KEY;
 /// The whole of `body`, at most `limit` bytes: 413 past it, 400 for a broken stream.
 ///
 /// A body that arrives as one chunk (a small request, as a server reads it) is returned as
-/// that chunk, not copied: the bytes the handler reads and the fingerprint hashes are the
-/// server's own, as a bare handler's body extractor would have them.
+/// that chunk, not copied (as axum's own body extractors take it); a body of several chunks
+/// is copied into one buffer.
 ///
 /// # Errors
 /// The problem to answer with.
@@ -668,6 +668,10 @@ mod tests {
 
     #[tokio::test]
     async fn chunks_are_joined_in_order() {
+        let body = read(chunks(&[b"a", b"b", b"c"]), 64).await.unwrap();
+        assert_eq!(&body[..], b"abc");
+        let body = read(chunks(&[b"ab", b"cd"]), 4).await.unwrap();
+        assert_eq!(&body[..], b"abcd");
         let body = read(chunks(&[b"ab", b"", b"cd", b"e"]), 64).await.unwrap();
         assert_eq!(&body[..], b"abcde");
         let body = read(chunks(&[b"", b"xy"]), 64).await.unwrap();
