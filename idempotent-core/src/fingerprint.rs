@@ -87,14 +87,16 @@ impl Fingerprint {
         }
         field(&mut h, media.as_bytes());
         let body = input.body;
-        let json = if is_json(&media) {
-            canonical_json(body)
-        } else {
-            None
-        };
-        if let Some(canon) = json {
-            h.update([b'j']);
-            field(&mut h, &canon);
+        // A JSON body's canonical text is hashed where it was written (this thread's reused
+        // buffers); a body that is not JSON after all is hashed raw.
+        let json = is_json(&media)
+            && crate::jcs::with_canonical(body, |canon| {
+                h.update([b'j']);
+                field(&mut h, canon);
+            })
+            .is_some();
+        if json {
+            // Hashed above.
         } else if media == "application/x-www-form-urlencoded" {
             h.update([b'f']);
             // The canonical form is never built: its length, then its bytes in order, go

@@ -28,6 +28,7 @@
 //!   whose members need reordering is copied once, so a text nested `d` objects deep, each out
 //!   of order, is copied at most `d` (≤ 127) times.
 
+use std::cell::Cell;
 use std::cmp::Ordering;
 
 /// Deepest nesting of arrays and objects accepted (`serde_json`'s limit).
@@ -74,23 +75,48 @@ pub(crate) fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
 }
 
 fn canonicalize_with<O: Offset>(input: &[u8]) -> Option<Vec<u8>> {
-    let mut w = Writer::<'_, O> {
-        input,
-        pos: 0,
-        out: Vec::with_capacity(input.len()),
-        members: Vec::new(),
-        scratch: Vec::new(),
-        small: Vec::new(),
-    };
-    w.ws();
-    w.value(0)?;
-    w.ws();
-    (w.pos == input.len()).then_some(w.out)
+    let mut w = Writer::<'_, O>::new(input, Buffers::default());
+    w.run()?;
+    Some(w.buffers.out)
 }
 
-struct Writer<'a, O> {
-    input: &'a [u8],
-    pos: usize,
+/// Calls `f` with the canonical form of `input`, or returns `None` when it is not a JSON
+/// text, as [`canonicalize`] does; the canonical text and the working buffers are this
+/// thread's, reused from one call to the next, so a fingerprint of a small body allocates
+/// nothing once the thread has made one.
+///
+/// What a thread keeps between calls is bounded: a buffer that grew past [`KEEP_BYTES`]
+/// (bytes, or entries of 4 bytes for the member offsets) is freed, never kept.
+pub(crate) fn with_canonical<R>(input: &[u8], f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+    if input.len() > (u32::MAX / 8) as usize {
+        return canonicalize(input).map(|out| f(&out));
+    }
+    // Taken, not borrowed: a call made while this thread's buffers are out (there is none
+    // today, `f` is the hash) gets fresh ones instead of a panic.
+    let spare = SPARE.try_with(Cell::take).ok().flatten();
+    let mut w = Writer::<'_, u32>::new(input, spare.unwrap_or_default());
+    let canonical = w.run();
+    let result = canonical.map(|()| f(&w.buffers.out));
+    let mut buffers = w.buffers;
+    if buffers.keep() {
+        // Fails only while the thread is exiting: the buffers are then dropped here.
+        let _ = SPARE.try_with(|spare| spare.set(Some(buffers)));
+    }
+    result
+}
+
+/// A buffer of more than this many bytes (or entries) is not kept for the thread's next
+/// canonicalisation ([`with_canonical`]).
+const KEEP_BYTES: usize = 16 * 1024;
+
+thread_local! {
+    /// This thread's buffers between two [`with_canonical`] calls.
+    static SPARE: Cell<Option<Buffers<u32>>> = const { Cell::new(None) };
+}
+
+/// A [`Writer`]'s buffers, kept from one canonicalisation to the next by
+/// [`with_canonical`].
+struct Buffers<O> {
     out: Vec<u8>,
     /// Members of every object still open, innermost last: where each starts in `out` (the
     /// opening quote of its name). Its name and its end are found again in the written text
@@ -101,6 +127,43 @@ struct Writer<'a, O> {
     /// The members of an object of at most [`SMALL_OBJECT`] members while it is put in
     /// order (at most a few KiB, whatever the input).
     small: Vec<SmallMember<O>>,
+}
+
+impl<O> Default for Buffers<O> {
+    fn default() -> Self {
+        Buffers {
+            out: Vec::new(),
+            members: Vec::new(),
+            scratch: Vec::new(),
+            small: Vec::new(),
+        }
+    }
+}
+
+impl<O> Buffers<O> {
+    /// Empties the buffers for the next use, freeing any that grew past [`KEEP_BYTES`];
+    /// whether any is left worth keeping.
+    fn keep(&mut self) -> bool {
+        fn bounded<T>(v: &mut Vec<T>, most: usize) {
+            if v.capacity() > most {
+                *v = Vec::new();
+            } else {
+                v.clear();
+            }
+        }
+        bounded(&mut self.out, KEEP_BYTES);
+        bounded(&mut self.scratch, KEEP_BYTES);
+        bounded(&mut self.members, KEEP_BYTES / 4);
+        // At most SMALL_OBJECT entries, whatever the input (`order_small`).
+        self.small.clear();
+        self.out.capacity() + self.scratch.capacity() + self.members.capacity() > 0
+    }
+}
+
+struct Writer<'a, O> {
+    input: &'a [u8],
+    pos: usize,
+    buffers: Buffers<O>,
 }
 
 /// Objects of at most this many members are put in order through [`SmallMember`]s, which
@@ -122,7 +185,32 @@ struct SmallMember<O> {
     end: O,
 }
 
-impl<O: Offset> Writer<'_, O> {
+impl<'a, O: Offset> Writer<'a, O> {
+    /// A writer of `input`'s canonical form into `buffers` (emptied).
+    fn new(input: &'a [u8], mut buffers: Buffers<O>) -> Self {
+        // Kept buffers are emptied when kept; emptied again, so that no text of an earlier
+        // input can reach this one's output whatever path they came back by.
+        buffers.out.clear();
+        buffers.members.clear();
+        buffers.scratch.clear();
+        buffers.small.clear();
+        buffers.out.reserve(input.len());
+        Writer {
+            input,
+            pos: 0,
+            buffers,
+        }
+    }
+
+    /// Writes the canonical form of the whole input into `buffers.out`; `None` when the
+    /// input is not a JSON text.
+    fn run(&mut self) -> Option<()> {
+        self.ws();
+        self.value(0)?;
+        self.ws();
+        (self.pos == self.input.len()).then_some(())
+    }
+
     fn peek(&self) -> Option<u8> {
         self.input.get(self.pos).copied()
     }
@@ -140,7 +228,7 @@ impl<O: Offset> Writer<'_, O> {
     fn literal(&mut self, text: &[u8]) -> Option<()> {
         let end = self.pos.checked_add(text.len())?;
         (self.input.get(self.pos..end)? == text).then(|| {
-            self.out.extend_from_slice(text);
+            self.buffers.out.extend_from_slice(text);
             self.pos = end;
         })
     }
@@ -164,7 +252,7 @@ impl<O: Offset> Writer<'_, O> {
             return None;
         }
         self.pos += 1;
-        self.out.push(b'[');
+        self.buffers.out.push(b'[');
         self.ws();
         if self.eat(b']').is_none() {
             loop {
@@ -174,7 +262,7 @@ impl<O: Offset> Writer<'_, O> {
                 match self.peek()? {
                     b',' => {
                         self.pos += 1;
-                        self.out.push(b',');
+                        self.buffers.out.push(b',');
                     }
                     b']' => {
                         self.pos += 1;
@@ -184,7 +272,7 @@ impl<O: Offset> Writer<'_, O> {
                 }
             }
         }
-        self.out.push(b']');
+        self.buffers.out.push(b']');
         Some(())
     }
 
@@ -193,29 +281,29 @@ impl<O: Offset> Writer<'_, O> {
             return None;
         }
         self.pos += 1;
-        self.out.push(b'{');
+        self.buffers.out.push(b'{');
         self.ws();
         if self.eat(b'}').is_some() {
-            self.out.push(b'}');
+            self.buffers.out.push(b'}');
             return Some(());
         }
-        let base = self.members.len();
+        let base = self.buffers.members.len();
         loop {
             self.ws();
             if self.peek()? != b'"' {
                 return None;
             }
-            if self.members.len() > base {
-                self.out.push(b',');
+            if self.buffers.members.len() > base {
+                self.buffers.out.push(b',');
             }
-            let start = self.out.len();
+            let start = self.buffers.out.len();
             self.string()?;
             self.ws();
             self.eat(b':')?;
-            self.out.push(b':');
+            self.buffers.out.push(b':');
             self.ws();
             self.value(depth + 1)?;
-            self.members.push(O::at(start));
+            self.buffers.members.push(O::at(start));
             self.ws();
             match self.peek()? {
                 b',' => self.pos += 1,
@@ -227,24 +315,24 @@ impl<O: Offset> Writer<'_, O> {
             }
         }
         self.order_members(base);
-        self.members.truncate(base);
-        self.out.push(b'}');
+        self.buffers.members.truncate(base);
+        self.buffers.out.push(b'}');
         Some(())
     }
 
     /// Rewrites the members from `base` on in canonical order, keeping only the last of
     /// members with equal names; nothing to do when they already are strictly ascending.
     fn order_members(&mut self, base: usize) {
-        let out = &self.out;
+        let out = &self.buffers.out;
         // Compared lazily, byte by byte: a comparison costs the common prefix, never the
         // names' whole length (a long name must not make every comparison with it expensive).
-        if self.members[base..]
+        if self.buffers.members[base..]
             .windows(2)
             .all(|pair| cmp_names(out, pair[0].get(), pair[1].get()) == Ordering::Less)
         {
             return;
         }
-        if self.members.len() - base <= SMALL_OBJECT {
+        if self.buffers.members.len() - base <= SMALL_OBJECT {
             self.order_small(base);
         } else {
             self.order_large(base);
@@ -255,22 +343,24 @@ impl<O: Offset> Writer<'_, O> {
     /// member's end is the next one's start (less its comma), known before they move, and
     /// names are compared by their prefixes first.
     fn order_small(&mut self, base: usize) {
-        let out = &self.out;
-        let members = &self.members[base..];
-        self.small.clear();
+        let out = &self.buffers.out;
+        let members = &self.buffers.members[base..];
+        self.buffers.small.clear();
         // Exact, so that it never holds more than SMALL_OBJECT.
-        self.small.reserve_exact(members.len());
-        self.small.extend(members.iter().enumerate().map(|(i, m)| {
-            let prefix = name_prefix(out, m.get());
-            SmallMember {
-                prefix: prefix.unwrap_or(0),
-                exact: prefix.is_some(),
-                start: *m,
-                end: members
-                    .get(i + 1)
-                    .map_or(O::at(out.len()), |next| O::at(next.get() - 1)),
-            }
-        }));
+        self.buffers.small.reserve_exact(members.len());
+        self.buffers
+            .small
+            .extend(members.iter().enumerate().map(|(i, m)| {
+                let prefix = name_prefix(out, m.get());
+                SmallMember {
+                    prefix: prefix.unwrap_or(0),
+                    exact: prefix.is_some(),
+                    start: *m,
+                    end: members
+                        .get(i + 1)
+                        .map_or(O::at(out.len()), |next| O::at(next.get() - 1)),
+                }
+            }));
         let cmp = |a: &SmallMember<O>, b: &SmallMember<O>| {
             if a.exact && b.exact && a.prefix != b.prefix {
                 a.prefix.cmp(&b.prefix)
@@ -280,11 +370,12 @@ impl<O: Offset> Writer<'_, O> {
         };
         // Ties broken by position, which is input order: the order of a stable sort, so the
         // last of each run of equal names is the one that wins.
-        self.small
+        self.buffers
+            .small
             .sort_unstable_by(|a, b| cmp(a, b).then_with(|| a.start.cmp(&b.start)));
         let region = members[0].get();
         self.take_region(region);
-        let (scratch, small) = (&self.scratch, &self.small);
+        let (scratch, small) = (&self.buffers.scratch, &self.buffers.small);
         let name = |m: &SmallMember<O>| {
             let at = m.start.get() - region;
             &scratch[at..string_end(scratch, at)]
@@ -299,10 +390,11 @@ impl<O: Offset> Writer<'_, O> {
                 continue;
             }
             if !first {
-                self.out.push(b',');
+                self.buffers.out.push(b',');
             }
             first = false;
-            self.out
+            self.buffers
+                .out
                 .extend_from_slice(&scratch[m.start.get() - region..m.end.get() - region]);
         }
     }
@@ -310,15 +402,15 @@ impl<O: Offset> Writer<'_, O> {
     /// [`Self::order_members`], out of order, for a larger object: one offset per member, sorted in place,
     /// each member's end found again in the text.
     fn order_large(&mut self, base: usize) {
-        let out = &self.out;
+        let out = &self.buffers.out;
         let cmp = |a: &O, b: &O| cmp_names(out, a.get(), b.get());
-        let members = &mut self.members[base..];
+        let members = &mut self.buffers.members[base..];
         let region = members[0].get();
         // In place; ties broken by position, which is input order: the order of a stable
         // sort, so the last of each run of equal names is the one that wins.
         members.sort_unstable_by(|a, b| cmp(a, b).then_with(|| a.cmp(b)));
         self.take_region(region);
-        let (scratch, members) = (&self.scratch, &self.members[base..]);
+        let (scratch, members) = (&self.buffers.scratch, &self.buffers.members[base..]);
         let name = |m: &O| {
             let at = m.get() - region;
             &scratch[at..string_end(scratch, at)]
@@ -331,26 +423,29 @@ impl<O: Offset> Writer<'_, O> {
                 continue;
             }
             if !first {
-                self.out.push(b',');
+                self.buffers.out.push(b',');
             }
             first = false;
             let at = m.get() - region;
-            self.out
+            self.buffers
+                .out
                 .extend_from_slice(&scratch[at..member_end(scratch, at)]);
         }
     }
 
     /// Moves the written text from `region` on into `scratch`, to be written again in order.
     fn take_region(&mut self, region: usize) {
-        let len = self.out.len() - region;
-        if self.scratch.capacity() < len {
+        let len = self.buffers.out.len() - region;
+        if self.buffers.scratch.capacity() < len {
             // Freed before the larger one is taken: never both at once.
-            self.scratch = Vec::new();
-            self.scratch.reserve_exact(len);
+            self.buffers.scratch = Vec::new();
+            self.buffers.scratch.reserve_exact(len);
         }
-        self.scratch.clear();
-        self.scratch.extend_from_slice(&self.out[region..]);
-        self.out.truncate(region);
+        self.buffers.scratch.clear();
+        self.buffers
+            .scratch
+            .extend_from_slice(&self.buffers.out[region..]);
+        self.buffers.out.truncate(region);
     }
 
     /// A string, written canonically. Runs of plain ASCII are copied as they are; other
@@ -358,27 +453,27 @@ impl<O: Offset> Writer<'_, O> {
     /// above 0x7F).
     fn string(&mut self) -> Option<()> {
         self.pos += 1;
-        self.out.push(b'"');
+        self.buffers.out.push(b'"');
         loop {
             let rest = &self.input[self.pos..];
             let run = plain_run(rest)?;
-            self.out.extend_from_slice(&rest[..run]);
+            self.buffers.out.extend_from_slice(&rest[..run]);
             self.pos += run;
             match self.input[self.pos] {
                 b'"' => {
                     self.pos += 1;
-                    self.out.push(b'"');
+                    self.buffers.out.push(b'"');
                     return Some(());
                 }
                 b'\\' => {
                     let c = self.escape()?;
-                    write_char(&mut self.out, c);
+                    write_char(&mut self.buffers.out, c);
                 }
                 lead @ 0x80.. => {
                     let len = utf8_len(lead)?;
                     let bytes = self.input.get(self.pos..self.pos + len)?;
                     std::str::from_utf8(bytes).ok()?;
-                    self.out.extend_from_slice(bytes);
+                    self.buffers.out.extend_from_slice(bytes);
                     self.pos += len;
                 }
                 _ => return None,
@@ -463,9 +558,9 @@ impl<O: Offset> Writer<'_, O> {
         // conversion (the common case: amounts, counts, ids).
         if integer && int_end - start - usize::from(negative) <= 15 {
             if text == b"-0" {
-                self.out.push(b'0');
+                self.buffers.out.push(b'0');
             } else {
-                self.out.extend_from_slice(text);
+                self.buffers.out.extend_from_slice(text);
             }
             return Some(());
         }
@@ -476,7 +571,8 @@ impl<O: Offset> Writer<'_, O> {
             return None;
         }
         let mut buffer = ryu_js::Buffer::new();
-        self.out
+        self.buffers
+            .out
             .extend_from_slice(buffer.format_finite(value).as_bytes());
         Some(())
     }
@@ -1042,6 +1138,78 @@ mod tests {
         })
     }
 
+    /// `with_canonical` through this thread's kept buffers.
+    fn reused(text: &[u8]) -> Option<Vec<u8>> {
+        with_canonical(text, <[u8]>::to_vec)
+    }
+
+    #[test]
+    fn kept_buffers_are_reused_and_write_what_fresh_ones_do() {
+        // Each text after a longer one, an unsorted one, an invalid one (stopped midway, its
+        // members and scratch part-filled) and an empty one: the output is the fresh writer's.
+        let texts: [&[u8]; 7] = [
+            br#"{"z":{"y":[1,2,{"b":1,"a":2}],"x":"long text long text long text"},"a":0}"#,
+            br#"{"b":1,"a":2}"#,
+            br#"{"b":{"d":1,"c":2},"a":[1,2,"#,
+            b"1",
+            br#"{"d":4,"c":3,"b":2,"a":1}"#,
+            b"",
+            br#"{"a":"\u00e9"}"#,
+        ];
+        for _ in 0..2 {
+            for text in texts {
+                assert_eq!(
+                    reused(text),
+                    canonicalize(text),
+                    "{}",
+                    String::from_utf8_lossy(text)
+                );
+            }
+        }
+        // Reused: the second call writes into the first one's output buffer.
+        let first = with_canonical(br#"{"b":1,"a":2}"#, <[u8]>::as_ptr).unwrap();
+        let second = with_canonical(br#"{"d":1,"c":2}"#, <[u8]>::as_ptr).unwrap();
+        assert_eq!(first, second);
+    }
+
+    #[test]
+    fn kept_buffers_stay_within_their_bound() {
+        let capacities = || {
+            let spare = SPARE.take().expect("buffers kept");
+            let c = (
+                spare.out.capacity(),
+                spare.scratch.capacity(),
+                spare.members.capacity(),
+            );
+            SPARE.set(Some(spare));
+            c
+        };
+        // An object of 5,000 members, out of order: every buffer grows past KEEP_BYTES.
+        let big: String = format!(
+            "{{{}}}",
+            (0..5_000)
+                .rev()
+                .map(|i| format!(r#""k{i:05}":{i}"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        assert_eq!(reused(big.as_bytes()), canonicalize(big.as_bytes()));
+        assert!(
+            SPARE.take().is_none(),
+            "nothing worth keeping after a large text"
+        );
+        // A small text's buffers are kept.
+        assert!(reused(br#"{"b":1,"a":2}"#).is_some());
+        let small = capacities();
+        assert!(small.0 > 0 && small.1 > 0 && small.2 > 0, "{small:?}");
+        // A long string out of order: the text and its copy grow past the bound and are freed,
+        // the two member offsets are kept.
+        let long = format!(r#"{{"b":"{}","a":1}}"#, "x".repeat(2 * KEEP_BYTES));
+        assert_eq!(reused(long.as_bytes()), canonicalize(long.as_bytes()));
+        let after = capacities();
+        assert!(after.0 == 0 && after.1 == 0 && after.2 > 0, "{after:?}");
+    }
+
     proptest! {
         /// Valid texts: the same canonical bytes as the oracle.
         #[test]
@@ -1049,8 +1217,9 @@ mod tests {
             let text = format!("{pad}{text}{pad}");
             prop_assert!(oracle(text.as_bytes()).is_some(), "generator made invalid JSON: {}", text);
             agrees(text.as_bytes());
-            // Offsets of either width write the same text.
+            // Offsets of either width write the same text, and so do this thread's kept buffers.
             prop_assert_eq!(canonicalize_with::<usize>(text.as_bytes()), canonicalize(text.as_bytes()));
+            prop_assert_eq!(reused(text.as_bytes()), canonicalize(text.as_bytes()));
         }
 
         /// Damaged texts (a byte changed, removed or inserted): both refuse, or both accept
@@ -1065,6 +1234,7 @@ mod tests {
                 _ => bytes.insert(i, byte),
             }
             agrees(&bytes);
+            prop_assert_eq!(reused(&bytes), canonicalize(&bytes));
         }
 
         /// Names that share their first 16 bytes or more, where the prefixes small objects
