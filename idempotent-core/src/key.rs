@@ -1,6 +1,7 @@
 //! The `Idempotency-Key` header value.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// Longest key accepted, in characters (after unquoting).
 pub const MAX_KEY_LEN: usize = 255;
@@ -20,7 +21,8 @@ pub const MAX_KEY_LEN: usize = 255;
 /// # Ok::<(), idempotent_core::KeyError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(String);
+// Shared, not copied, by a clone: a store that keeps the key (the memory store) clones it.
+pub struct IdempotencyKey(Arc<str>);
 
 /// Why a header value is not a usable idempotency key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -75,9 +77,9 @@ impl IdempotencyKey {
         let value = trim_ows(value);
         if value.first() == Some(&b'"') {
             let inner = unquote(value)?;
-            Self::validate(inner)
+            Self::validate(&inner)
         } else {
-            Self::validate(value.to_vec())
+            Self::validate(value)
         }
     }
 
@@ -109,7 +111,7 @@ impl IdempotencyKey {
         Self::parse(first.as_ref())
     }
 
-    fn validate(bytes: Vec<u8>) -> Result<Self, KeyError> {
+    fn validate(bytes: &[u8]) -> Result<Self, KeyError> {
         if bytes.is_empty() {
             return Err(KeyError::Empty);
         }
@@ -123,8 +125,8 @@ impl IdempotencyKey {
             return Err(KeyError::TooLong { len: bytes.len() });
         }
         // Every byte is visible ASCII, so this cannot fail; map defensively anyway.
-        String::from_utf8(bytes)
-            .map(IdempotencyKey)
+        std::str::from_utf8(bytes)
+            .map(|text| IdempotencyKey(Arc::from(text)))
             .map_err(|_| KeyError::BadQuoting {
                 reason: "not ASCII",
             })
