@@ -7,7 +7,6 @@ use crate::store::fence::{Lease, LeaseToken};
 use crate::store::record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse};
 use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Store, StoreError};
 use hashbrown::HashTable;
-use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -152,7 +151,7 @@ struct Inner {
     max_bytes: u64,
     /// Records and bytes held per scope, sharded by the scope's hash (taken after a record
     /// shard's lock, never before, and never across another lock).
-    per_scope: Box<[Mutex<HashMap<Scope, Usage>>]>,
+    per_scope: Box<[Mutex<Usages>]>,
     max_per_scope: usize,
     max_bytes_per_scope: u64,
     /// When the last purge for room ran (monotonic; `None`: never).
@@ -160,6 +159,54 @@ struct Inner {
     /// Wall and monotonic time read together when the store was built (see `Now::anchor`).
     anchor: (SystemTime, Instant),
     clock: Arc<dyn Clock>,
+}
+
+/// One shard of the scopes' usage, found by the scope's hash under the store's hasher (taken
+/// once per operation, as [`Shard`]'s are).
+#[derive(Debug, Default)]
+struct Usages(HashTable<(Scope, Usage)>);
+
+/// A scope's entry in its locked [`Usages`] shard, present or not.
+struct ScopeUsage<'a> {
+    usages: MutexGuard<'a, Usages>,
+    scope: &'a Scope,
+    hash: u64,
+    hasher: &'a RandomState,
+}
+
+impl ScopeUsage<'_> {
+    fn get(&self) -> Option<&Usage> {
+        let scope = self.scope;
+        self.usages
+            .0
+            .find(self.hash, |(s, _)| s == scope)
+            .map(|(_, u)| u)
+    }
+
+    fn get_mut(&mut self) -> Option<&mut Usage> {
+        let scope = self.scope;
+        self.usages
+            .0
+            .find_mut(self.hash, |(s, _)| s == scope)
+            .map(|(_, u)| u)
+    }
+
+    /// Adds the usage of a scope its shard does not hold (checked under its lock).
+    fn insert_new(&mut self, usage: Usage) {
+        let hasher = self.hasher;
+        self.usages
+            .0
+            .insert_unique(self.hash, (self.scope.clone(), usage), |(s, _)| {
+                hasher.hash_one(s)
+            });
+    }
+
+    fn remove(&mut self) {
+        let scope = self.scope;
+        if let Ok(found) = self.usages.0.find_entry(self.hash, |(s, _)| s == scope) {
+            found.remove();
+        }
+    }
 }
 
 /// What one scope holds.
@@ -237,7 +284,7 @@ impl MemoryStoreBuilder {
                 max_entries: self.max_entries,
                 bytes: AtomicU64::new(0),
                 max_bytes: self.max_bytes,
-                per_scope: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+                per_scope: (0..n).map(|_| Mutex::default()).collect(),
                 max_per_scope: self.max_per_scope,
                 max_bytes_per_scope: self.max_bytes_per_scope,
                 last_room_purge: Mutex::new(None),
@@ -384,7 +431,7 @@ impl MemoryStore {
         let mut usages = self.scope_usage(scope);
         // Looked up by reference: the scope is cloned only for its first record.
         let (records, held) = usages
-            .get(scope)
+            .get()
             .map_or((0, 0), |usage| (usage.records, usage.bytes));
         let refused = if records >= inner.max_per_scope {
             Some(Refused::ScopeFull)
@@ -401,14 +448,12 @@ impl MemoryStore {
             inner.bytes.fetch_sub(bytes, Ordering::AcqRel);
             return Err(refused);
         }
-        match usages.get_mut(scope) {
+        match usages.get_mut() {
             Some(usage) => {
                 usage.bytes += bytes;
                 usage.records += 1;
             }
-            None => {
-                usages.insert(scope.clone(), Usage { records: 1, bytes });
-            }
+            None => usages.insert_new(Usage { records: 1, bytes }),
         }
         Ok(())
     }
@@ -427,7 +472,7 @@ impl MemoryStore {
         }
         if counted {
             // A counted record keeps its scope's usage alive (records >= 1).
-            if let Some(usage) = self.scope_usage(scope).get_mut(scope) {
+            if let Some(usage) = self.scope_usage(scope).get_mut() {
                 let max = inner.max_bytes_per_scope;
                 if usage.bytes <= max && usage.bytes.saturating_add(bytes) > max {
                     crossed = crossed.or(Some(("max_bytes_per_scope", max)));
@@ -460,12 +505,12 @@ impl MemoryStore {
             return;
         }
         let mut usages = self.scope_usage(scope);
-        if let Some(usage) = usages.get_mut(scope) {
+        if let Some(usage) = usages.get_mut() {
             usage.bytes = usage.bytes.saturating_sub(bytes);
             if gone {
                 usage.records = usage.records.saturating_sub(1);
                 if usage.records == 0 {
-                    usages.remove(scope);
+                    usages.remove();
                 }
             }
         }
@@ -476,18 +521,29 @@ impl MemoryStore {
         self.shrink(&key.scope, entry.counted, Self::charge(key, entry), true);
     }
 
-    fn scope_usage(&self, scope: &Scope) -> MutexGuard<'_, HashMap<Scope, Usage>> {
-        let i = self.inner.hasher.hash_one(scope) as usize & (self.inner.per_scope.len() - 1);
-        self.inner.per_scope[i]
+    /// The usage of `scope`, its shard locked; the scope is hashed once for the shard and
+    /// every lookup in it.
+    fn scope_usage<'a>(&'a self, scope: &'a Scope) -> ScopeUsage<'a> {
+        let hasher = &self.inner.hasher;
+        let hash = hasher.hash_one(scope);
+        // As in `shard`: bits the table does not use for the slot or the tag.
+        let i = (hash >> 32) as usize & (self.inner.per_scope.len() - 1);
+        let usages = self.inner.per_scope[i]
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|e| e.into_inner());
+        ScopeUsage {
+            usages,
+            scope,
+            hash,
+            hasher,
+        }
     }
 
     /// Whether about `bytes` more fit both budgets of `scope` now (a hint: the charge itself
     /// is checked atomically).
     fn has_room(&self, scope: &Scope, bytes: u64) -> bool {
         let total = self.inner.bytes.load(Ordering::Acquire);
-        let of_scope = self.scope_usage(scope).get(scope).map_or(0, |u| u.bytes);
+        let of_scope = self.scope_usage(scope).get().map_or(0, |u| u.bytes);
         total.saturating_add(bytes) <= self.inner.max_bytes
             && of_scope.saturating_add(bytes) <= self.inner.max_bytes_per_scope
     }
@@ -739,22 +795,21 @@ enum Packed {
 impl Packed {
     fn pack(outcome: &StoredOutcome) -> Self {
         match outcome {
-            StoredOutcome::Response(r) => Packed::response(r.status, &r.encode_headers(), &r.body),
+            StoredOutcome::Response(r) => {
+                // Encoded in place, not through a buffer of their own.
+                let headers = r.encoded_headers_len();
+                let mut out = Vec::with_capacity(6 + headers + r.body.len());
+                out.extend_from_slice(&r.status.to_be_bytes());
+                out.extend_from_slice(&(headers as u32).to_be_bytes());
+                r.encode_headers_into(&mut out);
+                out.extend_from_slice(&r.body);
+                Packed::Response(out.into_boxed_slice())
+            }
             StoredOutcome::Oversized { status, size } => Packed::Oversized {
                 status: *status,
                 size: *size,
             },
         }
-    }
-
-    /// A response from its status, encoded headers and body.
-    fn response(status: u16, headers: &[u8], body: &[u8]) -> Self {
-        let mut out = Vec::with_capacity(6 + headers.len() + body.len());
-        out.extend_from_slice(&status.to_be_bytes());
-        out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
-        out.extend_from_slice(headers);
-        out.extend_from_slice(body);
-        Packed::Response(out.into_boxed_slice())
     }
 
     fn unpack(&self) -> Option<StoredOutcome> {
@@ -830,8 +885,7 @@ impl Store for MemoryStore {
         if let StoredOutcome::Response(r) = outcome {
             // Expired records make room first, as for a claim (before the shard's lock: the
             // purge takes every shard's).
-            let headers: usize = r.headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum();
-            let size = (6 + headers + r.body.len()) as u64;
+            let size = (6 + r.encoded_headers_len() + r.body.len()) as u64;
             if !self.has_room(&key.scope, size) {
                 self.purge_for_room();
             }

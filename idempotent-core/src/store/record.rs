@@ -53,19 +53,27 @@ impl StoredResponse {
     /// Headers as one length-prefixed byte string (for SQL stores); see
     /// [`StoredResponse::decode_headers`].
     pub fn encode_headers(&self) -> Vec<u8> {
-        let len = self
-            .headers
+        let mut out = Vec::with_capacity(self.encoded_headers_len());
+        self.encode_headers_into(&mut out);
+        out
+    }
+
+    /// The length of [`encode_headers`](Self::encode_headers)' output.
+    pub(crate) fn encoded_headers_len(&self) -> usize {
+        self.headers
             .iter()
             .map(|(n, v)| 8 + n.len() + v.len())
-            .sum();
-        let mut out = Vec::with_capacity(len);
+            .sum()
+    }
+
+    /// Appends [`encode_headers`](Self::encode_headers)' output to `out`.
+    pub(crate) fn encode_headers_into(&self, out: &mut Vec<u8>) {
         for (name, value) in &self.headers {
             out.extend_from_slice(&(name.len() as u32).to_be_bytes());
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(&(value.len() as u32).to_be_bytes());
             out.extend_from_slice(value);
         }
-        out
     }
 
     /// Inverse of [`StoredResponse::encode_headers`]; `None` on corrupt input.
