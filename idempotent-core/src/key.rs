@@ -1,5 +1,6 @@
 //! The `Idempotency-Key` header value.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -169,8 +170,15 @@ fn trim_ows(mut v: &[u8]) -> &[u8] {
     v
 }
 
-fn unquote(value: &[u8]) -> Result<Vec<u8>, KeyError> {
+fn unquote(value: &[u8]) -> Result<Cow<'_, [u8]>, KeyError> {
     // RFC 8941 §4.2.5: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
+    // Without an escape or an inner quote, the text between the quotes, borrowed: the key is
+    // then copied once, into its own allocation.
+    if let [b'"', inner @ .., b'"'] = value
+        && !inner.iter().any(|&b| b == b'"' || b == b'\\')
+    {
+        return Ok(Cow::Borrowed(inner));
+    }
     let mut out = Vec::with_capacity(value.len());
     let mut iter = value[1..].iter().copied();
     loop {
@@ -199,7 +207,7 @@ fn unquote(value: &[u8]) -> Result<Vec<u8>, KeyError> {
                         reason: "characters after the closing quote",
                     });
                 }
-                return Ok(out);
+                return Ok(Cow::Owned(out));
             }
             Some(c) => out.push(c),
         }
@@ -271,6 +279,34 @@ mod tests {
         assert_eq!(
             IdempotencyKey::parse(&long),
             Err(KeyError::TooLong { len: 256 })
+        );
+    }
+
+    #[test]
+    fn quoted_keys_with_and_without_escapes() {
+        // No escape: the text between the quotes, as it is.
+        assert_eq!(
+            IdempotencyKey::parse(br#""order-42""#).unwrap().as_str(),
+            "order-42"
+        );
+        assert_eq!(
+            IdempotencyKey::parse(br#" "a b" "#),
+            Err(KeyError::InvalidChar {
+                byte: b' ',
+                position: 1
+            })
+        );
+        // An inner quote or a backslash: the full grammar decides.
+        for bad in [&br#""a"b""#[..], br#""a\""#, br#""a\b""#, b"\""] {
+            assert!(
+                matches!(IdempotencyKey::parse(bad), Err(KeyError::BadQuoting { .. })),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert_eq!(
+            IdempotencyKey::parse(br#""a\"b""#).unwrap().as_str(),
+            r#"a"b"#
         );
     }
 

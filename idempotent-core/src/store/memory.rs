@@ -162,7 +162,7 @@ struct Inner {
 }
 
 /// One shard of the scopes' usage, found by the scope's hash under the store's hasher (taken
-/// once per operation, as [`Shard`]'s are).
+/// once per lookup of a scope's usage, for the shard and the table alike).
 #[derive(Debug, Default)]
 struct Usages(HashTable<(Scope, Usage)>);
 
