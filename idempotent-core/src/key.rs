@@ -1,8 +1,6 @@
 //! The `Idempotency-Key` header value.
 
-use std::borrow::Cow;
 use std::fmt;
-use std::sync::Arc;
 
 /// Longest key accepted, in characters (after unquoting).
 pub const MAX_KEY_LEN: usize = 255;
@@ -22,8 +20,7 @@ pub const MAX_KEY_LEN: usize = 255;
 /// # Ok::<(), idempotent_core::KeyError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-// Shared, not copied, by a clone: a store that keeps the key (the memory store) clones it.
-pub struct IdempotencyKey(Arc<str>);
+pub struct IdempotencyKey(String);
 
 /// Why a header value is not a usable idempotency key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -78,9 +75,9 @@ impl IdempotencyKey {
         let value = trim_ows(value);
         if value.first() == Some(&b'"') {
             let inner = unquote(value)?;
-            Self::validate(&inner)
+            Self::validate(inner)
         } else {
-            Self::validate(value)
+            Self::validate(value.to_vec())
         }
     }
 
@@ -112,7 +109,7 @@ impl IdempotencyKey {
         Self::parse(first.as_ref())
     }
 
-    fn validate(bytes: &[u8]) -> Result<Self, KeyError> {
+    fn validate(bytes: Vec<u8>) -> Result<Self, KeyError> {
         if bytes.is_empty() {
             return Err(KeyError::Empty);
         }
@@ -126,8 +123,8 @@ impl IdempotencyKey {
             return Err(KeyError::TooLong { len: bytes.len() });
         }
         // Every byte is visible ASCII, so this cannot fail; map defensively anyway.
-        std::str::from_utf8(bytes)
-            .map(|text| IdempotencyKey(Arc::from(text)))
+        String::from_utf8(bytes)
+            .map(IdempotencyKey)
             .map_err(|_| KeyError::BadQuoting {
                 reason: "not ASCII",
             })
@@ -170,15 +167,8 @@ fn trim_ows(mut v: &[u8]) -> &[u8] {
     v
 }
 
-fn unquote(value: &[u8]) -> Result<Cow<'_, [u8]>, KeyError> {
+fn unquote(value: &[u8]) -> Result<Vec<u8>, KeyError> {
     // RFC 8941 §4.2.5: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
-    // Without an escape or an inner quote, the text between the quotes, borrowed: the key is
-    // then copied once, into its own allocation.
-    if let [b'"', inner @ .., b'"'] = value
-        && !inner.iter().any(|&b| b == b'"' || b == b'\\')
-    {
-        return Ok(Cow::Borrowed(inner));
-    }
     let mut out = Vec::with_capacity(value.len());
     let mut iter = value[1..].iter().copied();
     loop {
@@ -207,7 +197,7 @@ fn unquote(value: &[u8]) -> Result<Cow<'_, [u8]>, KeyError> {
                         reason: "characters after the closing quote",
                     });
                 }
-                return Ok(Cow::Owned(out));
+                return Ok(out);
             }
             Some(c) => out.push(c),
         }
