@@ -26,9 +26,10 @@ use std::fmt;
 /// bit per byte (at most 3⅛ times the body below 4 GiB, 4 times above, see
 /// [`canonical_form`]), never from a copy; JSON is written once
 /// in canonical form (see [`canonical_json`]), into buffers each thread keeps from one
-/// fingerprint to the next, so a small JSON body costs no allocation: a thread keeps at most
-/// about 50 KiB (a buffer that grew larger for one body is freed afterwards), blocking-pool
-/// threads that fingerprinted large bodies included.
+/// fingerprint to the next, so once a thread has made one, a small JSON body costs no
+/// allocation: a thread keeps at most about 50 KiB (a buffer that grew larger for one body is
+/// freed afterwards), blocking-pool threads that fingerprinted large bodies included (so at
+/// most about 50 KiB times the runtime's threads in all).
 /// Both stay within 4 times the body (`tests/alloc_bounds.rs` checks hostile shapes up to
 /// 2 MiB). Large bodies are best fingerprinted off the async workers:
 /// [`RequestHead::fingerprint_async`](crate::http::RequestHead::fingerprint_async).

@@ -1166,14 +1166,25 @@ mod tests {
                 );
             }
         }
-        // Reused: the output buffer kept after a call is the one it wrote into, and the next
-        // call writes into it again.
-        let first = with_canonical(br#"{"b":1,"a":2}"#, <[u8]>::as_ptr).unwrap();
-        let kept = SPARE.take().expect("buffers kept");
-        assert_eq!(kept.out.as_ptr(), first);
-        SPARE.set(Some(kept));
-        let second = with_canonical(br#"{"d":1,"c":2}"#, <[u8]>::as_ptr).unwrap();
-        assert_eq!(first, second);
+        // Reused: a call writes into the thread's spare output buffer (planted here with a
+        // capacity no fresh one would have), and keeps it for the next call.
+        SPARE.set(Some(Buffers {
+            out: Vec::with_capacity(4096),
+            ..Buffers::default()
+        }));
+        let planted = SPARE.with(|spare| {
+            let buffers = spare.take().expect("planted");
+            let at = buffers.out.as_ptr();
+            spare.set(Some(buffers));
+            at
+        });
+        for text in [&br#"{"b":1,"a":2}"#[..], br#"{"d":1,"c":2}"#] {
+            let wrote = with_canonical(text, <[u8]>::as_ptr).unwrap();
+            assert_eq!(wrote, planted);
+            let kept = SPARE.take().expect("buffers kept");
+            assert_eq!((kept.out.as_ptr(), kept.out.capacity()), (planted, 4096));
+            SPARE.set(Some(kept));
+        }
     }
 
     #[test]
@@ -1207,6 +1218,19 @@ mod tests {
         assert!(reused(br#"{"b":1,"a":2}"#).is_some());
         let small = capacities();
         assert!(small.0 > 0 && small.1 > 0 && small.2 > 0, "{small:?}");
+        // The small-object sort holds at most SMALL_OBJECT members, kept or not.
+        let widest = format!(
+            "{{{}}}",
+            (0..SMALL_OBJECT)
+                .rev()
+                .map(|i| format!(r#""k{i:02}":{i}"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        assert_eq!(reused(widest.as_bytes()), canonicalize(widest.as_bytes()));
+        let spare = SPARE.take().expect("buffers kept");
+        assert!(spare.small.capacity() >= 1 && spare.small.capacity() <= SMALL_OBJECT);
+        SPARE.set(Some(spare));
         // A long string out of order: the text and its copy grow past the bound and are freed,
         // the two member offsets are kept.
         let long = format!(r#"{{"b":"{}","a":1}}"#, "x".repeat(2 * KEEP_BYTES));

@@ -274,7 +274,7 @@ mod tests {
 
     #[test]
     fn quoted_keys_with_and_without_escapes() {
-        // No escape: the text between the quotes, as it is.
+        // Quoted keys, with and without escapes, parse per RFC 8941 §4.2.5.
         assert_eq!(
             IdempotencyKey::parse(br#""order-42""#).unwrap().as_str(),
             "order-42"
@@ -286,7 +286,7 @@ mod tests {
                 position: 1
             })
         );
-        // An inner quote or a backslash: the full grammar decides.
+        // An unescaped inner quote, an escape of anything but `"` and `\`, or no closing quote.
         for bad in [&br#""a"b""#[..], br#""a\""#, br#""a\b""#, b"\""] {
             assert!(
                 matches!(IdempotencyKey::parse(bad), Err(KeyError::BadQuoting { .. })),
