@@ -162,7 +162,8 @@ struct Inner {
 }
 
 /// One shard of the scopes' usage, found by the scope's hash under the store's hasher (taken
-/// once per lookup of a scope's usage, for the shard and the table alike).
+/// once per lookup of a scope's usage, for the shard and the table alike; once for both of a
+/// completion's).
 #[derive(Debug, Default)]
 struct Usages(HashTable<(Scope, Usage)>);
 
@@ -463,7 +464,7 @@ impl MemoryStore {
     /// turning them away would cost the caller a replayable response. A budget this takes
     /// past its bound refuses new records until records go ("Byte budgets"); logged once per
     /// crossing.
-    fn charge_response(&self, scope: &Scope, counted: bool, bytes: u64) {
+    fn charge_response(&self, scope: &Scope, scope_hash: u64, counted: bool, bytes: u64) {
         let inner = &*self.inner;
         let before = inner.bytes.fetch_add(bytes, Ordering::AcqRel);
         let mut crossed = None;
@@ -472,7 +473,7 @@ impl MemoryStore {
         }
         if counted {
             // A counted record keeps its scope's usage alive (records >= 1).
-            if let Some(usage) = self.scope_usage(scope).get_mut() {
+            if let Some(usage) = self.scope_usage_at(scope, scope_hash).get_mut() {
                 let max = inner.max_bytes_per_scope;
                 if usage.bytes <= max && usage.bytes.saturating_add(bytes) > max {
                     crossed = crossed.or(Some(("max_bytes_per_scope", max)));
@@ -524,8 +525,17 @@ impl MemoryStore {
     /// The usage of `scope`, its shard locked; the scope is hashed once for the shard and
     /// every lookup in it.
     fn scope_usage<'a>(&'a self, scope: &'a Scope) -> ScopeUsage<'a> {
+        self.scope_usage_at(scope, self.scope_hash(scope))
+    }
+
+    /// `scope`'s hash under the store's hasher, for [`scope_usage_at`](Self::scope_usage_at).
+    fn scope_hash(&self, scope: &Scope) -> u64 {
+        self.inner.hasher.hash_one(scope)
+    }
+
+    /// [`scope_usage`](Self::scope_usage) with the scope's hash taken already.
+    fn scope_usage_at<'a>(&'a self, scope: &'a Scope, hash: u64) -> ScopeUsage<'a> {
         let hasher = &self.inner.hasher;
-        let hash = hasher.hash_one(scope);
         // As in `shard`: bits the table does not use for the slot or the tag.
         let i = (hash >> 32) as usize & (self.inner.per_scope.len() - 1);
         let usages = self.inner.per_scope[i]
@@ -541,19 +551,28 @@ impl MemoryStore {
 
     /// Whether about `bytes` more fit both budgets of `scope` now (a hint: the charge itself
     /// is checked atomically).
-    fn has_room(&self, scope: &Scope, bytes: u64) -> bool {
+    fn has_room(&self, scope: &Scope, scope_hash: u64, bytes: u64) -> bool {
         let total = self.inner.bytes.load(Ordering::Acquire);
-        let of_scope = self.scope_usage(scope).get().map_or(0, |u| u.bytes);
+        let of_scope = self
+            .scope_usage_at(scope, scope_hash)
+            .get()
+            .map_or(0, |u| u.bytes);
         total.saturating_add(bytes) <= self.inner.max_bytes
             && of_scope.saturating_add(bytes) <= self.inner.max_bytes_per_scope
     }
 
     /// Packs `outcome` for the record of `key`, charging its response (see
     /// [`charge_response`](Self::charge_response)).
-    fn pack_charged(&self, key: &RecordKey, counted: bool, outcome: &StoredOutcome) -> Packed {
+    fn pack_charged(
+        &self,
+        key: &RecordKey,
+        scope_hash: u64,
+        counted: bool,
+        outcome: &StoredOutcome,
+    ) -> Packed {
         let packed = Packed::pack(outcome);
         if let Packed::Response(bytes) = &packed {
-            self.charge_response(&key.scope, counted, bytes.len() as u64);
+            self.charge_response(&key.scope, scope_hash, counted, bytes.len() as u64);
         }
         packed
     }
@@ -882,18 +901,20 @@ impl Store for MemoryStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        // Hashed once for the room check and the charge.
+        let scope_hash = self.scope_hash(&key.scope);
         if let StoredOutcome::Response(r) = outcome {
             // Expired records make room first, as for a claim (before the shard's lock: the
             // purge takes every shard's).
             let size = (6 + r.encoded_headers_len() + r.body.len()) as u64;
-            if !self.has_room(&key.scope, size) {
+            if !self.has_room(&key.scope, scope_hash, size) {
                 self.purge_for_room();
             }
         }
         self.fenced(key, token, |map, hashed, now| {
             if let Some(rec) = map.get_mut(hashed) {
                 rec.state = EntryState::Done {
-                    outcome: self.pack_charged(key, rec.counted, outcome),
+                    outcome: self.pack_charged(key, scope_hash, rec.counted, outcome),
                     completed_at: now.wall,
                 };
                 rec.expires_at = rec.expires_at.max(later(now.mono, ttl));
