@@ -180,8 +180,8 @@ pub(crate) fn outcome(
     }
 }
 
-/// What `metrics::counter!` gives the recorder for a counter registered in this module.
-static REQUESTS_METADATA: metrics::Metadata<'static> =
+/// What `metrics`' macros give the recorder for a metric registered in this module.
+static METADATA: metrics::Metadata<'static> =
     metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
 /// Adds one to [`REQUESTS_TOTAL`] for `route` and `outcome`, as
@@ -208,8 +208,7 @@ fn count_request(route: &'static str, outcome: RequestOutcome) {
         )
     };
     let count = |key: &metrics::Key| {
-        metrics::with_recorder(|recorder| recorder.register_counter(key, &REQUESTS_METADATA))
-            .increment(1);
+        metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
     };
     let counted = KEYS
         .try_with(|keys| {
@@ -241,12 +240,20 @@ pub fn rejected(route_template: Option<&str>) {
 /// Records a store call's latency.
 pub(crate) fn store_time(operation: &'static str, took: Duration) {
     let seconds = took.as_secs_f64();
-    // A literal label makes a static key; a `&str` variable would allocate the key's labels on
-    // every call (twice per first execution).
+    // A key built at compile time for each known operation: `histogram!` with a name that is
+    // a constant builds and hashes the key on every call, and with a `&str` variable for the
+    // label allocates its labels too (twice per first execution).
     macro_rules! by_operation {
         ($($known:literal),*) => {
             match operation {
-                $($known => metrics::histogram!(STORE_SECONDS, "operation" => $known).record(seconds),)*
+                $($known => {
+                    static LABELS: [metrics::Label; 1] =
+                        [metrics::Label::from_static_parts("operation", $known)];
+                    static KEY: metrics::Key =
+                        metrics::Key::from_static_parts(STORE_SECONDS, &LABELS);
+                    metrics::with_recorder(|recorder| recorder.register_histogram(&KEY, &METADATA))
+                        .record(seconds)
+                })*
                 other => metrics::histogram!(STORE_SECONDS, "operation" => other).record(seconds),
             }
         };
@@ -311,7 +318,10 @@ pub(crate) fn settled(span: &tracing::Span, route: &'static str, settled: Settle
 
 /// One more request in flight.
 pub(crate) fn in_flight(delta: f64) {
-    metrics::gauge!(IN_FLIGHT).increment(delta);
+    // A key built at compile time: `gauge!` with a name that is a constant, not a literal,
+    // builds and hashes it on every call.
+    static KEY: metrics::Key = metrics::Key::from_static_name(IN_FLIGHT);
+    metrics::with_recorder(|recorder| recorder.register_gauge(&KEY, &METADATA)).increment(delta);
 }
 
 #[cfg(test)]
@@ -337,11 +347,33 @@ mod tests {
         assert_eq!(StoreUnavailable.label(), "store_unavailable");
     }
 
-    /// Every counter registration a recorder is asked for: the key and its metadata.
+    /// Every registration a recorder is asked for: its kind, key and metadata.
     #[derive(Default)]
-    struct Registrations(
-        std::sync::Mutex<Vec<(metrics::Key, String, metrics::Level, Option<String>)>>,
+    struct Registrations(std::sync::Mutex<Vec<Registered>>);
+
+    type Registered = (
+        &'static str,
+        metrics::Key,
+        String,
+        metrics::Level,
+        Option<String>,
     );
+
+    impl Registrations {
+        fn push(&self, kind: &'static str, key: &metrics::Key, meta: &metrics::Metadata<'_>) {
+            self.0.lock().unwrap().push((
+                kind,
+                key.clone(),
+                meta.target().to_owned(),
+                *meta.level(),
+                meta.module_path().map(str::to_owned),
+            ));
+        }
+
+        fn taken(self) -> Vec<Registered> {
+            self.0.into_inner().unwrap()
+        }
+    }
 
     impl metrics::Recorder for Registrations {
         fn describe_counter(
@@ -370,23 +402,48 @@ mod tests {
             key: &metrics::Key,
             meta: &metrics::Metadata<'_>,
         ) -> metrics::Counter {
-            self.0.lock().unwrap().push((
-                key.clone(),
-                meta.target().to_owned(),
-                *meta.level(),
-                meta.module_path().map(str::to_owned),
-            ));
+            self.push("counter", key, meta);
             metrics::Counter::noop()
         }
-        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        fn register_gauge(
+            &self,
+            key: &metrics::Key,
+            meta: &metrics::Metadata<'_>,
+        ) -> metrics::Gauge {
+            self.push("gauge", key, meta);
             metrics::Gauge::noop()
         }
         fn register_histogram(
             &self,
-            _: &metrics::Key,
-            _: &metrics::Metadata<'_>,
+            key: &metrics::Key,
+            meta: &metrics::Metadata<'_>,
         ) -> metrics::Histogram {
+            self.push("histogram", key, meta);
             metrics::Histogram::noop()
+        }
+    }
+
+    /// What `ours` registers against what `macros` does (the metrics' macros as this module
+    /// called them before): the same kinds and keys, in order, each with this module's
+    /// metadata, which the macros gave at their old call sites here.
+    fn registers_as_the_macros(ours: impl Fn(), macros: impl Fn()) {
+        let (a, b) = (Registrations::default(), Registrations::default());
+        metrics::with_local_recorder(&a, ours);
+        metrics::with_local_recorder(&b, macros);
+        let (a, b) = (a.taken(), b.taken());
+        let keys = |r: &[Registered]| {
+            r.iter()
+                .map(|(kind, key, ..)| (*kind, key.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert!(!a.is_empty());
+        assert_eq!(keys(&a), keys(&b));
+        let module = "idempotent_core::observe";
+        for (_, _, target, level, path) in &a {
+            assert_eq!(
+                (target.as_str(), *level, path.as_deref()),
+                (module, metrics::Level::INFO, Some(module))
+            );
         }
     }
 
@@ -405,48 +462,42 @@ mod tests {
             ("b", Replayed),
             ("a", Replayed),
         ];
-        let ours = Registrations::default();
-        metrics::with_local_recorder(&ours, || {
-            for (route, outcome) in calls {
-                count_request(route, outcome);
-            }
-        });
-        let macros = Registrations::default();
-        metrics::with_local_recorder(&macros, || {
-            for (route, outcome) in calls {
-                let outcome = outcome.label();
-                metrics::counter!(REQUESTS_TOTAL, "route" => route, "outcome" => outcome)
-                    .increment(1);
-            }
-        });
-        let ours = ours.0.into_inner().unwrap();
-        let keys = |r: &[(metrics::Key, String, metrics::Level, Option<String>)]| {
-            r.iter().map(|(key, ..)| key.clone()).collect::<Vec<_>>()
-        };
-        assert_eq!(ours.len(), calls.len());
-        assert_eq!(keys(&ours), keys(&macros.0.into_inner().unwrap()));
-        // The macro's metadata at its old call site, `outcome` in this module.
-        let module = "idempotent_core::observe";
-        for (_, target, level, path) in &ours {
-            assert_eq!(
-                (target.as_str(), *level, path.as_deref()),
-                (module, metrics::Level::INFO, Some(module))
-            );
-        }
-        let labels = |key: &metrics::Key| -> Vec<(String, String)> {
-            key.labels()
-                .map(|l| (l.key().to_owned(), l.value().to_owned()))
-                .collect()
-        };
-        for ((key, ..), (route, outcome)) in ours.iter().zip(calls) {
-            assert_eq!(key.name(), REQUESTS_TOTAL);
-            assert_eq!(
-                labels(key),
-                [
-                    ("route".to_owned(), route.to_owned()),
-                    ("outcome".to_owned(), outcome.label().to_owned())
-                ]
-            );
-        }
+        registers_as_the_macros(
+            || {
+                for (route, outcome) in calls {
+                    count_request(route, outcome);
+                }
+            },
+            || {
+                for (route, outcome) in calls {
+                    let outcome = outcome.label();
+                    metrics::counter!(REQUESTS_TOTAL, "route" => route, "outcome" => outcome)
+                        .increment(1);
+                }
+            },
+        );
+    }
+
+    #[test]
+    fn gauges_and_histograms_register_the_keys_the_macros_give() {
+        let operations = [
+            "claim", "complete", "release", "extend", "commit", "begin", "purge", "another",
+        ];
+        registers_as_the_macros(
+            || {
+                in_flight(1.0);
+                in_flight(-1.0);
+                for operation in operations {
+                    store_time(operation, Duration::from_millis(1));
+                }
+            },
+            || {
+                metrics::gauge!(IN_FLIGHT).increment(1.0);
+                metrics::gauge!(IN_FLIGHT).increment(-1.0);
+                for operation in operations {
+                    metrics::histogram!(STORE_SECONDS, "operation" => operation).record(0.001);
+                }
+            },
+        );
     }
 }
