@@ -431,9 +431,17 @@ mod tests {
         metrics::with_local_recorder(&a, ours);
         metrics::with_local_recorder(&b, macros);
         let (a, b) = (a.taken(), b.taken());
+        // The key, and its labels in order (a key's equality ignores their order, which
+        // exporters show).
         let keys = |r: &[Registered]| {
             r.iter()
-                .map(|(kind, key, ..)| (*kind, key.clone()))
+                .map(|(kind, key, ..)| {
+                    (
+                        *kind,
+                        key.clone(),
+                        key.labels().cloned().collect::<Vec<_>>(),
+                    )
+                })
                 .collect::<Vec<_>>()
         };
         assert!(!a.is_empty());
