@@ -85,7 +85,7 @@ where
             headers
                 .get(header::CONTENT_LENGTH)
                 .map(HeaderValue::as_bytes),
-            req.match_pattern().as_deref(),
+            || req.match_pattern(),
         );
         let admitted = match admitted {
             Ok(admitted) => admitted,

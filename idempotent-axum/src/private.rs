@@ -68,7 +68,7 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
             headers
                 .get(header::CONTENT_LENGTH)
                 .map(HeaderValue::as_bytes),
-            route.as_ref().map(MatchedPath::as_str),
+            || route.as_ref().map(MatchedPath::as_str),
         )
         .map_err(|p| problem(&p))?;
         let mut ctx = Context {

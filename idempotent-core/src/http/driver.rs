@@ -72,18 +72,19 @@ pub struct Admitted {
 
 /// The checks that run before a byte of the body is read: a safe method or (where the route
 /// allows it) a missing key leaves the request unprotected and its body to the handler; a
-/// malformed or missing key is 400 (counted as rejected under `route_template`); a declared
-/// length over the limit is 413.
+/// malformed or missing key is 400 (counted as rejected under the route template
+/// `route_template` gives, asked only then: finding it costs actix a lookup and a `String`
+/// per request); a declared length over the limit is 413.
 ///
 /// # Errors
 /// The problem to answer with.
-pub fn admit<'a>(
+pub fn admit<'a, T: AsRef<str>>(
     config: &Config,
     required: bool,
     method: &str,
     keys: impl IntoIterator<Item = &'a [u8]>,
     content_length: Option<&[u8]>,
-    route_template: Option<&str>,
+    route_template: impl FnOnce() -> Option<T>,
 ) -> Result<Admitted, Box<Problem>> {
     let mut admitted = Admitted {
         key: Err(KeyError::Missing),
@@ -98,9 +99,10 @@ pub fn admit<'a>(
     } else {
         KeyRequirement::Optional
     };
-    check_key(&admitted.key, requirement).inspect_err(|_| {
-        crate::observe::rejected(route_template);
-    })?;
+    if let Err(problem) = check_key(&admitted.key, requirement) {
+        crate::observe::rejected(route_template().as_ref().map(AsRef::as_ref));
+        return Err(problem);
+    }
     if admitted.key.is_err() {
         // No key on an optional route: the request runs unprotected, so its body is left for
         // the handler (and its own limits) and never fingerprinted.
@@ -687,6 +689,33 @@ mod tests {
         assert_eq!(read(chunks(&[b"ab", b"cd"]), 4).await.unwrap().len(), 4);
         assert_eq!(read(chunks(&[b"ab", b"cd", b"e"]), 4).await, Err(413));
         assert_eq!(read(chunks(&[b"abc", b"de"]), 4).await, Err(413));
+    }
+
+    #[tokio::test]
+    async fn the_route_template_is_asked_for_only_when_a_key_is_refused() {
+        use super::admit;
+        use crate::{Engine, MemoryStore, http::Config};
+        let config = Config::new(Engine::new(MemoryStore::new()));
+        let asked = std::cell::Cell::new(0);
+        let template = || {
+            asked.set(asked.get() + 1);
+            Some("/t")
+        };
+        let none: [&[u8]; 0] = [];
+        // A valid key, a safe method, no key on an optional route: never asked.
+        assert!(admit(&config, true, "POST", [&b"k1"[..]], None, template).is_ok());
+        assert!(admit(&config, true, "GET", none, None, template).is_ok());
+        assert!(admit(&config, false, "POST", none, None, template).is_ok());
+        assert_eq!(asked.get(), 0);
+        // No key where one is required, and a malformed key: refused, asked once each.
+        let refused = |keys: &[&[u8]]| {
+            admit(&config, true, "POST", keys.iter().copied(), None, template)
+                .map(|_| ())
+                .map_err(|p| p.status)
+        };
+        assert_eq!(refused(&[]), Err(400));
+        assert_eq!(refused(&[b"a b"]), Err(400));
+        assert_eq!(asked.get(), 2);
     }
 
     #[tokio::test]
