@@ -718,3 +718,61 @@ async fn other_callers_volume_never_turns_a_response_into_a_marker() {
         Some(300 * 1024)
     );
 }
+
+/// The store's tables grow, and rehash in place once removals have left them full of
+/// tombstones, moving each record by the hash kept beside it: every record must still be
+/// found afterwards, and no removed one. (A wrong kept hash loses records only when a table
+/// is rebuilt, which a small store never does.)
+#[tokio::test]
+async fn records_stay_found_as_tables_grow_and_churn() {
+    use idempotent_core::store::*;
+    let store = MemoryStore::new();
+    let fp = idempotent_tests::conformance::fp("churn");
+    let ttl = Duration::from_secs(3600);
+    let claim = async |key: &RecordKey| {
+        store
+            .claim(ClaimRequest {
+                key,
+                fingerprint: &fp,
+                lease: ttl,
+                ttl,
+            })
+            .await
+    };
+    // Growth: 20,000 records over the shards (about a thousand each), several doublings.
+    let mut live = std::collections::VecDeque::new();
+    for i in 0..20_000 {
+        let key = idempotent_tests::conformance::unique_key(&format!("grow-{i}"));
+        assert!(matches!(claim(&key).await, Ok(ClaimOutcome::Claimed(_))));
+        live.push_back(key);
+    }
+    // Churn at a steady size: a new record in, the oldest out, so the tables fill with
+    // tombstones and are rehashed where they stand.
+    let mut gone = Vec::new();
+    for i in 0..60_000 {
+        let key = idempotent_tests::conformance::unique_key(&format!("churn-{i}"));
+        assert!(matches!(claim(&key).await, Ok(ClaimOutcome::Claimed(_))));
+        live.push_back(key);
+        let oldest = live.pop_front().unwrap();
+        assert!(matches!(
+            store.delete(&oldest, true).await,
+            Ok(Deleted::Deleted(_))
+        ));
+        if i % 10 == 0 {
+            gone.push(oldest);
+        }
+    }
+    assert_eq!(store.len(), 20_000);
+    for key in &live {
+        assert!(
+            matches!(claim(key).await, Ok(ClaimOutcome::InProgress { .. })),
+            "a live record was lost"
+        );
+    }
+    for key in &gone {
+        assert!(
+            matches!(claim(key).await, Ok(ClaimOutcome::Claimed(_))),
+            "a deleted record was still found"
+        );
+    }
+}
