@@ -39,8 +39,8 @@ const MIB: u64 = 1024 * 1024;
 /// The per-scope bounds are ceilings on *live* records, so they also limit a legitimate busy
 /// caller: with the default ttl of 24 hours, a caller sending more than about 1.1 new keys a
 /// second on average (100,000 a day) meets the count bound, and one whose records are larger
-/// than about 335 bytes meets its byte budget sooner (records of a 200-byte body: about 57,000
-/// a day, 0.66 a second). Size `max_per_scope`, `max_bytes_per_scope` (and the ttl) for your
+/// than about 335 bytes meets its byte budget sooner (records of a 200-byte body: about 56,000
+/// a day, 0.65 a second). Size `max_per_scope`, `max_bytes_per_scope` (and the ttl) for your
 /// busiest caller, or use a SQL store, which has no such bounds.
 ///
 /// # Byte budgets
@@ -48,15 +48,15 @@ const MIB: u64 = 1024 * 1024;
 /// 256 MiB) and `max_bytes_per_scope` per caller (default 32 MiB), so 100,000 records of a
 /// 1 MiB response cannot exhaust the process. A record is charged an estimate of what it
 /// holds: its scope, key, fingerprint (33 bytes), stored response (status, encoded headers and
-/// body) and a fixed [`MemoryStore::RECORD_OVERHEAD`] of 256 bytes for the map slot, the entry
+/// body) and a fixed [`MemoryStore::RECORD_OVERHEAD`] of 272 bytes for the map slot, the entry
 /// and allocator rounding. Measured (BENCHMARKS.md's footprint bench): a million finished
-/// records of a 200-byte body are charged 584 bytes each and take 584 bytes each resident
-/// (556.9 MiB charged, 556.7 MiB resident). The defaults suit a process of 1 GiB: the store
+/// records of a 200-byte body are charged 600 bytes each and take 600 bytes each resident
+/// (572.2 MiB charged, 572.6 MiB resident). The defaults suit a process of 1 GiB: the store
 /// takes at most a quarter of it, leaving the rest to the application and to the requests and
 /// responses in flight (up to `max_request` and `max_response` each); one caller takes at most
-/// an eighth of the store (32 responses of 1 MiB, or about 57,000 records of a 200-byte body),
+/// an eighth of the store (32 responses of 1 MiB, or about 56,000 records of a 200-byte body),
 /// so at least eight callers at their budget are needed to fill it. With the defaults the
-/// byte budget, not `max_entries`, is what bounds a store of small records (about 460,000 of
+/// byte budget, not `max_entries`, is what bounds a store of small records (about 447,000 of
 /// them). Raise both for a larger process.
 ///
 /// A claim is charged the record without its response, and refused like the count bound
@@ -356,7 +356,7 @@ impl Now {
 impl MemoryStore {
     /// Bytes charged per record on top of its scope, key, fingerprint and stored response:
     /// the map slot, the boxed entry and allocator rounding (see "Byte budgets").
-    pub const RECORD_OVERHEAD: u64 = 256;
+    pub const RECORD_OVERHEAD: u64 = 272;
 
     /// A store with the defaults (1,000,000 records, 100,000 per scope, 256 MiB, 32 MiB per
     /// scope, system clock).
