@@ -720,13 +720,15 @@ async fn other_callers_volume_never_turns_a_response_into_a_marker() {
 }
 
 /// The store's tables grow, and rehash in place once removals have left them full of
-/// tombstones, moving each record by the hash kept beside it: every record must still be
-/// found afterwards, and no removed one. (A wrong kept hash loses records only when a table
-/// is rebuilt, which a small store never does.)
+/// tombstones, moving each record (and each scope's usage) by the hash kept beside it: every
+/// record must still be found afterwards, and no removed one, and each scope's count must
+/// still be found and bound it. (A wrong kept hash loses entries only when a table is
+/// rebuilt, which a small store never does.)
 #[tokio::test]
 async fn records_stay_found_as_tables_grow_and_churn() {
-    use idempotent_core::store::*;
-    let store = MemoryStore::new();
+    use idempotent_core::{IdempotencyKey, store::*};
+    // Every key below has a scope of its own: one record each, so a second is refused.
+    let store = MemoryStore::builder().max_per_scope(1).build();
     let fp = idempotent_tests::conformance::fp("churn");
     let ttl = Duration::from_secs(3600);
     let claim = async |key: &RecordKey| {
@@ -769,10 +771,32 @@ async fn records_stay_found_as_tables_grow_and_churn() {
             "a live record was lost"
         );
     }
+    let sibling = |key: &RecordKey| {
+        RecordKey::new(
+            key.scope.clone(),
+            IdempotencyKey::parse(b"sibling").unwrap(),
+        )
+    };
+    for key in &live {
+        assert!(
+            matches!(
+                claim(&sibling(key)).await,
+                Err(StoreError::ScopeCapacity { max_per_scope: 1 })
+            ),
+            "a scope's count was lost"
+        );
+    }
     for key in &gone {
         assert!(
             matches!(claim(key).await, Ok(ClaimOutcome::Claimed(_))),
             "a deleted record was still found"
+        );
+        assert!(
+            matches!(
+                claim(&sibling(key)).await,
+                Err(StoreError::ScopeCapacity { max_per_scope: 1 })
+            ),
+            "a scope's count was lost"
         );
     }
 }

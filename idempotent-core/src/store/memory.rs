@@ -126,6 +126,7 @@ struct Slot {
 impl Slot {
     /// Whether this slot holds `k`; the hash first, so a slot whose 7-bit tag matched by
     /// chance is passed over without reading its key.
+    #[inline]
     fn holds(&self, k: Hashed<'_>) -> bool {
         self.hash == k.hash && self.key == *k.key
     }
@@ -139,10 +140,12 @@ struct Hashed<'a> {
 }
 
 impl Shard {
+    #[inline]
     fn get(&self, k: Hashed<'_>) -> Option<&Entry> {
         self.0.find(k.hash, |s| s.holds(k)).map(|s| &*s.entry)
     }
 
+    #[inline]
     fn get_mut(&mut self, k: Hashed<'_>) -> Option<&mut Box<Entry>> {
         self.0
             .find_mut(k.hash, |s| s.holds(k))
@@ -190,51 +193,49 @@ struct Inner {
 
 /// One shard of the scopes' usage, found by the scope's hash under the store's hasher (taken
 /// once per lookup of a scope's usage, for the shard and the table alike; once for both of a
-/// completion's).
+/// completion's). Each entry keeps that hash, as a record's [`Slot`] does, so the table grows
+/// and rehashes without hashing scopes again.
 #[derive(Debug, Default)]
-struct Usages(HashTable<(Scope, Usage)>);
+struct Usages(HashTable<(u64, Scope, Usage)>);
 
 /// A scope's entry in its locked [`Usages`] shard, present or not.
 struct ScopeUsage<'a> {
     usages: MutexGuard<'a, Usages>,
     scope: &'a Scope,
     hash: u64,
-    hasher: &'a RandomState,
 }
 
 impl ScopeUsage<'_> {
     fn get(&self) -> Option<&Usage> {
-        let scope = self.scope;
-        self.usages
-            .0
-            .find(self.hash, |(s, _)| s == scope)
-            .map(|(_, u)| u)
+        let is = scope_is(self.hash, self.scope);
+        self.usages.0.find(self.hash, is).map(|(_, _, u)| u)
     }
 
     fn get_mut(&mut self) -> Option<&mut Usage> {
-        let scope = self.scope;
-        self.usages
-            .0
-            .find_mut(self.hash, |(s, _)| s == scope)
-            .map(|(_, u)| u)
+        let is = scope_is(self.hash, self.scope);
+        self.usages.0.find_mut(self.hash, is).map(|(_, _, u)| u)
     }
 
     /// Adds the usage of a scope its shard does not hold (checked under its lock).
     fn insert_new(&mut self, usage: Usage) {
-        let hasher = self.hasher;
+        let entry = (self.hash, self.scope.clone(), usage);
         self.usages
             .0
-            .insert_unique(self.hash, (self.scope.clone(), usage), |(s, _)| {
-                hasher.hash_one(s)
-            });
+            .insert_unique(self.hash, entry, |(h, _, _)| *h);
     }
 
     fn remove(&mut self) {
-        let scope = self.scope;
-        if let Ok(found) = self.usages.0.find_entry(self.hash, |(s, _)| s == scope) {
+        let is = scope_is(self.hash, self.scope);
+        if let Ok(found) = self.usages.0.find_entry(self.hash, is) {
             found.remove();
         }
     }
+}
+
+/// Whether an entry of a [`Usages`] table is `scope`'s, whose hash is `hash`; the hash first
+/// (see [`Slot::holds`]).
+fn scope_is(hash: u64, scope: &Scope) -> impl Fn(&(u64, Scope, Usage)) -> bool + '_ {
+    move |(h, s, _)| *h == hash && s == scope
 }
 
 /// What one scope holds.
@@ -562,7 +563,6 @@ impl MemoryStore {
 
     /// [`scope_usage`](Self::scope_usage) with the scope's hash taken already.
     fn scope_usage_at<'a>(&'a self, scope: &'a Scope, hash: u64) -> ScopeUsage<'a> {
-        let hasher = &self.inner.hasher;
         // As in `shard`: bits the table does not use for the slot or the tag.
         let i = (hash >> 32) as usize & (self.inner.per_scope.len() - 1);
         let usages = self.inner.per_scope[i]
@@ -572,7 +572,6 @@ impl MemoryStore {
             usages,
             scope,
             hash,
-            hasher,
         }
     }
 
