@@ -234,7 +234,7 @@ impl ScopeUsage<'_> {
 
 /// Whether an entry of a [`Usages`] table is `scope`'s, whose hash is `hash`; the hash first
 /// (see [`Slot::holds`]).
-fn scope_is(hash: u64, scope: &Scope) -> impl Fn(&(u64, Scope, Usage)) -> bool + '_ {
+fn scope_is(hash: u64, scope: &Scope) -> impl Fn(&(u64, Scope, Usage)) -> bool {
     move |(h, s, _)| *h == hash && s == scope
 }
 
@@ -276,7 +276,7 @@ impl MemoryStoreBuilder {
 
     /// Upper bound on the bytes all records hold, as the store estimates them (default
     /// 256 MiB; see [`MemoryStore`]'s "Byte budgets"). A budget smaller than one record
-    /// without its response (about 300 bytes) refuses every claim.
+    /// without its response (about 360 bytes) refuses every claim.
     #[must_use]
     pub fn max_bytes(mut self, bytes: u64) -> Self {
         self.max_bytes = bytes;
@@ -1004,5 +1004,68 @@ impl Store for MemoryStore {
             None => Ok(None),
             Some(entry) => entry.to_record(key, now).map(Some).ok_or_else(corrupt),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::IdempotencyKey;
+    use crate::fingerprint::FingerprintInput;
+
+    /// Every hash kept beside a record or a scope's usage is the one the store's hasher
+    /// gives its key, after the tables have grown and churned: a table is rebuilt from the
+    /// kept hashes alone, so a wrong bit anywhere would lose the entry once its table is
+    /// large enough for that bit to place it.
+    #[tokio::test]
+    async fn kept_hashes_are_the_keys() {
+        let store = MemoryStore::new();
+        let fingerprint = Fingerprint::compute(&FingerprintInput {
+            method: "POST",
+            path: "/kept",
+            query: None,
+            content_type: None,
+            body: b"",
+        });
+        let ttl = Duration::from_secs(3600);
+        let key = |i: usize| {
+            RecordKey::new(
+                Scope::new(format!("acct_{}", i % 700)).unwrap(),
+                IdempotencyKey::parse(format!("k-{i}").as_bytes()).unwrap(),
+            )
+        };
+        for i in 0..6_000 {
+            let req = ClaimRequest {
+                key: &key(i),
+                fingerprint: &fingerprint,
+                lease: ttl,
+                ttl,
+            };
+            assert!(matches!(
+                store.claim(req).await,
+                Ok(ClaimOutcome::Claimed(_))
+            ));
+            if i % 3 == 0 {
+                let gone = store.delete(&key(i / 3), true).await.unwrap();
+                assert!(matches!(gone, Deleted::Deleted(_)));
+            }
+        }
+        let hasher = &store.inner.hasher;
+        let mut records = 0;
+        for shard in store.inner.shards.iter() {
+            for slot in shard.lock().unwrap().0.iter() {
+                assert_eq!(slot.hash, hasher.hash_one(&slot.key));
+                records += 1;
+            }
+        }
+        assert_eq!(records, 4_000);
+        let mut scopes = 0;
+        for usages in store.inner.per_scope.iter() {
+            for (hash, scope, _) in usages.lock().unwrap().0.iter() {
+                assert_eq!(*hash, hasher.hash_one(scope));
+                scopes += 1;
+            }
+        }
+        assert_eq!(scopes, 700);
     }
 }
