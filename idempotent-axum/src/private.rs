@@ -177,17 +177,17 @@ where
         let future = Box::pin(handler());
         async move { future.await.into_response() }
     };
-    // Boxed, so the handler's future that axum boxes holds a pointer to this one: every
-    // future allocated per request stays under 1 KiB, where glibc's allocator serves it from
-    // its per-thread cache instead of consolidating its free lists for a large block.
-    Box::pin(async move {
+    // Not boxed: axum boxes the handler's future, which holds this one. A box of its own was
+    // one more allocation per request, and over the 1,032 bytes that glibc serves from its
+    // per-thread cache (1,096 with the benchmark's handler; BENCHMARKS.md, stop 43).
+    async move {
         let config = &ctx.config.config;
         match driver::prepare(config, route, ctx.head.get(), ctx.key, ctx.body, scope).await {
             Prepared::Reply(reply) => crate::response::reply(reply),
             Prepared::Pass => handler().await,
             Prepared::Run(job) => Detached::new(job.run::<Axum, _>(handler)).await,
         }
-    })
+    }
 }
 
 /// [`run`] for a handler that writes through a [`Transaction`] on the store's database `DB`
