@@ -719,11 +719,11 @@ async fn other_callers_volume_never_turns_a_response_into_a_marker() {
     );
 }
 
-/// The store's tables are rebuilt as they grow, and again as removals leave them full of
-/// deleted slots, moving each record (and each scope's usage) by the hash kept beside it:
-/// every record must still be found afterwards, and no removed one, and each scope's count
-/// must still be found and bound it. (The store's unit test `kept_hashes_are_the_keys`
-/// checks every kept hash bit for bit; this one checks what a client would see.)
+/// The store's tables are rebuilt as they grow, moving each record (and each scope's
+/// usage) by the hash kept beside it, and then churn at a steady size: every record must
+/// still be found afterwards, and no removed one, and each scope's count must still be
+/// found and bound it. (The store's unit test `kept_hashes_are_the_keys` checks that every
+/// kept hash is its key's; this one that entries are placed by it.)
 #[tokio::test]
 async fn records_stay_found_as_tables_grow_and_churn() {
     use idempotent_core::{IdempotencyKey, store::*};
@@ -748,8 +748,8 @@ async fn records_stay_found_as_tables_grow_and_churn() {
         assert!(matches!(claim(&key).await, Ok(ClaimOutcome::Claimed(_))));
         live.push_back(key);
     }
-    // Churn at a steady size: a new record in, the oldest out, so the tables fill with
-    // deleted slots and are rebuilt again.
+    // Churn at a steady size: a new record in, the oldest out (the removed slots mostly
+    // become empty again, so the tables are rebuilt only by growing).
     let mut gone = Vec::new();
     for i in 0..60_000 {
         let key = idempotent_tests::conformance::unique_key(&format!("churn-{i}"));

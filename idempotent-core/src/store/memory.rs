@@ -276,7 +276,7 @@ impl MemoryStoreBuilder {
 
     /// Upper bound on the bytes all records hold, as the store estimates them (default
     /// 256 MiB; see [`MemoryStore`]'s "Byte budgets"). A budget smaller than one record
-    /// without its response (about 360 bytes) refuses every claim.
+    /// without its response (305 bytes plus its scope and key) refuses every claim.
     #[must_use]
     pub fn max_bytes(mut self, bytes: u64) -> Self {
         self.max_bytes = bytes;
@@ -1014,9 +1014,9 @@ mod tests {
     use crate::fingerprint::FingerprintInput;
 
     /// Every hash kept beside a record or a scope's usage is the one the store's hasher
-    /// gives its key, after the tables have grown and churned: a table is rebuilt from the
-    /// kept hashes alone, so a wrong bit anywhere would lose the entry once its table is
-    /// large enough for that bit to place it.
+    /// gives its key, after the tables have grown and churned. (A lookup compares all 64
+    /// bits, so a wrong kept hash loses its entry at once; placing entries by it when a
+    /// table grows is what `records_stay_found_as_tables_grow_and_churn` checks.)
     #[tokio::test]
     async fn kept_hashes_are_the_keys() {
         let store = MemoryStore::new();
