@@ -821,6 +821,154 @@ async fn sqlite_keys_by_eight_across_two_pools() {
     many_keys(Arc::new(a), Arc::new(b), 200).await;
 }
 
+/// SQLite: a process's transactional executions take the write lock in the order they asked
+/// for it. A holds the lock; B asks for it, then C 150 ms later; A ends 40 ms after that.
+/// Without the store's queue each waits in SQLite's busy handler, which sleeps 1, 2, 5, 10,
+/// 15, 20, 25, 25, 25, 50 ms between tries: B's next try after A ends comes 38 ms later,
+/// C's 13 ms later, so C ran first. B kept behind later arrivals that way is the tail of
+/// a loaded SQLite server (and, past the busy timeout, its "database is locked").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_transactions_take_the_write_lock_in_arrival_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, _store) = sqlite_db(&dir).await;
+    let db = Arc::new(db);
+    let before = db.rows().await;
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (began_tx, began) = tokio::sync::oneshot::channel();
+    let (end_tx, end) = tokio::sync::oneshot::channel::<()>();
+    let a = {
+        let db = Arc::clone(&db);
+        tokio::spawn(async move {
+            let p = policy(Duration::from_secs(10));
+            let mut execution = claimed::<sqlx::Sqlite>(
+                &db.engine,
+                request(&unique_key("fifo-a"), "a"),
+                &p,
+                &options(CommitPath::Single),
+            )
+            .await;
+            let mut tx = execution.transaction().unwrap();
+            insert(&mut tx, &db.business).await;
+            began_tx.send(()).unwrap();
+            end.await.unwrap();
+            drop(tx);
+            execution.finish(StoredResponse::new(201, "a").into()).await
+        })
+    };
+    began.await.unwrap();
+    let waiter = |name: &'static str| {
+        let (db, order) = (Arc::clone(&db), Arc::clone(&order));
+        tokio::spawn(async move {
+            let p = policy(Duration::from_secs(10));
+            let mut execution = claimed::<sqlx::Sqlite>(
+                &db.engine,
+                request(&unique_key(name), "a"),
+                &p,
+                &options(CommitPath::Single),
+            )
+            .await;
+            order.lock().unwrap().push(name);
+            let mut tx = execution.transaction().unwrap();
+            insert(&mut tx, &db.business).await;
+            drop(tx);
+            execution
+                .finish(StoredResponse::new(201, name).into())
+                .await
+        })
+    };
+    let b = waiter("fifo-b");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let c = waiter("fifo-c");
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    end_tx.send(()).unwrap();
+    for task in [a, b, c] {
+        let out = task.await.unwrap();
+        assert!(matches!(out, TxFinished::Committed), "{out:?}");
+    }
+    assert_eq!(*order.lock().unwrap(), ["fifo-b", "fifo-c"]);
+    assert_eq!(db.rows().await, before + 3);
+}
+
+/// SQLite: waiting for the store's write queue never holds up the turn's holder. On a pool
+/// of one connection (an in-memory database), A runs; B's read waits for the connection,
+/// then C (a transaction with no record, which brings no connection of its own) asks for a
+/// transaction; A ends. Had C taken its turn before a connection, it would hold the turn
+/// while B held the only connection waiting for it, and both would wait until B gave up on
+/// its turn (the busy timeout, 5 s). The three finish well within 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_write_queue_and_pool_do_not_wait_on_each_other() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    store.migrate().await.unwrap();
+    let create = "CREATE TABLE business (id TEXT PRIMARY KEY)".to_owned();
+    let db = Arc::new(
+        business_db(
+            Engine::new(store.clone()),
+            store.pool().clone(),
+            "business".into(),
+            create,
+        )
+        .await,
+    );
+    let p = policy(Duration::from_secs(10));
+    let (began_tx, began) = tokio::sync::oneshot::channel();
+    let (end_tx, end) = tokio::sync::oneshot::channel::<()>();
+    let a = {
+        let (db, p) = (Arc::clone(&db), p);
+        tokio::spawn(async move {
+            let opts = options(CommitPath::Single);
+            let mut execution =
+                claimed::<sqlx::Sqlite>(&db.engine, request(&unique_key("q-a"), "a"), &p, &opts)
+                    .await;
+            let mut tx = execution.transaction().unwrap();
+            insert(&mut tx, &db.business).await;
+            began_tx.send(()).unwrap();
+            end.await.unwrap();
+            drop(tx);
+            execution.finish(StoredResponse::new(201, "a").into()).await
+        })
+    };
+    began.await.unwrap();
+    let b = {
+        let (db, p) = (Arc::clone(&db), p);
+        tokio::spawn(async move {
+            let opts = options(CommitPath::Single);
+            let mut execution =
+                claimed::<sqlx::Sqlite>(&db.engine, request(&unique_key("q-b"), "b"), &p, &opts)
+                    .await;
+            let mut tx = execution.transaction().unwrap();
+            insert(&mut tx, &db.business).await;
+            drop(tx);
+            execution.finish(StoredResponse::new(201, "b").into()).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let c = {
+        let (db, p) = (Arc::clone(&db), p);
+        tokio::spawn(async move {
+            let mut execution = match db.engine.begin_unprotected::<sqlx::Sqlite>(&p).await {
+                TxBegin::Run(execution) => execution,
+                other => panic!("expected to run: {other:?}"),
+            };
+            let mut tx = execution.transaction().unwrap();
+            insert(&mut tx, &db.business).await;
+            drop(tx);
+            execution.finish(StoredResponse::new(201, "c").into()).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    end_tx.send(()).unwrap();
+    let all = async {
+        for task in [a, b, c] {
+            let out = task.await.unwrap();
+            assert!(matches!(out, TxFinished::Committed), "{out:?}");
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), all)
+        .await
+        .expect("the queue and the pool waited on each other");
+    assert_eq!(db.rows().await, 3);
+}
+
 /// Two commits, stale owner: the first execution's lease runs out while its handler is slow
 /// (forced here by moving `locked_until` into the past, as a lost heartbeat would), a retry
 /// takes over and commits; the first one's complete is refused by the fence and its writes

@@ -27,6 +27,10 @@ pub struct Held<DB: Database> {
     /// `tx/mysql.rs`).
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) marked: bool,
+    /// SQLite: this transaction's turn in the store's write queue, given up when the
+    /// transaction is dropped, after its COMMIT or ROLLBACK (see `SqliteStore`'s `WriteQueue`).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) turn: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<DB: Database> Held<DB> {
@@ -50,6 +54,7 @@ impl<DB: Database> Held<DB> {
                 conn,
                 after: None,
                 marked: false,
+                turn: None,
             }),
             Err(e) => Err((e, conn)),
         }

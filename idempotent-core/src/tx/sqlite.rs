@@ -19,9 +19,13 @@ impl TxDatabase for sqlx::Sqlite {
     /// A claim inside a transaction takes SQLite's one write lock: replays must not.
     const ALWAYS_READ_FIRST: bool = true;
 
-    /// `BEGIN IMMEDIATE`: the write lock from the start (waiting up to the busy timeout), so
-    /// a read followed by a write inside the transaction never fails on a snapshot another
-    /// writer moved.
+    /// `BEGIN IMMEDIATE`: the write lock from the start, so a read followed by a write
+    /// inside the transaction never fails on a snapshot another writer moved. Waits first for
+    /// its turn in the store's queue (in arrival order, up to [`DEFAULT_BUSY_TIMEOUT`]), then
+    /// for the lock itself up to the busy timeout, which other processes' writers and the
+    /// application's own may hold.
+    ///
+    /// [`DEFAULT_BUSY_TIMEOUT`]: crate::store::DEFAULT_BUSY_TIMEOUT
     async fn begin_tx(
         store: &SqliteStore,
         _idle: Option<Duration>,
@@ -31,11 +35,16 @@ impl TxDatabase for sqlx::Sqlite {
             Some(conn) => conn,
             None => store.pool.acquire().await.map_err(db_error)?,
         };
+        // The connection before the turn, always: a turn's holder then never waits for a
+        // connection that a request waiting for the turn holds (one that ran the read does).
+        let turn = store.writes.turn().await;
         // What `Pool::begin_with` does, on a connection already held. (A failed BEGIN
         // leaves no transaction open.)
-        Held::begin(conn, "BEGIN IMMEDIATE".into_sql_str())
+        let mut tx = Held::begin(conn, "BEGIN IMMEDIATE".into_sql_str())
             .await
-            .map_err(|(e, _)| db_error(e))
+            .map_err(|(e, _)| db_error(e))?;
+        tx.turn = turn;
+        Ok(tx)
     }
 
     async fn acquire(

@@ -26,6 +26,12 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`SqliteStore::connect`] opens the file in WAL mode with a busy timeout, so concurrent
 /// writers wait rather than fail. Times come from SQLite's clock (`unixepoch('subsec')`).
 ///
+/// Transactional executions through one store (and its clones) take SQLite's write lock in
+/// the order they asked for it, queued in the process, instead of through SQLite's busy
+/// handler alone, which sleeps between tries so that a later writer can overtake one that
+/// has waited long. Writers in other processes, through other stores or the application's
+/// own connections still meet the busy timeout.
+///
 /// ```
 /// use idempotent_core::SqliteStore;
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -44,6 +50,43 @@ pub struct SqliteStore {
     pub(crate) pool: SqlitePool,
     pub(crate) sql: Arc<Statements>,
     pub(crate) sent: Arc<Counter>,
+    /// Transactional executions' turns at the write lock, in this process (see [`WriteQueue`]).
+    pub(crate) writes: WriteQueue,
+}
+
+/// The order in which this process's transactional executions take SQLite's one write lock.
+///
+/// SQLite lets a connection that finds the lock taken wait by sleeping and trying again
+/// (1, 2, 5, 10 ms and longer, up to the busy timeout), so a lock let go is often taken
+/// by nobody until a sleeper wakes, and a request that came later can take it before one
+/// that has slept for long. Transactions opened through a store (and its clones) instead
+/// queue here first, in arrival order, and each is woken as the one before it ends.
+///
+/// Only an optimisation: SQLite's lock still decides, for other processes, other stores and
+/// the application's own writes. A turn is waited for at most [`DEFAULT_BUSY_TIMEOUT`]; after
+/// that the transaction begins without one and SQLite's busy timeout applies as before, so a
+/// handler that waits on another request's transaction in the same process (which would wait
+/// for its turn behind it) gets SQLite's "database is locked", as without the queue, rather
+/// than waiting for ever.
+#[derive(Debug, Clone)]
+pub(crate) struct WriteQueue(Arc<tokio::sync::Semaphore>);
+
+impl WriteQueue {
+    fn new() -> Self {
+        WriteQueue(Arc::new(tokio::sync::Semaphore::new(1)))
+    }
+
+    /// Waits for this transaction's turn; `None` after [`DEFAULT_BUSY_TIMEOUT`]. The turn ends
+    /// when the permit is dropped: after the transaction's COMMIT or ROLLBACK.
+    pub(crate) async fn turn(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        if let Ok(permit) = Arc::clone(&self.0).try_acquire_owned() {
+            return Some(permit);
+        }
+        tokio::time::timeout(DEFAULT_BUSY_TIMEOUT, Arc::clone(&self.0).acquire_owned())
+            .await
+            .ok()?
+            .ok()
+    }
 }
 
 /// Builds a [`SqliteStore`] on a pool.
@@ -85,6 +128,7 @@ impl SqliteStoreBuilder {
             pool: self.pool,
             sql: Arc::new(Statements::new(&table, now)),
             sent: Arc::default(),
+            writes: WriteQueue::new(),
         })
     }
 }
