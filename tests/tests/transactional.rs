@@ -131,6 +131,18 @@ async fn sqlite_db(dir: &tempfile::TempDir) -> (Db<sqlx::Sqlite>, SqliteStore) {
     (db, store)
 }
 
+/// A store with the write queue (`queue_transactions`), on a file or `sqlite::memory:`.
+async fn sqlite_queued(url: &str) -> Db<sqlx::Sqlite> {
+    let pool = SqliteStore::connect(url).await.unwrap().pool().clone();
+    let store = SqliteStore::builder(pool.clone())
+        .queue_transactions(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let create = "CREATE TABLE business (id TEXT PRIMARY KEY)".to_owned();
+    business_db(Engine::new(store), pool, "business".into(), create).await
+}
+
 async fn pg_db(pool: sqlx::PgPool) -> (Db<sqlx::Postgres>, PostgresStore) {
     let table = unique_table("txr");
     let store = pg_store(pool.clone(), &table).await;
@@ -821,17 +833,18 @@ async fn sqlite_keys_by_eight_across_two_pools() {
     many_keys(Arc::new(a), Arc::new(b), 200).await;
 }
 
-/// SQLite: a process's transactional executions take the write lock in the order they asked
-/// for it. A holds the lock; B asks for it, then C 150 ms later; A ends 40 ms after that.
-/// Without the store's queue each waits in SQLite's busy handler, which sleeps 1, 2, 5, 10,
-/// 15, 20, 25, 25, 25, 50 ms between tries: B's next try after A ends comes 38 ms later,
-/// C's 13 ms later, so C ran first. B kept behind later arrivals that way is the tail of
-/// a loaded SQLite server (and, past the busy timeout, its "database is locked").
+/// SQLite, a store with the write queue: a process's transactional executions take the
+/// write lock in the order they asked for it. A holds the lock; B asks for it, then C, D and
+/// E 350, 375 and 400 ms later; A ends 40 ms after that. Without the queue each waits in
+/// SQLite's busy handler, which sleeps 1, 2, 5, 10, 15, 20, 25, 25, 25, 50, 50 and then
+/// 100 ms between tries: by then B tries every 100 ms, while C, D and E try within 25 ms of
+/// A's end, so one of them takes the lock before B (checked: this fails on a store without
+/// the queue). B kept behind later arrivals that way is the tail of a loaded SQLite server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_transactions_take_the_write_lock_in_arrival_order() {
     let dir = tempfile::tempdir().unwrap();
-    let (db, _store) = sqlite_db(&dir).await;
-    let db = Arc::new(db);
+    let file = dir.path().join("queued.db");
+    let db = Arc::new(sqlite_queued(&format!("sqlite://{}", file.display())).await);
     let before = db.rows().await;
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (began_tx, began) = tokio::sync::oneshot::channel();
@@ -876,20 +889,27 @@ async fn sqlite_transactions_take_the_write_lock_in_arrival_order() {
                 .await
         })
     };
-    let b = waiter("fifo-b");
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let c = waiter("fifo-c");
-    tokio::time::sleep(Duration::from_millis(40)).await;
+    let mut tasks = vec![a, waiter("fifo-b")];
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    for name in ["fifo-c", "fifo-d", "fifo-e"] {
+        tasks.push(waiter(name));
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(15)).await;
     end_tx.send(()).unwrap();
-    for task in [a, b, c] {
+    for task in tasks {
         let out = task.await.unwrap();
         assert!(matches!(out, TxFinished::Committed), "{out:?}");
     }
-    assert_eq!(*order.lock().unwrap(), ["fifo-b", "fifo-c"]);
-    assert_eq!(db.rows().await, before + 3);
+    assert_eq!(
+        *order.lock().unwrap(),
+        ["fifo-b", "fifo-c", "fifo-d", "fifo-e"]
+    );
+    assert_eq!(db.rows().await, before + 5);
 }
 
-/// SQLite: waiting for the store's write queue never holds up the turn's holder. On a pool
+/// SQLite, a store with the write queue: waiting for a turn never holds up the turn's
+/// holder. On a pool
 /// of one connection (an in-memory database), A runs; B's read waits for the connection,
 /// then C (a transaction with no record, which brings no connection of its own) asks for a
 /// transaction; A ends. Had C taken its turn before a connection, it would hold the turn
@@ -897,18 +917,7 @@ async fn sqlite_transactions_take_the_write_lock_in_arrival_order() {
 /// its turn (the busy timeout, 5 s). The three finish well within 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_write_queue_and_pool_do_not_wait_on_each_other() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    store.migrate().await.unwrap();
-    let create = "CREATE TABLE business (id TEXT PRIMARY KEY)".to_owned();
-    let db = Arc::new(
-        business_db(
-            Engine::new(store.clone()),
-            store.pool().clone(),
-            "business".into(),
-            create,
-        )
-        .await,
-    );
+    let db = Arc::new(sqlite_queued("sqlite::memory:").await);
     let p = policy(Duration::from_secs(10));
     let (began_tx, began) = tokio::sync::oneshot::channel();
     let (end_tx, end) = tokio::sync::oneshot::channel::<()>();

@@ -27,8 +27,10 @@ pub struct Held<DB: Database> {
     /// `tx/mysql.rs`).
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) marked: bool,
-    /// SQLite: this transaction's turn in the store's write queue, given up when the
-    /// transaction is dropped, after its COMMIT or ROLLBACK (see `SqliteStore`'s `WriteQueue`).
+    /// SQLite: this transaction's turn in the store's write queue, if it has one, given up
+    /// when this is dropped: after COMMIT or ROLLBACK, or on a drop without them as soon as
+    /// the ROLLBACK is sent (before it has run: the next turn may then wait in SQLite's busy
+    /// handler for a moment). See `SqliteStoreBuilder::queue_transactions`.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) turn: Option<tokio::sync::OwnedSemaphorePermit>,
 }
@@ -77,7 +79,8 @@ impl<DB: Database> Drop for Held<DB> {
             self.conn.close_on_drop();
             return;
         }
-        // Queued, not sent: the pool's release ping carries it (as `sqlx::Transaction`).
+        // As `sqlx::Transaction`: queued on the connection (PostgreSQL and MySQL send it with
+        // the pool's release ping; SQLite's connection thread runs it next).
         if DB::TransactionManager::get_transaction_depth(&self.conn) > 0 {
             DB::TransactionManager::start_rollback(&mut self.conn);
         }

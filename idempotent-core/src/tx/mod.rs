@@ -16,8 +16,8 @@
 //!   then gets the replay if the first committed meanwhile, else 409. MySQL and MariaDB do the
 //!   same with a named lock (`GET_LOCK(…, 0)`, released with COMMIT or ROLLBACK). On SQLite the
 //!   transaction holds the database's single write lock (`BEGIN IMMEDIATE`), so duplicates and
-//!   every other writer wait for it: the store's transactions in one process in the order
-//!   they asked (a queue in the store), anything else through the busy timeout.
+//!   every other writer wait for it (the busy timeout; in arrival order, for a store built
+//!   with `queue_transactions`).
 //! - **two commits**: the claim commits alone (duplicates see it and get 409 at once) → BEGIN
 //!   → handler → complete, fenced by the lease token, in the handler's transaction → COMMIT.
 //!   For handlers that must not hold the claim row's lock (or the advisory lock) for long; a
@@ -76,7 +76,8 @@ pub struct TxOptions {
     /// open transaction waits for it (polling, bounded) before it gets 409; if the other
     /// commits meanwhile, the waiter gets the replay. Never applies to the handler's own
     /// statements.
-    /// (SQLite waits for its write lock instead: in the store's queue, then the busy timeout.)
+    /// (SQLite waits for its write lock instead: the busy timeout, after the store's queue if
+    /// it has one.)
     pub wait: Duration,
     /// At most this many requests per key wait in one process; more get 409 at once, so
     /// duplicates cannot take every pooled connection.

@@ -20,12 +20,10 @@ impl TxDatabase for sqlx::Sqlite {
     const ALWAYS_READ_FIRST: bool = true;
 
     /// `BEGIN IMMEDIATE`: the write lock from the start, so a read followed by a write
-    /// inside the transaction never fails on a snapshot another writer moved. Waits first for
-    /// its turn in the store's queue (in arrival order, up to [`DEFAULT_BUSY_TIMEOUT`]), then
-    /// for the lock itself up to the busy timeout, which other processes' writers and the
-    /// application's own may hold.
-    ///
-    /// [`DEFAULT_BUSY_TIMEOUT`]: crate::store::DEFAULT_BUSY_TIMEOUT
+    /// inside the transaction never fails on a snapshot another writer moved. With the
+    /// store's queue ([`queue_transactions`](crate::store::SqliteStoreBuilder::queue_transactions)),
+    /// waits first for its turn, in arrival order, then for the lock itself up to the busy
+    /// timeout, which any writer outside the queue may hold.
     async fn begin_tx(
         store: &SqliteStore,
         _idle: Option<Duration>,

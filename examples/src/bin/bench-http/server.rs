@@ -247,7 +247,17 @@ pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>)
             .map_err(|e| err(&e))?;
         (Db::Memory, Arc::new(store))
     } else if url.starts_with("sqlite:") {
-        let store = SqliteStore::connect(url).await.map_err(|e| err(&e))?;
+        // Each server is its file's only writer: its transactions queue for the write lock
+        // (`queue_transactions`, off by default), as such a server should.
+        let pool = SqliteStore::connect(url)
+            .await
+            .map_err(|e| err(&e))?
+            .pool()
+            .clone();
+        let store = SqliteStore::builder(pool)
+            .queue_transactions(idempotent_core::store::DEFAULT_BUSY_TIMEOUT)
+            .build()
+            .map_err(|e| err(&e))?;
         store.migrate().await.map_err(|e| err(&e))?;
         sqlx::raw_sql(
             "CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, account TEXT NOT NULL,

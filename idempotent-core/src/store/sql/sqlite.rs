@@ -26,11 +26,9 @@ pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`SqliteStore::connect`] opens the file in WAL mode with a busy timeout, so concurrent
 /// writers wait rather than fail. Times come from SQLite's clock (`unixepoch('subsec')`).
 ///
-/// Transactional executions through one store (and its clones) take SQLite's write lock in
-/// the order they asked for it, queued in the process, instead of through SQLite's busy
-/// handler alone, which sleeps between tries so that a later writer can overtake one that
-/// has waited long. Writers in other processes, through other stores or the application's
-/// own connections still meet the busy timeout.
+/// A process that is the file's only writer can have its transactional executions take the
+/// write lock in arrival order ([`SqliteStoreBuilder::queue_transactions`]), which cuts the
+/// slowest requests' wait under load.
 ///
 /// ```
 /// use idempotent_core::SqliteStore;
@@ -50,39 +48,29 @@ pub struct SqliteStore {
     pub(crate) pool: SqlitePool,
     pub(crate) sql: Arc<Statements>,
     pub(crate) sent: Arc<Counter>,
-    /// Transactional executions' turns at the write lock, in this process (see [`WriteQueue`]).
+    /// Transactional executions' turns at the write lock, if queued (see [`WriteQueue`]).
     pub(crate) writes: WriteQueue,
 }
 
-/// The order in which this process's transactional executions take SQLite's one write lock.
-///
-/// SQLite lets a connection that finds the lock taken wait by sleeping and trying again
-/// (1, 2, 5, 10 ms and longer, up to the busy timeout), so a lock let go is often taken
-/// by nobody until a sleeper wakes, and a request that came later can take it before one
-/// that has slept for long. Transactions opened through a store (and its clones) instead
-/// queue here first, in arrival order, and each is woken as the one before it ends.
-///
-/// Only an optimisation: SQLite's lock still decides, for other processes, other stores and
-/// the application's own writes. A turn is waited for at most [`DEFAULT_BUSY_TIMEOUT`]; after
-/// that the transaction begins without one and SQLite's busy timeout applies as before, so a
-/// handler that waits on another request's transaction in the same process (which would wait
-/// for its turn behind it) gets SQLite's "database is locked", as without the queue, rather
-/// than waiting for ever.
-#[derive(Debug, Clone)]
-pub(crate) struct WriteQueue(Arc<tokio::sync::Semaphore>);
+/// The order in which this process's transactional executions take SQLite's one write lock,
+/// when the store was built with [`SqliteStoreBuilder::queue_transactions`]: a semaphore of
+/// one permit (first come, first served), taken after the connection and before `BEGIN
+/// IMMEDIATE`, given back when the transaction is dropped. Only an order: SQLite's lock still
+/// decides, against every writer outside the queue.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct WriteQueue(Option<(Arc<tokio::sync::Semaphore>, Duration)>);
 
 impl WriteQueue {
-    fn new() -> Self {
-        WriteQueue(Arc::new(tokio::sync::Semaphore::new(1)))
-    }
-
-    /// Waits for this transaction's turn; `None` after [`DEFAULT_BUSY_TIMEOUT`]. The turn ends
-    /// when the permit is dropped: after the transaction's COMMIT or ROLLBACK.
+    /// Waits for this transaction's turn: `None` when there is no queue, or after the wait
+    /// it was built with (the transaction then goes on without one, and SQLite's busy
+    /// timeout decides, so a turn's holder that waits on another request's transaction in
+    /// this process never waits for ever).
     pub(crate) async fn turn(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        if let Ok(permit) = Arc::clone(&self.0).try_acquire_owned() {
+        let (permits, wait) = self.0.as_ref()?;
+        if let Ok(permit) = Arc::clone(permits).try_acquire_owned() {
             return Some(permit);
         }
-        tokio::time::timeout(DEFAULT_BUSY_TIMEOUT, Arc::clone(&self.0).acquire_owned())
+        tokio::time::timeout(*wait, Arc::clone(permits).acquire_owned())
             .await
             .ok()?
             .ok()
@@ -95,6 +83,7 @@ pub struct SqliteStoreBuilder {
     pool: SqlitePool,
     table: String,
     clock: Option<String>,
+    queue: Option<Duration>,
 }
 
 impl SqliteStoreBuilder {
@@ -117,6 +106,43 @@ impl SqliteStoreBuilder {
         self
     }
 
+    /// Off by default. Transactional executions through this store (and its clones) take
+    /// SQLite's write lock in the order they asked for it: each waits for its turn in a queue
+    /// in this process, for at most `wait`, before `BEGIN IMMEDIATE`.
+    ///
+    /// Without the queue, a transaction that finds the lock taken waits in SQLite's busy
+    /// handler, which sleeps between tries (1, 2, 5, 10 ms, growing to 100 ms), so a lock let
+    /// go is taken by whoever tries next, often a request that has just arrived, while one
+    /// that has waited long sleeps on. Under load the slowest requests wait much longer:
+    /// measured with `bench-http` (64 connections, single commit), p99 100–127 ms without the
+    /// queue and 27–41 ms with it, at the same throughput (BENCHMARKS.md).
+    ///
+    /// For a database file that only this process writes to. Writers outside the queue
+    /// (other processes, other stores on the file, the claims and completes of routes in
+    /// plain mode, the application's own connections) still wait in the busy handler; while
+    /// the queue is never empty they seldom find the lock free, and under sustained load they
+    /// can wait until their busy timeout. A request that waited `wait` for its turn then
+    /// waits up to the busy timeout for the lock itself, so its longest wait is the two
+    /// together: on routes with two commits, keep that under half their lease (the claim's
+    /// lease is not renewed before the transaction has begun).
+    ///
+    /// ```
+    /// use idempotent_core::SqliteStore;
+    /// use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = SqliteStore::connect("sqlite::memory:").await?.pool().clone();
+    /// let store = SqliteStore::builder(pool)
+    ///     .queue_transactions(Duration::from_secs(5))
+    ///     .build()?;
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn queue_transactions(mut self, wait: Duration) -> Self {
+        self.queue = Some(wait);
+        self
+    }
+
     /// Checks the name and prepares the statements.
     ///
     /// # Errors
@@ -128,7 +154,10 @@ impl SqliteStoreBuilder {
             pool: self.pool,
             sql: Arc::new(Statements::new(&table, now)),
             sent: Arc::default(),
-            writes: WriteQueue::new(),
+            writes: WriteQueue(
+                self.queue
+                    .map(|wait| (Arc::new(tokio::sync::Semaphore::new(1)), wait)),
+            ),
         })
     }
 }
@@ -238,6 +267,7 @@ impl SqliteStore {
             pool,
             table: "idempotency_records".into(),
             clock: None,
+            queue: None,
         }
     }
 
