@@ -847,56 +847,15 @@ async fn sqlite_transactions_take_the_write_lock_in_arrival_order() {
     let db = Arc::new(sqlite_queued(&format!("sqlite://{}", file.display())).await);
     let before = db.rows().await;
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (began_tx, began) = tokio::sync::oneshot::channel();
-    let (end_tx, end) = tokio::sync::oneshot::channel::<()>();
-    let a = {
-        let db = Arc::clone(&db);
-        tokio::spawn(async move {
-            let p = policy(Duration::from_secs(10));
-            let mut execution = claimed::<sqlx::Sqlite>(
-                &db.engine,
-                request(&unique_key("fifo-a"), "a"),
-                &p,
-                &options(CommitPath::Single),
-            )
-            .await;
-            let mut tx = execution.transaction().unwrap();
-            insert(&mut tx, &db.business).await;
-            began_tx.send(()).unwrap();
-            end.await.unwrap();
-            drop(tx);
-            execution.finish(StoredResponse::new(201, "a").into()).await
-        })
-    };
-    began.await.unwrap();
-    let waiter = |name: &'static str| {
-        let (db, order) = (Arc::clone(&db), Arc::clone(&order));
-        tokio::spawn(async move {
-            let p = policy(Duration::from_secs(10));
-            let mut execution = claimed::<sqlx::Sqlite>(
-                &db.engine,
-                request(&unique_key(name), "a"),
-                &p,
-                &options(CommitPath::Single),
-            )
-            .await;
-            order.lock().unwrap().push(name);
-            let mut tx = execution.transaction().unwrap();
-            insert(&mut tx, &db.business).await;
-            drop(tx);
-            execution
-                .finish(StoredResponse::new(201, name).into())
-                .await
-        })
-    };
-    let mut tasks = vec![a, waiter("fifo-b")];
+    let (a, end) = holding(&db, "fifo-a").await;
+    let mut tasks = vec![a, single(&db, "fifo-b", Some(&order))];
     tokio::time::sleep(Duration::from_millis(350)).await;
     for name in ["fifo-c", "fifo-d", "fifo-e"] {
-        tasks.push(waiter(name));
+        tasks.push(single(&db, name, Some(&order)));
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     tokio::time::sleep(Duration::from_millis(15)).await;
-    end_tx.send(()).unwrap();
+    end.send(()).unwrap();
     for task in tasks {
         let out = task.await.unwrap();
         assert!(matches!(out, TxFinished::Committed), "{out:?}");
@@ -906,6 +865,63 @@ async fn sqlite_transactions_take_the_write_lock_in_arrival_order() {
         ["fifo-b", "fifo-c", "fifo-d", "fifo-e"]
     );
     assert_eq!(db.rows().await, before + 5);
+}
+
+/// Spawns a single-commit execution of a new key named after `name` that writes one row and
+/// then holds its transaction (on SQLite, the write lock) until the sender is used or
+/// dropped; returns once it holds it.
+async fn holding(
+    db: &Arc<Db<sqlx::Sqlite>>,
+    name: &'static str,
+) -> (
+    tokio::task::JoinHandle<TxFinished>,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (began_tx, began) = tokio::sync::oneshot::channel();
+    let (end_tx, end) = tokio::sync::oneshot::channel::<()>();
+    let db = Arc::clone(db);
+    let task = tokio::spawn(async move {
+        let p = policy(Duration::from_secs(10));
+        let opts = options(CommitPath::Single);
+        let mut execution =
+            claimed::<sqlx::Sqlite>(&db.engine, request(&unique_key(name), "a"), &p, &opts).await;
+        let mut tx = execution.transaction().unwrap();
+        insert(&mut tx, &db.business).await;
+        began_tx.send(()).unwrap();
+        let _ = end.await;
+        drop(tx);
+        execution
+            .finish(StoredResponse::new(201, name).into())
+            .await
+    });
+    began.await.unwrap();
+    (task, end_tx)
+}
+
+/// Spawns a single-commit execution of a new key named after `name`: once its transaction
+/// has begun (on SQLite, holding the write lock) it pushes `name` onto `order`, then writes
+/// one row and commits.
+fn single(
+    db: &Arc<Db<sqlx::Sqlite>>,
+    name: &'static str,
+    order: Option<&Arc<std::sync::Mutex<Vec<&'static str>>>>,
+) -> tokio::task::JoinHandle<TxFinished> {
+    let (db, order) = (Arc::clone(db), order.map(Arc::clone));
+    tokio::spawn(async move {
+        let p = policy(Duration::from_secs(10));
+        let opts = options(CommitPath::Single);
+        let mut execution =
+            claimed::<sqlx::Sqlite>(&db.engine, request(&unique_key(name), "a"), &p, &opts).await;
+        if let Some(order) = order {
+            order.lock().unwrap().push(name);
+        }
+        let mut tx = execution.transaction().unwrap();
+        insert(&mut tx, &db.business).await;
+        drop(tx);
+        execution
+            .finish(StoredResponse::new(201, name).into())
+            .await
+    })
 }
 
 /// SQLite, a store with the write queue: waiting for a turn never holds up the turn's
@@ -918,42 +934,13 @@ async fn sqlite_transactions_take_the_write_lock_in_arrival_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_write_queue_and_pool_do_not_wait_on_each_other() {
     let db = Arc::new(sqlite_queued("sqlite::memory:").await);
-    let p = policy(Duration::from_secs(10));
-    let (began_tx, began) = tokio::sync::oneshot::channel();
-    let (end_tx, end) = tokio::sync::oneshot::channel::<()>();
-    let a = {
-        let (db, p) = (Arc::clone(&db), p);
-        tokio::spawn(async move {
-            let opts = options(CommitPath::Single);
-            let mut execution =
-                claimed::<sqlx::Sqlite>(&db.engine, request(&unique_key("q-a"), "a"), &p, &opts)
-                    .await;
-            let mut tx = execution.transaction().unwrap();
-            insert(&mut tx, &db.business).await;
-            began_tx.send(()).unwrap();
-            end.await.unwrap();
-            drop(tx);
-            execution.finish(StoredResponse::new(201, "a").into()).await
-        })
-    };
-    began.await.unwrap();
-    let b = {
-        let (db, p) = (Arc::clone(&db), p);
-        tokio::spawn(async move {
-            let opts = options(CommitPath::Single);
-            let mut execution =
-                claimed::<sqlx::Sqlite>(&db.engine, request(&unique_key("q-b"), "b"), &p, &opts)
-                    .await;
-            let mut tx = execution.transaction().unwrap();
-            insert(&mut tx, &db.business).await;
-            drop(tx);
-            execution.finish(StoredResponse::new(201, "b").into()).await
-        })
-    };
+    let (a, end) = holding(&db, "q-a").await;
+    let b = single(&db, "q-b", None);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let c = {
-        let (db, p) = (Arc::clone(&db), p);
+        let db = Arc::clone(&db);
         tokio::spawn(async move {
+            let p = policy(Duration::from_secs(10));
             let mut execution = match db.engine.begin_unprotected::<sqlx::Sqlite>(&p).await {
                 TxBegin::Run(execution) => execution,
                 other => panic!("expected to run: {other:?}"),
@@ -965,7 +952,7 @@ async fn sqlite_write_queue_and_pool_do_not_wait_on_each_other() {
         })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
-    end_tx.send(()).unwrap();
+    end.send(()).unwrap();
     let all = async {
         for task in [a, b, c] {
             let out = task.await.unwrap();
