@@ -925,12 +925,11 @@ fn single(
 }
 
 /// SQLite, a store with the write queue: waiting for a turn never holds up the turn's
-/// holder. On a pool
-/// of one connection (an in-memory database), A runs; B's read waits for the connection,
-/// then C (a transaction with no record, which brings no connection of its own) asks for a
-/// transaction; A ends. Had C taken its turn before a connection, it would hold the turn
-/// while B held the only connection waiting for it, and both would wait until B gave up on
-/// its turn (the busy timeout, 5 s). The three finish well within 3 s.
+/// holder. On a pool of one connection (an in-memory database), A runs; B's read waits for
+/// the connection, then C (a transaction with no record, which brings no connection of its
+/// own) asks for a transaction; A ends. Had C taken its turn before a connection, it would
+/// hold the turn while B held the only connection waiting for it, and both would wait until
+/// B gave up on its turn (the queue's wait here, 5 s). The three finish well within 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_write_queue_and_pool_do_not_wait_on_each_other() {
     let db = Arc::new(sqlite_queued("sqlite::memory:").await);

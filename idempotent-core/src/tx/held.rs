@@ -6,8 +6,9 @@
 //!
 //! sqlx tracks a connection's transaction depth itself (its `TransactionManager`), and the
 //! handler's savepoints (`tx.begin()`) rely on it, so every change of depth goes through it:
-//! begin, commit and rollback here, and on drop a ROLLBACK queued on the connection (sent
-//! with the pool's release ping: no round trip of its own), as sqlx's own transaction does.
+//! begin, commit and rollback here, and on drop a ROLLBACK queued on the connection, as
+//! sqlx's own transaction does (PostgreSQL and MySQL send it with the pool's release ping, no
+//! round trip of its own; SQLite's connection thread runs it next).
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, SqlStr};

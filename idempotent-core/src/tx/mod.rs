@@ -16,8 +16,8 @@
 //!   then gets the replay if the first committed meanwhile, else 409. MySQL and MariaDB do the
 //!   same with a named lock (`GET_LOCK(…, 0)`, released with COMMIT or ROLLBACK). On SQLite the
 //!   transaction holds the database's single write lock (`BEGIN IMMEDIATE`), so duplicates and
-//!   every other writer wait for it (the busy timeout; in arrival order, for a store built
-//!   with `queue_transactions`).
+//!   every other writer wait for it (the busy timeout; a store built with
+//!   `queue_transactions` has its own transactional executions take it in arrival order).
 //! - **two commits**: the claim commits alone (duplicates see it and get 409 at once) → BEGIN
 //!   → handler → complete, fenced by the lease token, in the handler's transaction → COMMIT.
 //!   For handlers that must not hold the claim row's lock (or the advisory lock) for long; a

@@ -57,7 +57,7 @@ pub struct SqliteStore {
 /// one permit (first come, first served), taken after the connection and before `BEGIN
 /// IMMEDIATE`, given back when the transaction is dropped. Only an order: SQLite's lock still
 /// decides, against every writer outside the queue.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct WriteQueue(Option<(Arc<tokio::sync::Semaphore>, Duration)>);
 
 impl WriteQueue {
@@ -117,14 +117,20 @@ impl SqliteStoreBuilder {
     /// measured with `bench-http` (64 connections, single commit), p99 100–127 ms without the
     /// queue and 27–41 ms with it, at the same throughput (BENCHMARKS.md).
     ///
-    /// For a database file that only this process writes to. Writers outside the queue
-    /// (other processes, other stores on the file, the claims and completes of routes in
-    /// plain mode, the application's own connections) still wait in the busy handler; while
-    /// the queue is never empty they seldom find the lock free, and under sustained load they
-    /// can wait until their busy timeout. A request that waited `wait` for its turn then
-    /// waits up to the busy timeout for the lock itself, so its longest wait is the two
-    /// together: on routes with two commits, keep that under half their lease (the claim's
-    /// lease is not renewed before the transaction has begun).
+    /// For a database file that only this process writes to. Only this store's transactional
+    /// executions queue. Every other writer still waits in the busy handler: everything this
+    /// store writes outside a transactional execution (plain-mode claims and completes,
+    /// two-commit routes' claims, heartbeats and releases, the sweeper's purges), other
+    /// stores and processes on the file, the application's own connections. While the queue
+    /// is never empty they seldom find the lock free, and under sustained load they can wait
+    /// until their busy timeout.
+    ///
+    /// A request that waited `wait` for its turn then waits up to the busy timeout for the
+    /// lock itself, so its longest wait is the two together: on routes with two commits, keep
+    /// that under half their lease (the claim's lease is not renewed before the transaction
+    /// has begun). `wait` is also how long a handler that awaits another request's
+    /// transaction in this process (which queues behind it) waits before that request goes
+    /// on without a turn: keep it short enough to be an error, not a hang.
     ///
     /// ```
     /// use idempotent_core::SqliteStore;
