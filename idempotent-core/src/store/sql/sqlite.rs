@@ -342,3 +342,31 @@ impl SqliteStore {
 }
 
 sql_store_common!(SqliteStore, SqlitePool, sqlx::Sqlite, SqliteConnection);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The write queue is the caller's choice: a store has none unless built with one, and
+    /// its clones share the one it has (the engine clones the store for each transaction).
+    #[tokio::test]
+    async fn the_write_queue_is_opt_in_and_shared_by_clones()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let pool = SqliteStore::connect("sqlite::memory:")
+            .await?
+            .pool()
+            .clone();
+        let plain = SqliteStore::builder(pool.clone()).build()?;
+        assert!(plain.writes.turn().await.is_none(), "no queue by default");
+        let queued = SqliteStore::builder(pool)
+            .queue_transactions(Duration::from_millis(50))
+            .build()?;
+        let turn = queued.writes.turn().await;
+        assert!(turn.is_some());
+        // A clone waits for that same turn, and goes on without one after its wait.
+        assert!(queued.clone().writes.turn().await.is_none());
+        drop(turn);
+        assert!(queued.clone().writes.turn().await.is_some());
+        Ok(())
+    }
+}
