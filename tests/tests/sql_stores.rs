@@ -235,6 +235,40 @@ async fn sqlite_two_pools_race_one_winner_per_key() {
     assert_one_winner_each(&seen, 1000, 8);
 }
 
+/// Two instances starting together on a new file migrate it at once, and both succeed: the
+/// second waits for the first's migration and finds it applied. (sqlx's SQLite migrator
+/// takes no lock of its own: before the store's migration ran under the write lock, one of
+/// the two failed, with a UNIQUE violation on the migrations table or "database is locked".)
+/// Twenty new files, each a fresh race; then each store claims a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_two_instances_migrate_a_new_file_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..20 {
+        let file = dir.path().join(format!("new-{round}.db"));
+        let url = format!("sqlite://{}", file.display());
+        let a = SqliteStore::connect(&url).await.unwrap();
+        let b = SqliteStore::connect(&url).await.unwrap();
+        let (ma, mb) = tokio::join!(a.migrate(), b.migrate());
+        if let Err(e) = ma.and(mb) {
+            panic!("round {round}: {e}");
+        }
+        for (store, name) in [(&a, "a"), (&b, "b")] {
+            let key = RecordKey::new(
+                Scope::new("s").unwrap(),
+                IdempotencyKey::parse(name.as_bytes()).unwrap(),
+            );
+            let req = ClaimRequest {
+                key: &key,
+                fingerprint: &fp("migrated"),
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+            };
+            let outcome = store.claim(req).await.unwrap();
+            assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
+        }
+    }
+}
+
 #[test]
 fn sqlite_two_processes_race_one_winner_per_key() {
     let dir = tempfile::tempdir().unwrap();

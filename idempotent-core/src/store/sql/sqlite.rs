@@ -277,11 +277,15 @@ impl SqliteStore {
         }
     }
 
-    /// Runs the store's migrations (safe from several processes: the migration takes the
-    /// database's write lock). Applied versions are tracked in `<table>_migrations`.
+    /// Runs the store's migrations. Safe from several processes at once: a run that fails
+    /// (another process applied the same migration first) runs again inside one transaction
+    /// that holds the database's write lock from its start, which waits for the other (the
+    /// busy timeout) and then finds the migrations applied. A database already migrated is
+    /// only read. Applied versions are tracked in `<table>_migrations`.
     ///
     /// # Errors
-    /// [`SetupError::Migrate`].
+    /// [`SetupError::Migrate`]; [`SetupError::Database`] when the transaction cannot begin
+    /// or commit (the write lock held past the busy timeout).
     pub async fn migrate(&self) -> Result<(), SetupError> {
         let sql = include_str!("../../../migrations/sqlite/0001_create_records.sql")
             .replace("{table}", &self.sql.table);
@@ -293,7 +297,22 @@ impl SqliteStore {
             false,
         )]);
         migrator.dangerous_set_table_name(format!("{}_migrations", self.sql.table));
-        migrator.run(&self.pool).await?;
+        // Every start after the first finds the migration applied and writes nothing, so it
+        // waits for no write lock. sqlx's SQLite migrator takes no lock of its own: two
+        // processes migrating a new file at once both find the migration missing, both apply
+        // it, and the second fails on the versions table (each migration is one transaction,
+        // so nothing is left half applied). A run that failed goes again under `BEGIN
+        // IMMEDIATE`: it waits for the write lock, then finds what the other applied (the
+        // migrator's own transactions become savepoints of this one). A real failure fails
+        // there too, and that error is returned.
+        if migrator.run(&self.pool).await.is_ok() {
+            return Ok(());
+        }
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        // `run_direct`: `run` on a borrowed connection makes the future's `Send` bound fail
+        // to prove (sqlx's own comment on `run_direct`).
+        migrator.run_direct(None, &mut *tx, false).await?;
+        tx.commit().await?;
         Ok(())
     }
 
