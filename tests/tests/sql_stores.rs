@@ -235,24 +235,28 @@ async fn sqlite_two_pools_race_one_winner_per_key() {
     assert_one_winner_each(&seen, 1000, 8);
 }
 
-/// Two instances starting together on a new file migrate it at once, and both succeed: the
-/// second waits for the first's migration and finds it applied. (sqlx's SQLite migrator
-/// takes no lock of its own: before the store's migration ran under the write lock, one of
-/// the two failed, with a UNIQUE violation on the migrations table or "database is locked".)
+/// Three instances starting together on a new file migrate it at once, and all succeed: one
+/// applies the migration, and one that lost the race (the versions table refused its second
+/// insert of version 1) runs again and finds it applied. sqlx's SQLite migrator takes no
+/// lock of its own: before, a loser failed with "UNIQUE constraint failed:
+/// <table>_migrations.version" (the first new file did, on the machine where it was seen).
 /// Twenty new files, each a fresh race; then each store claims a key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_two_instances_migrate_a_new_file_at_once() {
+async fn sqlite_instances_migrate_a_new_file_at_once() {
     let dir = tempfile::tempdir().unwrap();
     for round in 0..20 {
         let file = dir.path().join(format!("new-{round}.db"));
         let url = format!("sqlite://{}", file.display());
         let a = SqliteStore::connect(&url).await.unwrap();
         let b = SqliteStore::connect(&url).await.unwrap();
-        let (ma, mb) = tokio::join!(a.migrate(), b.migrate());
-        if let Err(e) = ma.and(mb) {
-            panic!("round {round}: {e}");
+        let c = SqliteStore::connect(&url).await.unwrap();
+        let (ma, mb, mc) = tokio::join!(a.migrate(), b.migrate(), c.migrate());
+        for (name, migrated) in [("a", ma), ("b", mb), ("c", mc)] {
+            if let Err(e) = migrated {
+                panic!("round {round}, {name}: {e}");
+            }
         }
-        for (store, name) in [(&a, "a"), (&b, "b")] {
+        for (store, name) in [(&a, "a"), (&b, "b"), (&c, "c")] {
             let key = RecordKey::new(
                 Scope::new("s").unwrap(),
                 IdempotencyKey::parse(name.as_bytes()).unwrap(),

@@ -277,15 +277,13 @@ impl SqliteStore {
         }
     }
 
-    /// Runs the store's migrations. Safe from several processes at once: a run that fails
-    /// (another process applied the same migration first) runs again inside one transaction
-    /// that holds the database's write lock from its start, which waits for the other (the
-    /// busy timeout) and then finds the migrations applied. A database already migrated is
+    /// Runs the store's migrations. Safe from several processes at once: a run that lost a
+    /// race (another process applied the same migration first, and the versions table
+    /// refused the second) runs again and finds it applied. A database already migrated is
     /// only read. Applied versions are tracked in `<table>_migrations`.
     ///
     /// # Errors
-    /// [`SetupError::Migrate`]; [`SetupError::Database`] when the transaction cannot begin
-    /// or commit (the write lock held past the busy timeout).
+    /// [`SetupError::Migrate`].
     pub async fn migrate(&self) -> Result<(), SetupError> {
         let sql = include_str!("../../../migrations/sqlite/0001_create_records.sql")
             .replace("{table}", &self.sql.table);
@@ -297,23 +295,19 @@ impl SqliteStore {
             false,
         )]);
         migrator.dangerous_set_table_name(format!("{}_migrations", self.sql.table));
-        // Every start after the first finds the migration applied and writes nothing, so it
-        // waits for no write lock. sqlx's SQLite migrator takes no lock of its own: two
-        // processes migrating a new file at once both find the migration missing, both apply
-        // it, and the second fails on the versions table (each migration is one transaction,
-        // so nothing is left half applied). A run that failed goes again under `BEGIN
-        // IMMEDIATE`: it waits for the write lock, then finds what the other applied (the
-        // migrator's own transactions become savepoints of this one). A real failure fails
-        // there too, and that error is returned.
-        if migrator.run(&self.pool).await.is_ok() {
-            return Ok(());
+        // sqlx's SQLite migrator takes no lock (its `lock` does nothing): two processes
+        // migrating a new file at once can both find a migration missing and both apply it,
+        // and the second fails on the versions table (each migration is one transaction, so
+        // nothing is left half applied). Run again, the migrator finds what the other
+        // applied. Each such failure means another process applied a migration, so a few
+        // runs are enough; any other error is returned as it came.
+        let mut lost = 0;
+        loop {
+            match migrator.run(&self.pool).await {
+                Err(e) if lost < 4 && lost_migration_race(&e) => lost += 1,
+                done => return Ok(done?),
+            }
         }
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        // `run_direct`: `run` on a borrowed connection makes the future's `Send` bound fail
-        // to prove (sqlx's own comment on `run_direct`).
-        migrator.run_direct(None, &mut *tx, false).await?;
-        tx.commit().await?;
-        Ok(())
     }
 
     /// [`Store::claim`](crate::Store::claim) on a connection or transaction you provide.
@@ -361,6 +355,19 @@ impl SqliteStore {
 }
 
 sql_store_common!(SqliteStore, SqlitePool, sqlx::Sqlite, SqliteConnection);
+
+/// Whether a migration run failed because another process applied the same migration
+/// first: the versions table's key refused the second insert, or (WAL) this run's read
+/// snapshot was overtaken by the other's commit (`SQLITE_BUSY_SNAPSHOT`).
+fn lost_migration_race(e: &sqlx::migrate::MigrateError) -> bool {
+    use sqlx::migrate::MigrateError;
+    let (MigrateError::Execute(sqlx::Error::Database(d))
+    | MigrateError::ExecuteMigration(sqlx::Error::Database(d), _)) = e
+    else {
+        return false;
+    };
+    d.kind() == sqlx::error::ErrorKind::UniqueViolation || d.code().as_deref() == Some("517")
+}
 
 #[cfg(test)]
 mod tests {
