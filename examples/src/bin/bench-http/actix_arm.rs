@@ -104,7 +104,7 @@ async fn stats(b: web::Data<Bench>) -> String {
 
 pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
     actix_web::rt::System::new().block_on(async {
-        let (bench, store) = super::server::open(&args.database, &args.tag).await?;
+        let (bench, store) = super::server::open(&args.database, &args.tag, args.pool).await?;
         if matches!((args.arm, &bench.db), (Arm::Tx, Db::Memory)) {
             return Err("transactional mode needs SQLite, PostgreSQL or MySQL".to_owned());
         }

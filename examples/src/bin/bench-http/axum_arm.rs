@@ -109,7 +109,7 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
         .build()
         .map_err(|e| e.to_string())?;
     rt.block_on(async {
-        let (bench, store) = super::server::open(&args.database, &args.tag).await?;
+        let (bench, store) = super::server::open(&args.database, &args.tag, args.pool).await?;
         let handler = match (args.arm, &bench.db) {
             (Arm::Bare, _) => post(bare),
             (Arm::Plain, _) => post(plain),

@@ -55,6 +55,9 @@ enum Command {
 /// Whether the servers observe (`--observe`), set once in `main`.
 static OBSERVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
+/// The servers' pool size on PostgreSQL and MySQL (`--pool`), set once in `main`.
+static POOL: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+
 #[derive(Debug, clap::Args)]
 struct RunArgs {
     /// Every server, bare and annotated alike, installs a `tracing-subscriber` fmt subscriber
@@ -97,6 +100,11 @@ struct RunArgs {
     /// deleted at the end of the run.
     #[arg(long)]
     redis: Option<String>,
+    /// Connections in each server's pool on PostgreSQL and MySQL (bare and annotated alike).
+    /// A framework's three servers run at once, so three pools must fit in the database's
+    /// `max_connections` (PostgreSQL's default is 100): past it, connecting fails or stalls.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pool: u32,
     /// Do not pin the load generator and the servers to separate CPUs.
     #[arg(long)]
     no_pin: bool,
@@ -179,6 +187,9 @@ struct ServeArgs {
     /// Install the subscriber and the recorder (see the run's `--observe`).
     #[arg(long)]
     observe: bool,
+    /// The pool's size on PostgreSQL and MySQL (see the run's `--pool`).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pool: u32,
 }
 
 /// What `--observe` installs in a server: the examples' subscriber (stderr, `RUST_LOG` or
@@ -198,6 +209,7 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let _ = OBSERVE.set(cli.run.observe);
+    let _ = POOL.set(cli.run.pool);
     if let Some(Command::Serve(args)) = cli.command {
         if let Err(e) = observe_setup(&args) {
             eprintln!("bench-http serve: {e}");
@@ -285,6 +297,9 @@ impl Server {
             .args(["--database", database, "--tag", tag]);
         if OBSERVE.get().copied().unwrap_or(false) {
             cmd.arg("--observe");
+        }
+        if let Some(pool) = POOL.get() {
+            cmd.args(["--pool", &pool.to_string()]);
         }
         cmd.stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -468,11 +483,12 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
     let mut report = String::new();
     let _ = writeln!(
         report,
-        "bench-http: {} connections, {} rounds of {:?} after a {:?} warm-up per arm; load generator {}; {}",
+        "bench-http: {} connections, {} rounds of {:?} after a {:?} warm-up per arm; pools of {} on PostgreSQL and MySQL; load generator {}; {}",
         args.connections,
         args.rounds,
         args.duration,
         args.warmup,
+        args.pool,
         if pinned {
             "on CPU 0, servers on CPU 1 (taskset)"
         } else {

@@ -222,7 +222,11 @@ async fn cluster_primaries(seeds: &str) -> Vec<String> {
 /// Opens the database for a server: `memory`, `sqlite://FILE`, `postgres://…`, `mysql://…` or
 /// `redis://…`, with the store the annotated arms use (the same database, so transactional mode
 /// can join it).
-pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>), String> {
+pub(crate) async fn open(
+    url: &str,
+    tag: &str,
+    pool_size: u32,
+) -> Result<(Bench, Arc<dyn Store>), String> {
     let err = |e: &dyn std::fmt::Display| format!("{url}: {e}");
     let (db, store): (Db, Arc<dyn Store>) = if url == "memory" {
         (
@@ -269,7 +273,7 @@ pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>)
         (Db::Sqlite(store.pool().clone()), Arc::new(store))
     } else if idempotent_examples::charges::is_mysql(url) {
         let pool = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(16)
+            .max_connections(pool_size)
             .test_before_acquire(false)
             .connect(url)
             .await
@@ -290,7 +294,7 @@ pub(crate) async fn open(url: &str, tag: &str) -> Result<(Bench, Arc<dyn Store>)
         (Db::MySql(pool), Arc::new(store))
     } else {
         let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(16)
+            .max_connections(pool_size)
             .test_before_acquire(false)
             .connect(url)
             .await
