@@ -462,8 +462,9 @@ async fn graceful_failover_under_load_on_redis_cluster() {
     // Exactly once holds through a failover that gives the store back within the lease: a
     // holder that cannot reach the store for longer loses its lease to a duplicate, and
     // both run (plain mode's documented limit, `Recorded::Failed`). A graceful failover
-    // pauses writes for well under a second, but on a loaded two-CPU CI machine the store
-    // once stayed unreachable for over 2 s, the lease this test used to give (stop 45).
+    // pauses writes for well under a second, but on a loaded two-CPU CI machine a holder
+    // once went over 2 s, the lease this test used to give, without renewing it (its store
+    // calls timing out during a failover), and a duplicate took over (stop 45).
     let a = start(Bin::Axum, &url, &["--lease", "10s"]);
     let b = start(Bin::Actix, &url, &["--lease", "10s"]);
     let bases = [a.base.clone(), b.base.clone()];
