@@ -364,6 +364,14 @@ impl RedisStoreBuilder {
 
     /// How long one command may wait for its answer before the store reports
     /// [`StoreError::Unavailable`] (default 5 s).
+    ///
+    /// Keep the routes' leases well above it, at least three times as long: an execution
+    /// renews its lease one command at a time and sends its completion without a renewal
+    /// running beside it, so one command that hangs for the whole timeout (a connection
+    /// stuck while a cluster's slots are refreshed after a failover, say) holds its lease
+    /// unrenewed for that long. A lease that runs out meanwhile is taken over by a retry,
+    /// which runs the handler again; the first execution's completion is then refused.
+    /// With the default 5 s, that means leases of 15 s or more (the default lease is 30 s).
     #[must_use]
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
