@@ -16,6 +16,7 @@ pub struct FaultyStore {
     inner: Arc<dyn Store>,
     claim_delay_ms: AtomicUsize,
     extend_delay_ms: AtomicUsize,
+    complete_delay_ms: AtomicUsize,
     fail_claims: AtomicUsize,
     fail_completes: AtomicUsize,
     injected: AtomicUsize,
@@ -37,6 +38,7 @@ impl FaultyStore {
             inner: Arc::new(inner),
             claim_delay_ms: AtomicUsize::new(0),
             extend_delay_ms: AtomicUsize::new(0),
+            complete_delay_ms: AtomicUsize::new(0),
             fail_claims: AtomicUsize::new(0),
             fail_completes: AtomicUsize::new(0),
             injected: AtomicUsize::new(0),
@@ -69,6 +71,15 @@ impl FaultyStore {
     /// Makes every lease extension take `delay` before it reaches the store.
     pub fn delay_extends(&self, delay: Duration) {
         self.extend_delay_ms.store(
+            usize::try_from(delay.as_millis()).unwrap_or(usize::MAX),
+            Ordering::SeqCst,
+        );
+    }
+
+    /// Makes every completion take `delay` before it reaches the store (a connection that
+    /// hangs while extensions, on another connection, still answer).
+    pub fn delay_completes(&self, delay: Duration) {
+        self.complete_delay_ms.store(
             usize::try_from(delay.as_millis()).unwrap_or(usize::MAX),
             Ordering::SeqCst,
         );
@@ -138,6 +149,10 @@ impl Store for FaultyStore {
         if take_one(&self.fail_completes) {
             self.injected.fetch_add(1, Ordering::SeqCst);
             return Err(StoreError::unavailable(Injected));
+        }
+        let delay = self.complete_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay as u64)).await;
         }
         self.inner.complete(key, token, outcome, ttl).await
     }

@@ -48,6 +48,41 @@ async fn a_streamed_response_keeps_its_lease_on_time() {
     assert!(matches!(recorder.end().await, Recorded::Stored));
 }
 
+/// The lease is renewed while the outcome's write is on its way, as while the handler runs: a
+/// completion that takes three leases to reach the store (a connection that hangs while
+/// extensions still answer) must not let a retry take the record over and run the handler a
+/// second time; the completion then lands and retries replay it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_completion_keeps_its_lease() {
+    let store = FaultyStore::new(MemoryStore::new());
+    store.delay_completes(Duration::from_millis(900));
+    let engine = Engine::from_arc(store.clone());
+    let policy = Policy {
+        lease: Duration::from_millis(300),
+        ..Policy::default()
+    };
+    let Begin::Claimed(execution) = engine.begin(request("slow-complete"), &policy).await else {
+        panic!("not claimed")
+    };
+    let finishing = tokio::spawn(execution.finish(StoredResponse::new(201, "ok").into()));
+    for round in 0..7 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let retry = engine.begin(request("slow-complete"), &policy).await;
+        assert!(
+            matches!(retry, Begin::InProgress { .. }),
+            "a retry {} ms after the completion was sent found {retry:?}: the lease ran out while the completion was on its way",
+            (round + 1) * 100
+        );
+    }
+    assert!(matches!(finishing.await.unwrap(), Recorded::Stored));
+    assert_eq!(store.completes(), 1);
+    let replay = engine.begin(request("slow-complete"), &policy).await;
+    assert!(
+        matches!(&replay, Begin::Replay(StoredOutcome::Response(r)) if r.status == 201),
+        "{replay:?}"
+    );
+}
+
 /// A drain that starts while a request's claim is on its way waits for that execution.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_waits_for_a_request_that_is_mid_claim() {

@@ -134,16 +134,8 @@ impl Execution {
     /// half lease until this execution is finished or dropped. Registers a wake-up with `cx`
     /// until then. Needs a tokio runtime with timers.
     pub fn poll_heartbeat(&mut self, cx: &mut Context<'_>) {
-        if self.inner.heartbeat.task.is_some() || self.inner.finished {
-            return;
-        }
         let first = self.first_extension();
-        let timer = self
-            .inner
-            .heartbeat
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(first)));
-        if timer.as_mut().poll(cx).is_ready() {
+        if self.inner.heartbeat.due(self.inner.finished, first, cx) {
             self.start_heartbeat(Duration::ZERO);
         }
     }
@@ -176,8 +168,10 @@ impl Execution {
     }
 
     /// Finishes with the handler's outcome: stores it if the policy stores its status, else
-    /// releases the key. Store errors are retried (bounded, within the lease); if it still
-    /// fails the record stays in progress until its lease ends ([`Recorded::Failed`], logged).
+    /// releases the key. The lease is extended while the write is on its way, as while the
+    /// handler ran, so a slow write does not let a retry take the record over. Store errors are
+    /// retried (bounded, within the lease); if it still fails the record stays in progress
+    /// until its lease ends ([`Recorded::Failed`], logged).
     // Not an `async fn`: one keeps its by-value arguments in its future twice (as arguments
     // and as the locals they move into), and this future is nested in every first execution's.
     #[allow(
@@ -228,6 +222,7 @@ impl Execution {
     /// Stores `outcome` (`Some`) or releases the key (`None`), fenced, retried within the
     /// lease; a final failure is logged and leaves the record in progress until its lease ends.
     async fn write(&mut self, outcome: Option<&StoredOutcome>) -> Recorded {
+        let first = self.first_extension();
         let Inner {
             slot,
             key,
@@ -238,7 +233,8 @@ impl Execution {
             ..
         } = &mut *self.inner;
         let store = &slot.engine.store;
-        let result = fenced_write(
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let write = fenced_write(
             policy,
             || async {
                 match outcome {
@@ -249,7 +245,18 @@ impl Execution {
                     None => observe::timed("release", store.release(key, *token)).await,
                 }
             },
-            || {
+            || failed.store(true, Ordering::Relaxed),
+        );
+        let mut write = std::pin::pin!(write);
+        // The lease is kept while the write is on its way, as while the handler ran: a write
+        // that hangs past the lease (a stuck connection, a slow replica acknowledgement) must
+        // not let a retry take the record over and run the handler again. The heartbeat
+        // starts when the first extension is due, or at once when an attempt failed.
+        let result = std::future::poll_fn(|cx| {
+            if let Poll::Ready(result) = write.as_mut().poll(cx) {
+                return Poll::Ready(result);
+            }
+            if failed.load(Ordering::Relaxed) || heartbeat.due(*finished, first, cx) {
                 start_heartbeat(
                     heartbeat,
                     *finished,
@@ -258,9 +265,10 @@ impl Execution {
                     *token,
                     policy,
                     Duration::ZERO,
-                )
-            },
-        )
+                );
+            }
+            Poll::Pending
+        })
         .await;
         match (result, outcome) {
             (Ok(()), Some(_)) => Recorded::Stored,
@@ -353,8 +361,8 @@ fn start_heartbeat(
 
 /// Runs a fenced store write, retrying transient failures with exponential backoff for at
 /// most half the lease (the other half is the margin before a retry could take over);
-/// `keep_alive` runs at the first failure (it starts the heartbeat), so the lease does not
-/// lapse while it retries. A stale lease is final.
+/// `keep_alive` runs at each failure (its caller starts the heartbeat), so the lease does
+/// not lapse while it retries. A stale lease is final.
 async fn fenced_write<F, Fut>(
     policy: &Policy,
     mut call: F,
@@ -405,6 +413,21 @@ where
 struct Heartbeat {
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     task: Option<AbortOnDrop>,
+}
+
+impl Heartbeat {
+    /// Whether the heartbeat task should start now: it does not run yet, the execution is not
+    /// finished, and `first` (when the first extension is due) has come. Registers a wake-up
+    /// with `cx` for `first` until then.
+    fn due(&mut self, finished: bool, first: tokio::time::Instant, cx: &mut Context<'_>) -> bool {
+        if self.task.is_some() || finished {
+            return false;
+        }
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(first)));
+        timer.as_mut().poll(cx).is_ready()
+    }
 }
 
 /// A task that is aborted when this handle is dropped, so it never outlives its owner.
