@@ -366,12 +366,14 @@ impl RedisStoreBuilder {
     /// [`StoreError::Unavailable`] (default 5 s).
     ///
     /// Keep the routes' leases well above it, at least three times as long: an execution
-    /// renews its lease one command at a time and sends its completion without a renewal
-    /// running beside it, so one command that hangs for the whole timeout (a connection
-    /// stuck while a cluster's slots are refreshed after a failover, say) holds its lease
-    /// unrenewed for that long. A lease that runs out meanwhile is taken over by a retry,
-    /// which runs the handler again; the first execution's completion is then refused.
+    /// renews its lease every half lease, one command at a time, on the connection its
+    /// completion uses too (without a wait), so one command that hangs for the whole timeout
+    /// (a connection stuck while a cluster's slots are refreshed after a failover, say) holds
+    /// its lease unrenewed for that long. A lease that runs out meanwhile is taken over by a
+    /// retry, which runs the handler again; the first execution's completion is then refused.
     /// With the default 5 s, that means leases of 15 s or more (the default lease is 30 s).
+    /// Claims with a shorter lease are counted ([`RedisStore::short_leases`]) and the first is
+    /// logged.
     #[must_use]
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
@@ -444,7 +446,13 @@ impl RedisStoreBuilder {
             )),
             None => None,
         };
-        Ok(RedisStore::new(Conn::Single(conn), durable, prefix, wait))
+        Ok(RedisStore::new(
+            Conn::Single(conn),
+            durable,
+            prefix,
+            wait,
+            self.response_timeout,
+        ))
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` each).
@@ -468,7 +476,13 @@ impl RedisStoreBuilder {
             ))),
             None => None,
         };
-        Ok(RedisStore::new(conn, durable, prefix, wait))
+        Ok(RedisStore::new(
+            conn,
+            durable,
+            prefix,
+            wait,
+            self.response_timeout,
+        ))
     }
 }
 
@@ -551,6 +565,10 @@ pub struct RedisStore {
     prefix: std::sync::Arc<str>,
     wait: Option<Wait>,
     short_waits: std::sync::Arc<AtomicU64>,
+    /// The response timeout its connections were built with (a lease under three times it
+    /// is counted and logged).
+    response_timeout: Duration,
+    short_leases: std::sync::Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -570,13 +588,21 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    fn new(conn: Conn, durable: Option<Conn>, prefix: String, wait: Option<Wait>) -> Self {
+    fn new(
+        conn: Conn,
+        durable: Option<Conn>,
+        prefix: String,
+        wait: Option<Wait>,
+        response_timeout: Duration,
+    ) -> Self {
         RedisStore {
             conn,
             durable,
             prefix: prefix.into(),
             wait,
             short_waits: std::sync::Arc::default(),
+            response_timeout,
+            short_leases: std::sync::Arc::default(),
         }
     }
 
@@ -701,6 +727,29 @@ impl RedisStore {
         };
         let (value, acked) = result.map_err(|e| failed(conn, e))?;
         Ok((value, Some(u32::try_from(acked).unwrap_or(0))))
+    }
+
+    /// Claims whose lease was shorter than three times the response timeout (see
+    /// [`RedisStoreBuilder::response_timeout`]): one command that hangs for the whole timeout
+    /// can outlast such a lease, and a retry then takes the record over and runs the handler
+    /// again. The first is logged (a warning naming the lease and the timeout).
+    pub fn short_leases(&self) -> u64 {
+        self.short_leases.load(Ordering::Relaxed)
+    }
+
+    /// Counts a claim's `lease` if it is under three times the response timeout, and logs the
+    /// first such claim.
+    fn check_lease(&self, lease: Duration) {
+        if lease >= self.response_timeout.saturating_mul(3) {
+            return;
+        }
+        if self.short_leases.fetch_add(1, Ordering::Relaxed) == 0 {
+            tracing::warn!(
+                ?lease,
+                response_timeout = ?self.response_timeout,
+                "redis store: a claim's lease is under three times the response timeout: one command that hangs for the whole timeout (a stuck connection) can outlast it, and a retry then takes the record over and runs the handler again; lengthen the route's lease or shorten `RedisStoreBuilder::response_timeout` (logged once; `RedisStore::short_leases` counts them)"
+            );
+        }
     }
 
     /// Whether the replicas asked for acknowledged a write (`acked` from
@@ -907,6 +956,7 @@ fn record_from(key: &RecordKey, f: &[Value], at: usize) -> Result<Record, StoreE
 #[async_trait::async_trait]
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.check_lease(req.lease);
         let rkey = self.redis_key(req.key);
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let (Some(outcome), acked) = self.claim_once(&rkey, &req).await? else {
@@ -1072,7 +1122,27 @@ mod tests {
             redis::aio::ConnectionManagerConfig::new(),
         )
         .expect("lazy");
-        RedisStore::new(Conn::Single(conn), None, "p:".to_owned(), None)
+        RedisStore::new(
+            Conn::Single(conn),
+            None,
+            "p:".to_owned(),
+            None,
+            Duration::from_secs(5),
+        )
+    }
+
+    #[tokio::test]
+    async fn leases_under_three_response_timeouts_are_counted() {
+        let store = store();
+        store.check_lease(Duration::from_secs(15));
+        store.check_lease(Duration::from_secs(30));
+        assert_eq!(store.short_leases(), 0);
+        store.check_lease(Duration::from_millis(14_999));
+        store.check_lease(Duration::from_secs(2));
+        assert_eq!(store.short_leases(), 2);
+        // A clone shares the count, as it shares the connections.
+        store.clone().check_lease(Duration::from_secs(1));
+        assert_eq!(store.short_leases(), 3);
     }
 
     fn key(scope: &str, key: &str) -> RecordKey {
