@@ -16,7 +16,7 @@ pub struct FaultyStore {
     inner: Arc<dyn Store>,
     claim_delay_ms: AtomicUsize,
     extend_delay_ms: AtomicUsize,
-    complete_delay_ms: AtomicUsize,
+    finish_delay_ms: AtomicUsize,
     fail_claims: AtomicUsize,
     fail_completes: AtomicUsize,
     injected: AtomicUsize,
@@ -24,6 +24,7 @@ pub struct FaultyStore {
     completes: AtomicUsize,
     releases: AtomicUsize,
     purges: AtomicUsize,
+    extends: AtomicUsize,
 }
 
 /// The injected failure.
@@ -38,7 +39,8 @@ impl FaultyStore {
             inner: Arc::new(inner),
             claim_delay_ms: AtomicUsize::new(0),
             extend_delay_ms: AtomicUsize::new(0),
-            complete_delay_ms: AtomicUsize::new(0),
+            finish_delay_ms: AtomicUsize::new(0),
+            extends: AtomicUsize::new(0),
             fail_claims: AtomicUsize::new(0),
             fail_completes: AtomicUsize::new(0),
             injected: AtomicUsize::new(0),
@@ -76,10 +78,10 @@ impl FaultyStore {
         );
     }
 
-    /// Makes every completion take `delay` before it reaches the store (a connection that
-    /// hangs while extensions, on another connection, still answer).
-    pub fn delay_completes(&self, delay: Duration) {
-        self.complete_delay_ms.store(
+    /// Makes every completion and release take `delay` before it reaches the store (a
+    /// connection that hangs while extensions, on another connection, still answer).
+    pub fn delay_finishes(&self, delay: Duration) {
+        self.finish_delay_ms.store(
             usize::try_from(delay.as_millis()).unwrap_or(usize::MAX),
             Ordering::SeqCst,
         );
@@ -105,9 +107,24 @@ impl FaultyStore {
         self.purges.load(Ordering::SeqCst)
     }
 
+    /// Lease extensions attempted.
+    pub fn extends(&self) -> usize {
+        self.extends.load(Ordering::SeqCst)
+    }
+
     /// Releases attempted.
     pub fn releases(&self) -> usize {
         self.releases.load(Ordering::SeqCst)
+    }
+}
+
+impl FaultyStore {
+    /// Waits out [`FaultyStore::delay_finishes`]' delay.
+    async fn finish_delay(&self) {
+        let delay = self.finish_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay as u64)).await;
+        }
     }
 }
 
@@ -150,15 +167,13 @@ impl Store for FaultyStore {
             self.injected.fetch_add(1, Ordering::SeqCst);
             return Err(StoreError::unavailable(Injected));
         }
-        let delay = self.complete_delay_ms.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay as u64)).await;
-        }
+        self.finish_delay().await;
         self.inner.complete(key, token, outcome, ttl).await
     }
 
     async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
         self.releases.fetch_add(1, Ordering::SeqCst);
+        self.finish_delay().await;
         self.inner.release(key, token).await
     }
 
@@ -168,6 +183,7 @@ impl Store for FaultyStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
+        self.extends.fetch_add(1, Ordering::SeqCst);
         let delay = self.extend_delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay as u64)).await;

@@ -48,38 +48,139 @@ async fn a_streamed_response_keeps_its_lease_on_time() {
     assert!(matches!(recorder.end().await, Recorded::Stored));
 }
 
-/// The lease is renewed while the outcome's write is on its way, as while the handler runs: a
-/// completion that takes three leases to reach the store (a connection that hangs while
-/// extensions still answer) must not let a retry take the record over and run the handler a
-/// second time; the completion then lands and retries replay it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_completion_keeps_its_lease() {
+/// The lease is renewed while the outcome's write is on its way, as while the handler ran: a
+/// completion or a release that takes three leases to reach the store (a connection that
+/// hangs while extensions still answer) must not let a retry take the record over and run
+/// the handler a second time. Once the write lands the renewals stop.
+async fn a_slow_write_keeps_its_lease(store_it: bool) {
+    let lease = Duration::from_millis(600);
     let store = FaultyStore::new(MemoryStore::new());
-    store.delay_completes(Duration::from_millis(900));
+    store.delay_finishes(lease * 3);
     let engine = Engine::from_arc(store.clone());
     let policy = Policy {
-        lease: Duration::from_millis(300),
+        lease,
         ..Policy::default()
     };
-    let Begin::Claimed(execution) = engine.begin(request("slow-complete"), &policy).await else {
+    let key = if store_it {
+        "slow-complete"
+    } else {
+        "slow-release"
+    };
+    let Begin::Claimed(execution) = engine.begin(request(key), &policy).await else {
         panic!("not claimed")
     };
-    let finishing = tokio::spawn(execution.finish(StoredResponse::new(201, "ok").into()));
-    for round in 0..7 {
+    let sent = std::time::Instant::now();
+    let finishing = tokio::spawn(async move {
+        if store_it {
+            execution
+                .finish(StoredResponse::new(201, "ok").into())
+                .await
+        } else {
+            execution.release().await
+        }
+    });
+    let mut in_progress = 0;
+    while !finishing.is_finished() {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let retry = engine.begin(request("slow-complete"), &policy).await;
+        match engine.begin(request(key), &policy).await {
+            Begin::InProgress { .. } => in_progress += 1,
+            // The write landed (`finishing` is about to end): a replay, or a new claim after
+            // the release, which this test lets go.
+            Begin::Replay(_) if store_it => break,
+            Begin::Claimed(retry) if !store_it && sent.elapsed() >= lease * 3 => {
+                drop(retry.release().await);
+                break;
+            }
+            found => panic!(
+                "a retry {} ms after the write was sent found {found:?}: the lease ran out while the write was on its way",
+                sent.elapsed().as_millis()
+            ),
+        }
+    }
+    let recorded = finishing.await.unwrap();
+    assert!(
+        matches!(
+            (&recorded, store_it),
+            (Recorded::Stored, true) | (Recorded::Released, false)
+        ),
+        "{recorded:?}"
+    );
+    assert!(
+        in_progress >= 10,
+        "only {in_progress} retries while the write was on its way"
+    );
+    assert!(
+        store.extends() >= 3,
+        "the lease was not renewed: {} extensions",
+        store.extends()
+    );
+    // The renewals stopped with the write.
+    let extends = store.extends();
+    tokio::time::sleep(lease * 2).await;
+    assert_eq!(
+        store.extends(),
+        extends,
+        "the heartbeat outlived its execution"
+    );
+    if store_it {
+        let replay = engine.begin(request(key), &policy).await;
         assert!(
-            matches!(retry, Begin::InProgress { .. }),
-            "a retry {} ms after the completion was sent found {retry:?}: the lease ran out while the completion was on its way",
-            (round + 1) * 100
+            matches!(&replay, Begin::Replay(StoredOutcome::Response(r)) if r.status == 201),
+            "{replay:?}"
         );
     }
-    assert!(matches!(finishing.await.unwrap(), Recorded::Stored));
-    assert_eq!(store.completes(), 1);
-    let replay = engine.begin(request("slow-complete"), &policy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_completion_keeps_its_lease() {
+    a_slow_write_keeps_its_lease(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_release_keeps_its_lease() {
+    a_slow_write_keeps_its_lease(false).await;
+}
+
+/// A write that never answers (a connection that went silent) is given up after its bound
+/// (a lease, at least 10 s), retried once within the lease, then reported; the heartbeat that
+/// kept the lease while it waited stops, so the lease ends and a retry can run. Paused time:
+/// the bound passes in virtual time.
+#[tokio::test(start_paused = true)]
+async fn a_write_that_never_answers_is_given_up() {
+    let store = FaultyStore::new(MemoryStore::new());
+    store.delay_finishes(Duration::from_secs(24 * 3600));
+    let engine = Engine::from_arc(store.clone());
+    let policy = Policy {
+        lease: Duration::from_secs(2),
+        ..Policy::default()
+    };
+    let Begin::Claimed(execution) = engine.begin(request("silent"), &policy).await else {
+        panic!("not claimed")
+    };
+    let sent = tokio::time::Instant::now();
+    let recorded = execution
+        .finish(StoredResponse::new(201, "ok").into())
+        .await;
     assert!(
-        matches!(&replay, Begin::Replay(StoredOutcome::Response(r)) if r.status == 201),
-        "{replay:?}"
+        matches!(recorded, Recorded::Failed(StoreError::Unavailable(_))),
+        "{recorded:?}"
+    );
+    let waited = sent.elapsed();
+    assert!(
+        (Duration::from_secs(10)..Duration::from_secs(30)).contains(&waited),
+        "gave up after {waited:?}"
+    );
+    assert_eq!(store.completes(), 2, "one attempt and one retry");
+    assert!(
+        store.extends() >= 8,
+        "the lease was kept while the write waited"
+    );
+    let extends = store.extends();
+    tokio::time::sleep(policy.lease * 3).await;
+    assert_eq!(
+        store.extends(),
+        extends,
+        "the heartbeat outlived its execution"
     );
 }
 

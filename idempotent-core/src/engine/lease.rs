@@ -234,16 +234,26 @@ impl Execution {
         } = &mut *self.inner;
         let store = &slot.engine.store;
         let failed = std::sync::atomic::AtomicBool::new(false);
+        // Each attempt is bounded: the heartbeat below keeps the lease while it waits, so an
+        // attempt that never answers (a half-open connection) would otherwise hold the record
+        // in progress, and `Engine::drain`, for as long as it hangs.
+        let bound = write_bound(policy.lease);
         let write = fenced_write(
             policy,
             || async {
-                match outcome {
+                let (what, attempt) = match outcome {
                     Some(outcome) => {
                         let complete = store.complete(key, *token, outcome, policy.ttl);
-                        observe::timed("complete", complete).await
+                        ("complete", observe::timed("complete", complete))
                     }
-                    None => observe::timed("release", store.release(key, *token)).await,
-                }
+                    None => (
+                        "release",
+                        observe::timed("release", store.release(key, *token)),
+                    ),
+                };
+                tokio::time::timeout(bound, attempt)
+                    .await
+                    .unwrap_or_else(|_| Err(StoreError::unavailable(NoAnswer { what, bound })))
             },
             || failed.store(true, Ordering::Relaxed),
         );
@@ -408,6 +418,23 @@ where
     }
 }
 
+/// How long one store write that finishes an execution (a complete, a release, a complete
+/// and COMMIT) may wait for its answer: a lease, and at least 10 s. Whether a write given up
+/// on applied is unknown; its token fences it either way.
+pub(crate) fn write_bound(lease: Duration) -> Duration {
+    lease.max(Duration::from_secs(10))
+}
+
+/// A store write that got no answer in time.
+#[derive(Debug, thiserror::Error)]
+#[error("{what} had no answer within {bound:?}")]
+pub(crate) struct NoAnswer {
+    /// The write.
+    pub(crate) what: &'static str,
+    /// How long it was given.
+    pub(crate) bound: Duration,
+}
+
 /// The lazily started heartbeat of an execution.
 #[derive(Default)]
 struct Heartbeat {
@@ -452,11 +479,12 @@ async fn heartbeat(
     loop {
         match observe::timed("extend", store.extend(&key, token, lease)).await {
             Ok(_) => tokio::time::sleep(half).await,
-            // Someone took over: stop; `complete` will report the stale lease.
+            // Someone took over (`complete` will report the stale lease), or the outcome was
+            // stored while this renewal was on its way: stop.
             Err(StoreError::StaleLease) => {
                 tracing::warn!(
                     route,
-                    "idempotency: the lease was taken over while the handler ran"
+                    "idempotency: a lease renewal was refused: the lease was taken over, or the outcome was stored meanwhile"
                 );
                 return;
             }

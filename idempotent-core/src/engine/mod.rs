@@ -14,6 +14,7 @@ mod lease;
 pub use claim::{Begin, Unprotected};
 pub(crate) use flight::{AutoSweep, InFlight};
 pub use lease::{Execution, PanicPayload};
+pub(crate) use lease::{NoAnswer, write_bound};
 
 use crate::derive::DeriveSecret;
 use crate::fingerprint::Fingerprint;

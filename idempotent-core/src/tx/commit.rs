@@ -5,8 +5,8 @@ use super::held::Held;
 use super::transaction::{FinishError, FirstClaim, Home, ReadFirst, Transaction, TxDatabase, lock};
 use super::{CommitPath, TxOptions};
 use crate::engine::{
-    Begin, Engine, ExecuteRequest, Execution, InFlight, KeyRequirement, PanicPayload, Policy,
-    Recorded,
+    Begin, Engine, ExecuteRequest, Execution, InFlight, KeyRequirement, NoAnswer, PanicPayload,
+    Policy, Recorded,
 };
 use crate::key::KeyError;
 use crate::observe::{self, RequestOutcome, Settled};
@@ -177,7 +177,7 @@ impl<DB: TxDatabase> TxExecution<DB> {
         let TxExecution {
             store,
             home,
-            claim,
+            mut claim,
             policy,
             span: _,
         } = self;
@@ -204,6 +204,12 @@ impl<DB: TxDatabase> TxExecution<DB> {
                 released(execution.release().await);
             }
             return TxFinished::RolledBack;
+        }
+        // A two-commit claim's lease is kept while the complete and COMMIT are on their way,
+        // as while the handler ran: until the complete has run (and locked the record), a
+        // retry could take over a lease that ran out and run the handler again.
+        if let Claim::Two(execution) = &mut claim {
+            execution.keep_alive();
         }
         let (key, token) = match &claim {
             Claim::None { .. } => {
@@ -325,14 +331,6 @@ async fn bounded<DB: TxDatabase, T>(
             Err(_) => Err(StoreError::unavailable(NoAnswer { what, bound })),
         },
     }
-}
-
-/// A statement the database did not answer in time.
-#[derive(Debug, thiserror::Error)]
-#[error("{what} had no answer within {bound:?}")]
-struct NoAnswer {
-    what: &'static str,
-    bound: Duration,
 }
 
 /// Whether a store error is PostgreSQL's "current transaction is aborted" (SQLSTATE 25P02).

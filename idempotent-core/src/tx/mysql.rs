@@ -338,7 +338,7 @@ impl TxDatabase for sqlx::MySql {
     /// that stalled idle (the bound its BEGIN set), so no answer is coming; the floor keeps a
     /// COMMIT that is merely slow (a loaded disk) from being given up on.
     fn finish_bound(lease: Duration) -> Option<Duration> {
-        Some(lease.max(Duration::from_secs(10)))
+        Some(crate::engine::write_bound(lease))
     }
 }
 

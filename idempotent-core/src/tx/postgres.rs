@@ -275,7 +275,7 @@ impl TxDatabase for sqlx::Postgres {
     /// that stalled idle (the bound its BEGIN set), so no answer is coming; the floor keeps a
     /// COMMIT that is merely slow (a loaded disk) from being given up on.
     fn finish_bound(lease: std::time::Duration) -> Option<std::time::Duration> {
-        Some(lease.max(std::time::Duration::from_secs(10)))
+        Some(crate::engine::write_bound(lease))
     }
 }
 
