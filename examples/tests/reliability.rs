@@ -459,14 +459,15 @@ async fn graceful_failover_under_load_on_redis_cluster() {
         .map(str::to_owned)
         .collect();
     let n = redis_ops();
-    // The lease is three times the store's response timeout (5 s, the default), as
-    // `RedisStoreBuilder::response_timeout` asks. With 2 s, one CI run lost a lease: after a
-    // failover one server's cluster connection hung until that timeout, so the holder's
-    // completion hung with it, unrenewed, for 5 s; a duplicate sent to the other server took
-    // the lease over after 2 s and ran the handler again. The engine now renews a lease while
-    // its completion is on its way, but the renewal goes through the same connection and
-    // hangs as well: that limit is documented there (and a claim with a shorter lease is
-    // counted and logged), not fixed, and no test covers a hung connection.
+    // A 15 s lease, three times the store's response timeout (5 s, the default). With 2 s,
+    // one CI run (stop 45) lost a lease: after a failover one server's cluster connection
+    // hung until that timeout, so the holder's completion hung with it, unrenewed, for 5 s;
+    // a duplicate sent to the other server took the lease over after 2 s and ran the handler
+    // again. Since then the engine renews a lease while its completion is on its way, a
+    // renewal waits at most a quarter of the lease, and a connection that got no answer is
+    // replaced: `a_lease_outlives_a_connection_that_stops_answering` in
+    // `tests/tests/redis_conformance.rs` checks that case with a 2 s lease. This test keeps
+    // 15 s, so a failover slower than a short lease on a loaded CI machine cannot fail it.
     let a = start(Bin::Axum, &url, &["--lease", "15s"]);
     let b = start(Bin::Actix, &url, &["--lease", "15s"]);
     let bases = [a.base.clone(), b.base.clone()];

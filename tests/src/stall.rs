@@ -1,8 +1,13 @@
-//! A TCP proxy on 127.0.0.1 in front of PostgreSQL that, once armed, stalls the first
-//! connection that sends `COMMIT` (alone, or in a batch such as the library's complete and
-//! COMMIT): the `COMMIT` never reaches the server and nothing more moves either way on that
-//! connection, which stays open (a process frozen, or a network lost, right before its
-//! COMMIT). Every other connection, and that one before it is caught, passes.
+//! A TCP proxy on 127.0.0.1 that stalls chosen connections: nothing more moves either way on
+//! a stalled connection, which stays open (a process frozen, a network lost, a half-open
+//! connection nobody resets). Two triggers:
+//! - [`StallingProxy::arm`] (PostgreSQL): the first connection that sends `COMMIT` (alone,
+//!   or in a batch such as the library's complete and COMMIT) stalls, and the `COMMIT` never
+//!   reaches the server;
+//! - [`StallingProxy::freeze_open`] (any protocol): every connection open now stalls at the
+//!   next bytes it sends, which never reach the server; connections opened later pass.
+//!
+//! Every other connection passes.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,7 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// A running proxy; it stops (and closes every connection) when dropped.
 #[derive(Debug)]
-pub struct CommitStaller {
+pub struct StallingProxy {
     addr: SocketAddr,
     shared: Arc<Shared>,
     task: tokio::task::JoinHandle<()>,
@@ -22,11 +27,15 @@ pub struct CommitStaller {
 struct Shared {
     armed: AtomicBool,
     stalled: AtomicU64,
+    /// Connections are numbered from 1 as they are accepted.
+    accepted: AtomicU64,
+    /// Every connection numbered up to this stalls at its next send.
+    frozen_up_to: AtomicU64,
     /// Set when the proxy is dropped: stalled connections close.
     closed: tokio::sync::Notify,
 }
 
-impl Drop for CommitStaller {
+impl Drop for StallingProxy {
     fn drop(&mut self) {
         self.task.abort();
         self.shared.closed.notify_waiters();
@@ -38,7 +47,7 @@ const COMMITS: [&[u8]; 2] = [b"COMMIT\0", b"COMMIT;"];
 /// The length of both.
 const COMMIT_LEN: usize = 7;
 
-impl CommitStaller {
+impl StallingProxy {
     /// Listens on a free port of 127.0.0.1 and forwards to `upstream`.
     ///
     /// # Panics
@@ -53,10 +62,11 @@ impl CommitStaller {
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
-                tokio::spawn(forward(client, server, Arc::clone(&accepting)));
+                let id = accepting.accepted.fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::spawn(forward(client, server, id, Arc::clone(&accepting)));
             }
         });
-        CommitStaller { addr, shared, task }
+        StallingProxy { addr, shared, task }
     }
 
     /// Where clients connect.
@@ -69,13 +79,22 @@ impl CommitStaller {
         self.shared.armed.store(true, Ordering::SeqCst);
     }
 
+    /// Stalls every connection open now at the next bytes it sends (they never reach the
+    /// server, and nothing more comes back); connections opened after this pass.
+    pub fn freeze_open(&self) {
+        let accepted = self.shared.accepted.load(Ordering::SeqCst);
+        self.shared
+            .frozen_up_to
+            .fetch_max(accepted, Ordering::SeqCst);
+    }
+
     /// How many connections it has stalled.
     pub fn stalled(&self) -> u64 {
         self.shared.stalled.load(Ordering::SeqCst)
     }
 }
 
-async fn forward(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
+async fn forward(client: TcpStream, server: TcpStream, id: u64, shared: Arc<Shared>) {
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let stall = tokio::sync::Notify::new();
@@ -91,12 +110,12 @@ async fn forward(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
             let mut window = std::mem::take(&mut tail);
             window.extend_from_slice(&buf[..n]);
             let has_commit = window.windows(COMMIT_LEN).any(|w| COMMITS.contains(&w));
-            if has_commit
+            let commit_caught = has_commit
                 && shared
                     .armed
                     .compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok()
-            {
+                    .is_ok();
+            if commit_caught || id <= shared.frozen_up_to.load(Ordering::SeqCst) {
                 shared.stalled.fetch_add(1, Ordering::SeqCst);
                 stall.notify_one();
                 // Held open, forwarding nothing, until the proxy goes.

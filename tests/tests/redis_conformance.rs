@@ -311,3 +311,144 @@ async fn a_key_holding_something_else_is_corrupt() {
     }
     fixture.cleanup().await;
 }
+
+/// A standalone store on `prefix` through a proxy on 127.0.0.1 (whose connections the test can
+/// freeze), with `response_timeout`.
+async fn through_proxy(
+    fixture: &Redis,
+    prefix: &str,
+    response_timeout: std::time::Duration,
+) -> (
+    idempotent_tests::stall::StallingProxy,
+    idempotent_core::RedisStore,
+) {
+    let upstream = fixture
+        .url()
+        .strip_prefix("redis://")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|addr| addr.parse().ok())
+        .expect("REDIS_URL must be redis://<ip>:<port>[/db] for the proxy tests");
+    let proxy = idempotent_tests::stall::StallingProxy::start(upstream).await;
+    let path = fixture
+        .url()
+        .strip_prefix("redis://")
+        .and_then(|rest| rest.split_once('/'))
+        .map_or(String::new(), |(_, db)| format!("/{db}"));
+    let store = idempotent_core::RedisStore::builder()
+        .prefix(prefix)
+        .response_timeout(response_timeout)
+        .connect(&format!("redis://{}{path}", proxy.addr()))
+        .await
+        .unwrap();
+    (proxy, store)
+}
+
+/// A connection that stays open but stops answering (a network that drops packets, a
+/// half-open connection nobody resets) is replaced: the command that got no answer fails,
+/// and the ones after it go through a new connection. The `redis` crate's
+/// `ConnectionManager` reconnects only when its connection closes, so without the rebuild
+/// every command would time out until the operating system gave up on the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(redis_standalone),
+    ignore = "set REDIS_URL=redis://… to run the Redis tests"
+)]
+async fn a_connection_that_stops_answering_is_replaced() {
+    use idempotent_core::{Store, StoreError};
+    use idempotent_tests::conformance::unique_key;
+    use std::time::{Duration, Instant};
+
+    let fixture = Redis::standalone();
+    let direct = fixture.store().await;
+    let (proxy, store) = through_proxy(&fixture, direct.prefix(), Duration::from_millis(300)).await;
+    let key = unique_key("frozen");
+    assert_eq!(store.get(&key).await.unwrap(), None);
+    proxy.freeze_open();
+    let first = store.get(&key).await;
+    assert!(
+        matches!(first, Err(StoreError::Unavailable(_))),
+        "a frozen connection answered: {first:?}"
+    );
+    assert_eq!(proxy.stalled(), 1, "the command was held by the proxy");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut failures = 1;
+    loop {
+        match store.get(&key).await {
+            Ok(None) => break,
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => {
+                failures += 1;
+                assert!(
+                    Instant::now() < deadline,
+                    "still failing 5 s after the connection froze ({failures} failures): {e}"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(proxy.stalled(), 1, "the new connection was not frozen");
+}
+
+/// Stop 45's CI failure, on a standalone server: the connection of an execution stops
+/// answering right after its handler ran, and its lease (2 s) is shorter than the store's
+/// response timeout (5 s, the default). Its completion hangs for the whole timeout; its
+/// renewals give up after a quarter of the lease and go through a new connection, so a
+/// duplicate sent to another instance finds the record in progress throughout (before, it
+/// took the lease over after 2 s and ran the handler again), and the completion, retried on
+/// the new connection, is stored once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(redis_standalone),
+    ignore = "set REDIS_URL=redis://… to run the Redis tests"
+)]
+async fn a_lease_outlives_a_connection_that_stops_answering() {
+    use idempotent_core::engine::{Begin, Engine, ExecuteRequest, Policy, Recorded};
+    use idempotent_core::store::{StoredOutcome, StoredResponse};
+    use idempotent_core::{IdempotencyKey, Scope};
+    use std::time::{Duration, Instant};
+
+    let fixture = Redis::standalone();
+    let direct = fixture.store().await;
+    let (proxy, proxied) = through_proxy(&fixture, direct.prefix(), Duration::from_secs(5)).await;
+    let holder = Engine::new(proxied);
+    let other = Engine::new(direct);
+    let policy = Policy {
+        lease: Duration::from_secs(2),
+        ..Policy::default()
+    };
+    let scope = format!("acct_{}", idempotent_core::uuid::Uuid::new_v4());
+    let request = || ExecuteRequest {
+        scope: Scope::new(scope.clone()).unwrap(),
+        key: IdempotencyKey::parse(b"charge-1"),
+        fingerprint: idempotent_tests::conformance::fp("charge-1"),
+    };
+    let Begin::Claimed(execution) = holder.begin(request(), &policy).await else {
+        panic!("not claimed")
+    };
+    proxy.freeze_open();
+    let frozen = Instant::now();
+    let finishing = tokio::spawn(execution.finish(StoredResponse::new(201, "once").into()));
+    while !finishing.is_finished() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        match other.begin(request(), &policy).await {
+            Begin::InProgress { .. } => {}
+            // The completion landed; `finishing` is about to end.
+            Begin::Replay(_) => break,
+            found => panic!(
+                "a duplicate {} ms after the connection froze found {found:?}: the lease ran out",
+                frozen.elapsed().as_millis()
+            ),
+        }
+    }
+    let recorded = finishing.await.unwrap();
+    assert!(matches!(recorded, Recorded::Stored), "{recorded:?}");
+    assert!(
+        frozen.elapsed() >= Duration::from_secs(5),
+        "the completion did not wait out the response timeout: the connection was not frozen"
+    );
+    let replay = other.begin(request(), &policy).await;
+    assert!(
+        matches!(&replay, Begin::Replay(StoredOutcome::Response(r)) if r.status == 201 && r.body == b"once"),
+        "{replay:?}"
+    );
+}

@@ -243,37 +243,48 @@ pub enum RedisSetupError {
 
 /// The connection: a reconnecting multiplexed connection to one server, or the cluster
 /// client's (one multiplexed connection per node, following `MOVED`/`ASK` and refreshing its
-/// slot map after a failover).
+/// slot map after a failover); each rebuilt after a failure (see [`Rebuilt`]).
 #[derive(Clone)]
 enum Conn {
-    Single(ConnectionManager),
-    Cluster(std::sync::Arc<Cluster>),
+    Single(std::sync::Arc<Rebuilt<ConnectionManager>>),
+    Cluster(std::sync::Arc<Rebuilt<ClusterConnection>>),
 }
 
-/// The cluster client and its current connection. Under load, the `redis` crate's cluster
-/// connection did not recover from a primary killed with SIGKILL (its requests to that shard
-/// kept timing out after the replica took over and the node came back as a replica; measured
-/// for minutes), so after a failure that is not the server's own answer the connection is
-/// rebuilt from the seed nodes (at most once a second, in the background): the new one reads
-/// the cluster's current slot map.
-struct Cluster {
-    client: redis::cluster::ClusterClient,
-    conn: std::sync::RwLock<ClusterConnection>,
+/// Opens a new connection of type `C`.
+type Connector<C> = Box<
+    dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = redis::RedisResult<C>> + Send>> + Send + Sync,
+>;
+
+/// A connection and how to open another, which replaces it after a failure that is not the
+/// server's own answer (I/O, a timeout, no connection), at most once a second, in the
+/// background. Neither of the `redis` crate's connections recovers by itself from every
+/// such failure:
+/// - under load, its cluster connection did not recover from a primary killed with SIGKILL
+///   (its requests to that shard kept timing out after the replica took over and the node came
+///   back as a replica; measured for minutes): the new one reads the cluster's current slot
+///   map from the seed nodes;
+/// - its `ConnectionManager` reconnects when its connection is closed, not when it stops
+///   answering: a connection that stays open but silent (a network that drops packets, a
+///   half-open connection, a cluster connection stuck after a failover) would time out every
+///   command until the operating system gave up on it, hours later.
+struct Rebuilt<C> {
+    connect: Connector<C>,
+    conn: std::sync::RwLock<C>,
     /// When the last rebuild started.
     rebuilt: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
-impl Cluster {
-    async fn connect(client: redis::cluster::ClusterClient) -> Result<Self, redis::RedisError> {
-        let conn = client.get_async_connection().await?;
-        Ok(Cluster {
-            client,
+impl<C: Clone + Send + Sync + 'static> Rebuilt<C> {
+    async fn connect(connect: Connector<C>) -> Result<Self, redis::RedisError> {
+        let conn = connect().await?;
+        Ok(Rebuilt {
+            connect,
             conn: std::sync::RwLock::new(conn),
             rebuilt: std::sync::Mutex::new(None),
         })
     }
 
-    fn conn(&self) -> ClusterConnection {
+    fn conn(&self) -> C {
         self.conn
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -298,16 +309,16 @@ impl Cluster {
         };
         let this = std::sync::Arc::clone(self);
         runtime.spawn(async move {
-            match this.client.get_async_connection().await {
+            match (this.connect)().await {
                 Ok(conn) => {
                     *this
                         .conn
                         .write()
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
-                    tracing::info!("redis store: cluster connection rebuilt after a failure");
+                    tracing::info!("redis store: connection rebuilt after a failure");
                 }
                 Err(e) => {
-                    tracing::warn!("redis store: rebuilding the cluster connection failed: {e}");
+                    tracing::warn!("redis store: rebuilding the connection failed: {e}");
                 }
             }
         });
@@ -365,15 +376,14 @@ impl RedisStoreBuilder {
     /// How long one command may wait for its answer before the store reports
     /// [`StoreError::Unavailable`] (default 5 s).
     ///
-    /// Keep the routes' leases well above it, at least three times as long: an execution
-    /// renews its lease every half lease, one command at a time, on the connection its
-    /// completion uses too (without a wait), so one command that hangs for the whole timeout
-    /// (a connection stuck while a cluster's slots are refreshed after a failover, say) holds
-    /// its lease unrenewed for that long. A lease that runs out meanwhile is taken over by a
-    /// retry, which runs the handler again; the first execution's completion is then refused.
-    /// With the default 5 s, that means leases of 15 s or more (the default lease is 30 s).
-    /// Claims with a shorter lease are counted ([`RedisStore::short_leases`]) and the first is
-    /// logged.
+    /// A lease renewal waits at most a quarter of its lease when that is shorter: an execution
+    /// renews its lease every half lease, so a renewal that hung for the whole timeout (a
+    /// connection that stopped answering, a cluster connection stuck after a failover) could
+    /// let a short lease run out, and a retry would then take the record over and run the
+    /// handler again. A command that gets no answer in time rebuilds the connection, so the
+    /// next renewal, an eighth of a lease later, goes through a new one (the completion, which
+    /// may wait the whole timeout, is retried there too). A lease still has to outlast the
+    /// time a new connection takes (see [`RedisStore`] on a failover).
     #[must_use]
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
@@ -439,11 +449,18 @@ impl RedisStoreBuilder {
             .set_response_timeout(Some(self.response_timeout))
             .set_connection_timeout(Some(self.connection_timeout))
             .set_number_of_retries(2);
-        let conn = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        let connector = || -> Connector<ConnectionManager> {
+            let (client, config) = (client.clone(), config.clone());
+            Box::new(move || {
+                let (client, config) = (client.clone(), config.clone());
+                Box::pin(ConnectionManager::new_with_config(client, config))
+            })
+        };
+        let conn = std::sync::Arc::new(Rebuilt::connect(connector()).await?);
         let durable = match wait {
-            Some(_) => Some(Conn::Single(
-                ConnectionManager::new_with_config(client, config).await?,
-            )),
+            Some(_) => Some(Conn::Single(std::sync::Arc::new(
+                Rebuilt::connect(connector()).await?,
+            ))),
             None => None,
         };
         Ok(RedisStore::new(
@@ -469,10 +486,17 @@ impl RedisStoreBuilder {
             .response_timeout(self.response_timeout)
             .connection_timeout(self.connection_timeout)
             .build()?;
-        let conn = Conn::Cluster(std::sync::Arc::new(Cluster::connect(client.clone()).await?));
+        let connector = || -> Connector<ClusterConnection> {
+            let client = client.clone();
+            Box::new(move || {
+                let client = client.clone();
+                Box::pin(async move { client.get_async_connection().await })
+            })
+        };
+        let conn = Conn::Cluster(std::sync::Arc::new(Rebuilt::connect(connector()).await?));
         let durable = match wait {
             Some(_) => Some(Conn::Cluster(std::sync::Arc::new(
-                Cluster::connect(client).await?,
+                Rebuilt::connect(connector()).await?,
             ))),
             None => None,
         };
@@ -565,10 +589,8 @@ pub struct RedisStore {
     prefix: std::sync::Arc<str>,
     wait: Option<Wait>,
     short_waits: std::sync::Arc<AtomicU64>,
-    /// The response timeout its connections were built with (a lease under three times it
-    /// is counted and logged).
+    /// The response timeout its connections were built with (a renewal gets at most that).
     response_timeout: Duration,
-    short_leases: std::sync::Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -602,7 +624,6 @@ impl RedisStore {
             wait,
             short_waits: std::sync::Arc::default(),
             response_timeout,
-            short_leases: std::sync::Arc::default(),
         }
     }
 
@@ -690,7 +711,7 @@ impl RedisStore {
             inv.arg(*a);
         }
         let result = match conn {
-            Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Single(c) => inv.invoke_async(&mut c.conn()).await,
             Conn::Cluster(c) => inv.invoke_async(&mut c.conn()).await,
         };
         result.map_err(|e| failed(conn, e))
@@ -722,34 +743,11 @@ impl RedisStore {
         pipe.cmd("WAIT").arg(wait.replicas).arg(timeout_ms);
         let conn = self.durable();
         let result: redis::RedisResult<(Value, i64)> = match conn {
-            Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
+            Conn::Single(c) => pipe.query_async(&mut c.conn()).await,
             Conn::Cluster(c) => pipe.query_async(&mut c.conn()).await,
         };
         let (value, acked) = result.map_err(|e| failed(conn, e))?;
         Ok((value, Some(u32::try_from(acked).unwrap_or(0))))
-    }
-
-    /// Claims whose lease was shorter than three times the response timeout (see
-    /// [`RedisStoreBuilder::response_timeout`]): one command that hangs for the whole timeout
-    /// can outlast such a lease, and a retry then takes the record over and runs the handler
-    /// again. The first is logged (a warning naming the lease and the timeout).
-    pub fn short_leases(&self) -> u64 {
-        self.short_leases.load(Ordering::Relaxed)
-    }
-
-    /// Counts a claim's `lease` if it is under three times the response timeout, and logs the
-    /// first such claim.
-    fn check_lease(&self, lease: Duration) {
-        if lease >= self.response_timeout.saturating_mul(3) {
-            return;
-        }
-        if self.short_leases.fetch_add(1, Ordering::Relaxed) == 0 {
-            tracing::warn!(
-                ?lease,
-                response_timeout = ?self.response_timeout,
-                "redis store: a claim's lease is under three times the response timeout: one command that hangs for the whole timeout (a stuck connection) can outlast it, and a retry then takes the record over and runs the handler again; lengthen the route's lease or shorten `RedisStoreBuilder::response_timeout` (logged once; `RedisStore::short_leases` counts them)"
-            );
-        }
     }
 
     /// Whether the replicas asked for acknowledged a write (`acked` from
@@ -855,16 +853,23 @@ impl RedisStore {
     }
 }
 
-/// The store error for a client error on `conn`; on a cluster, a failure that is not the
-/// server's own answer (I/O, timeouts, no connection) also rebuilds the connection (see
-/// [`Cluster`]).
+/// The store error for a client error on `conn`; a failure that is not the server's own
+/// answer (I/O, timeouts, no connection) also rebuilds the connection (see [`Rebuilt`]).
 fn failed(conn: &Conn, e: redis::RedisError) -> StoreError {
-    if let Conn::Cluster(c) = conn
-        && !matches!(e.kind(), redis::ErrorKind::Server(_))
-    {
-        c.rebuild();
+    if !matches!(e.kind(), redis::ErrorKind::Server(_)) {
+        conn.rebuild();
     }
     redis_error(e)
+}
+
+impl Conn {
+    /// Replaces the connection (see [`Rebuilt`]).
+    fn rebuild(&self) {
+        match self {
+            Conn::Single(c) => c.rebuild(),
+            Conn::Cluster(c) => c.rebuild(),
+        }
+    }
 }
 
 /// Maps a client error: a script's own error or a type mismatch is a corrupt record (a key of
@@ -956,7 +961,6 @@ fn record_from(key: &RecordKey, f: &[Value], at: usize) -> Result<Record, StoreE
 #[async_trait::async_trait]
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        self.check_lease(req.lease);
         let rkey = self.redis_key(req.key);
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let (Some(outcome), acked) = self.claim_once(&rkey, &req).await? else {
@@ -1050,15 +1054,23 @@ impl Store for RedisStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
+        // At most a quarter of the lease (see `RedisStoreBuilder::response_timeout`).
+        let bound = lease / 4;
         let lease = millis(lease).min(MAX_MILLIS).to_string();
-        let until = self
-            .fenced(
-                &self.conn,
-                &scripts().extend,
-                key,
-                &[token.as_uuid().as_bytes(), lease.as_bytes()],
-            )
-            .await?;
+        let token = token.as_uuid();
+        let args: [&[u8]; 2] = [token.as_bytes(), lease.as_bytes()];
+        let extend = self.fenced(&self.conn, &scripts().extend, key, &args);
+        let until = if bound < self.response_timeout {
+            match tokio::time::timeout(bound, extend).await {
+                Ok(until) => until?,
+                Err(_) => {
+                    self.conn.rebuild();
+                    return Err(StoreError::unavailable(RenewalTimedOut(bound)));
+                }
+            }
+        } else {
+            extend.await?
+        };
         Ok(crate::store::row::from_millis(until))
     }
 
@@ -1104,6 +1116,11 @@ impl Store for RedisStore {
 #[error("the write was not acknowledged by enough replicas in time")]
 struct NotReplicated;
 
+/// A lease renewal that got no answer within a quarter of its lease.
+#[derive(Debug, thiserror::Error)]
+#[error("no answer to a lease renewal within {0:?} (a quarter of the lease)")]
+struct RenewalTimedOut(Duration);
+
 /// Every claim attempt found the record changed under it.
 #[derive(Debug, thiserror::Error)]
 #[error("claim gave up after {MAX_CLAIM_ATTEMPTS} attempts under contention")]
@@ -1117,32 +1134,24 @@ mod tests {
     fn store() -> RedisStore {
         // The key layout needs no connection; a store over a lazy client is enough.
         let client = redis::Client::open("redis://127.0.0.1:1").expect("url");
-        let conn = ConnectionManager::new_lazy_with_config(
-            client,
-            redis::aio::ConnectionManagerConfig::new(),
-        )
-        .expect("lazy");
+        let config = redis::aio::ConnectionManagerConfig::new();
+        let conn =
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone()).expect("lazy");
+        let conn = Rebuilt {
+            connect: Box::new(move || {
+                let lazy = ConnectionManager::new_lazy_with_config(client.clone(), config.clone());
+                Box::pin(std::future::ready(lazy))
+            }),
+            conn: std::sync::RwLock::new(conn),
+            rebuilt: std::sync::Mutex::new(None),
+        };
         RedisStore::new(
-            Conn::Single(conn),
+            Conn::Single(std::sync::Arc::new(conn)),
             None,
             "p:".to_owned(),
             None,
             Duration::from_secs(5),
         )
-    }
-
-    #[tokio::test]
-    async fn leases_under_three_response_timeouts_are_counted() {
-        let store = store();
-        store.check_lease(Duration::from_secs(15));
-        store.check_lease(Duration::from_secs(30));
-        assert_eq!(store.short_leases(), 0);
-        store.check_lease(Duration::from_millis(14_999));
-        store.check_lease(Duration::from_secs(2));
-        assert_eq!(store.short_leases(), 2);
-        // A clone shares the count, as it shares the connections.
-        store.clone().check_lease(Duration::from_secs(1));
-        assert_eq!(store.short_leases(), 3);
     }
 
     fn key(scope: &str, key: &str) -> RecordKey {
