@@ -14,6 +14,10 @@ mod lease;
 pub use claim::{Begin, Unprotected};
 pub(crate) use flight::{AutoSweep, InFlight};
 pub use lease::{Execution, PanicPayload};
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(unused_imports)
+)]
 pub(crate) use lease::{NoAnswer, write_bound};
 
 use crate::derive::DeriveSecret;

@@ -255,10 +255,10 @@ type Connector<C> = Box<
     dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = redis::RedisResult<C>> + Send>> + Send + Sync,
 >;
 
-/// A connection and how to open another, which replaces it after a failure that is not the
-/// server's own answer (I/O, a timeout, no connection), at most once a second, in the
-/// background. Neither of the `redis` crate's connections recovers by itself from every
-/// such failure:
+/// A connection and how to open another, which replaces it in the background after a
+/// failure that is not the server's own answer (I/O, a timeout, a lost connection; see
+/// [`needs_new_connection`]). Neither of the `redis` crate's connections recovers by itself
+/// from every such failure:
 /// - under load, its cluster connection did not recover from a primary killed with SIGKILL
 ///   (its requests to that shard kept timing out after the replica took over and the node came
 ///   back as a replica; measured for minutes): the new one reads the cluster's current slot
@@ -267,61 +267,106 @@ type Connector<C> = Box<
 ///   answering: a connection that stays open but silent (a network that drops packets, a
 ///   half-open connection, a cluster connection stuck after a failover) would time out every
 ///   command until the operating system gave up on it, hours later.
+///
+/// Each connection has a generation. Only a failure on the current generation starts a
+/// rebuild (a late failure on a connection already replaced does not replace its successor),
+/// one rebuild runs at a time, and rebuilds start at most every [`REBUILD_INTERVAL`].
 struct Rebuilt<C> {
     connect: Connector<C>,
-    conn: std::sync::RwLock<C>,
-    /// When the last rebuild started.
-    rebuilt: std::sync::Mutex<Option<std::time::Instant>>,
+    /// The current connection and its generation.
+    current: std::sync::RwLock<(C, u64)>,
+    /// The current generation, for those waiting for a new connection.
+    generation: tokio::sync::watch::Sender<u64>,
+    /// Whether a rebuild runs, and when the last one started.
+    rebuilding: std::sync::Mutex<(bool, Option<std::time::Instant>)>,
 }
+
+/// The shortest time between the starts of two rebuilds of one connection (a server that
+/// refuses connections is not asked again at once by every failing command).
+const REBUILD_INTERVAL: Duration = Duration::from_millis(100);
 
 impl<C: Clone + Send + Sync + 'static> Rebuilt<C> {
     async fn connect(connect: Connector<C>) -> Result<Self, redis::RedisError> {
         let conn = connect().await?;
-        Ok(Rebuilt {
-            connect,
-            conn: std::sync::RwLock::new(conn),
-            rebuilt: std::sync::Mutex::new(None),
-        })
+        Ok(Self::new(connect, conn))
     }
 
-    fn conn(&self) -> C {
-        self.conn
+    fn new(connect: Connector<C>, conn: C) -> Self {
+        Rebuilt {
+            connect,
+            current: std::sync::RwLock::new((conn, 0)),
+            generation: tokio::sync::watch::Sender::new(0),
+            rebuilding: std::sync::Mutex::new((false, None)),
+        }
+    }
+
+    /// The current connection and its generation.
+    fn conn(&self) -> (C, u64) {
+        self.current
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
-    /// Rebuilds the connection in the background, unless one was started within the last
-    /// second.
-    fn rebuild(self: &std::sync::Arc<Self>) {
+    /// Rebuilds the connection in the background after a failure on generation `failed`,
+    /// unless that connection was replaced already, a rebuild runs, or the last one started
+    /// less than [`REBUILD_INTERVAL`] ago.
+    fn rebuild(self: &std::sync::Arc<Self>, failed: u64) {
+        if *self.generation.borrow() != failed {
+            return;
+        }
         {
-            let mut last = self
-                .rebuilt
+            let mut state = self
+                .rebuilding
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            let (running, last) = &mut *state;
+            if *running || last.is_some_and(|t| t.elapsed() < REBUILD_INTERVAL) {
                 return;
             }
+            *running = true;
             *last = Some(std::time::Instant::now());
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.rebuilding
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0 = false;
             return;
         };
         let this = std::sync::Arc::clone(self);
         runtime.spawn(async move {
             match (this.connect)().await {
                 Ok(conn) => {
-                    *this
-                        .conn
-                        .write()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
+                    let generation = {
+                        let mut current = this
+                            .current
+                            .write()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        *current = (conn, current.1 + 1);
+                        current.1
+                    };
+                    this.generation.send_replace(generation);
                     tracing::info!("redis store: connection rebuilt after a failure");
                 }
                 Err(e) => {
                     tracing::warn!("redis store: rebuilding the connection failed: {e}");
                 }
             }
+            this.rebuilding
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0 = false;
         });
+    }
+
+    /// Waits until a connection newer than generation `old` is in place, at most until
+    /// `deadline`; whether one is.
+    async fn replaced(&self, old: u64, deadline: tokio::time::Instant) -> bool {
+        let mut generation = self.generation.subscribe();
+        tokio::time::timeout_at(deadline, generation.wait_for(|g| *g != old))
+            .await
+            .is_ok_and(|changed| changed.is_ok())
     }
 }
 
@@ -376,14 +421,19 @@ impl RedisStoreBuilder {
     /// How long one command may wait for its answer before the store reports
     /// [`StoreError::Unavailable`] (default 5 s).
     ///
-    /// A lease renewal waits at most a quarter of its lease when that is shorter: an execution
-    /// renews its lease every half lease, so a renewal that hung for the whole timeout (a
-    /// connection that stopped answering, a cluster connection stuck after a failover) could
-    /// let a short lease run out, and a retry would then take the record over and run the
-    /// handler again. A command that gets no answer in time rebuilds the connection, so the
-    /// next renewal, an eighth of a lease later, goes through a new one (the completion, which
-    /// may wait the whole timeout, is retried there too). A lease still has to outlast the
-    /// time a new connection takes (see [`RedisStore`] on a failover).
+    /// A command that gets no answer in time also replaces its connection (in the
+    /// background): a connection that stays open but silent is not given back.
+    ///
+    /// A lease renewal does not wait the whole timeout when its lease is short. An execution
+    /// renews its lease half a lease before it ends; the renewal gets an eighth of the lease
+    /// on its connection, then waits for the new connection and tries once more there, all
+    /// within seven sixteenths of the lease. So a lease shorter than the timeout survives a
+    /// connection that stops answering, provided a new connection is up and answers within
+    /// about a quarter of the lease (500 ms for a 2 s lease); the completion, which may wait the whole
+    /// timeout, is retried on the new connection while the renewals keep the lease. A lease
+    /// must still outlast the time the store needs to answer again (see [`RedisStore`] on a
+    /// failover). Keep the timeout under 10 s: the engine gives up on a completion that got
+    /// no answer for 10 s (or a lease, if longer) without replacing the connection.
     #[must_use]
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
@@ -710,11 +760,17 @@ impl RedisStore {
         for a in args {
             inv.arg(*a);
         }
-        let result = match conn {
-            Conn::Single(c) => inv.invoke_async(&mut c.conn()).await,
-            Conn::Cluster(c) => inv.invoke_async(&mut c.conn()).await,
+        let (result, generation) = match conn {
+            Conn::Single(c) => {
+                let (mut c, generation) = c.conn();
+                (inv.invoke_async(&mut c).await, generation)
+            }
+            Conn::Cluster(c) => {
+                let (mut c, generation) = c.conn();
+                (inv.invoke_async(&mut c).await, generation)
+            }
         };
-        result.map_err(|e| failed(conn, e))
+        result.map_err(|e| failed(conn, generation, e))
     }
 
     /// Runs a write that `WAIT` follows: without a wait, as any script; with one, the script
@@ -742,11 +798,17 @@ impl RedisStore {
         }
         pipe.cmd("WAIT").arg(wait.replicas).arg(timeout_ms);
         let conn = self.durable();
-        let result: redis::RedisResult<(Value, i64)> = match conn {
-            Conn::Single(c) => pipe.query_async(&mut c.conn()).await,
-            Conn::Cluster(c) => pipe.query_async(&mut c.conn()).await,
+        let (result, generation): (redis::RedisResult<(Value, i64)>, u64) = match conn {
+            Conn::Single(c) => {
+                let (mut c, generation) = c.conn();
+                (pipe.query_async(&mut c).await, generation)
+            }
+            Conn::Cluster(c) => {
+                let (mut c, generation) = c.conn();
+                (pipe.query_async(&mut c).await, generation)
+            }
         };
-        let (value, acked) = result.map_err(|e| failed(conn, e))?;
+        let (value, acked) = result.map_err(|e| failed(conn, generation, e))?;
         Ok((value, Some(u32::try_from(acked).unwrap_or(0))))
     }
 
@@ -853,21 +915,45 @@ impl RedisStore {
     }
 }
 
-/// The store error for a client error on `conn`; a failure that is not the server's own
-/// answer (I/O, timeouts, no connection) also rebuilds the connection (see [`Rebuilt`]).
-fn failed(conn: &Conn, e: redis::RedisError) -> StoreError {
-    if !matches!(e.kind(), redis::ErrorKind::Server(_)) {
-        conn.rebuild();
+/// The store error for a client error on generation `generation` of `conn`; a failure of the
+/// connection rather than the server's answer also rebuilds it (see [`Rebuilt`]).
+fn failed(conn: &Conn, generation: u64, e: redis::RedisError) -> StoreError {
+    if needs_new_connection(&e) {
+        conn.rebuild(generation);
     }
     redis_error(e)
 }
 
+/// Whether `e` says the connection failed (I/O, a timeout, a lost or refused connection, a
+/// reply it could not parse, a cluster node it has no connection to), not the server's own
+/// answer: server errors the `redis` crate does not know by name (`WRONGTYPE`, `BUSY`, `OOM`,
+/// `NOREPLICAS`) come as [`redis::ErrorKind::Extension`] and keep the connection.
+fn needs_new_connection(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_unrecoverable_error()
+}
+
 impl Conn {
-    /// Replaces the connection (see [`Rebuilt`]).
-    fn rebuild(&self) {
+    /// The current connection's generation (see [`Rebuilt`]).
+    fn generation(&self) -> u64 {
         match self {
-            Conn::Single(c) => c.rebuild(),
-            Conn::Cluster(c) => c.rebuild(),
+            Conn::Single(c) => c.conn().1,
+            Conn::Cluster(c) => c.conn().1,
+        }
+    }
+
+    /// Replaces the connection after a failure on generation `failed` (see [`Rebuilt`]).
+    fn rebuild(&self, failed: u64) {
+        match self {
+            Conn::Single(c) => c.rebuild(failed),
+            Conn::Cluster(c) => c.rebuild(failed),
+        }
+    }
+
+    /// Waits for a connection newer than generation `old`, at most until `deadline`.
+    async fn replaced(&self, old: u64, deadline: tokio::time::Instant) -> bool {
+        match self {
+            Conn::Single(c) => c.replaced(old, deadline).await,
+            Conn::Cluster(c) => c.replaced(old, deadline).await,
         }
     }
 }
@@ -1054,24 +1140,35 @@ impl Store for RedisStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
-        // At most a quarter of the lease (see `RedisStoreBuilder::response_timeout`).
-        let bound = lease / 4;
+        // A renewal is sent half a lease before the lease ends: it gets an eighth of the lease
+        // on the current connection, then, if that did not answer, waits for a new one and
+        // tries once more there, within seven sixteenths of the lease in all (see
+        // `RedisStoreBuilder::response_timeout`).
+        let started = tokio::time::Instant::now();
+        let first_bound = lease / 8;
+        let deadline = started + lease / 16 * 7;
         let lease = millis(lease).min(MAX_MILLIS).to_string();
         let token = token.as_uuid();
         let args: [&[u8]; 2] = [token.as_bytes(), lease.as_bytes()];
-        let extend = self.fenced(&self.conn, &scripts().extend, key, &args);
-        let until = if bound < self.response_timeout {
-            match tokio::time::timeout(bound, extend).await {
-                Ok(until) => until?,
-                Err(_) => {
-                    self.conn.rebuild();
-                    return Err(StoreError::unavailable(RenewalTimedOut(bound)));
-                }
+        let extend = || self.fenced(&self.conn, &scripts().extend, key, &args);
+        if first_bound >= self.response_timeout {
+            return Ok(crate::store::row::from_millis(extend().await?));
+        }
+        let generation = self.conn.generation();
+        if let Ok(until) = tokio::time::timeout(first_bound, extend()).await {
+            return Ok(crate::store::row::from_millis(until?));
+        }
+        self.conn.rebuild(generation);
+        if self.conn.replaced(generation, deadline).await {
+            let generation = self.conn.generation();
+            match tokio::time::timeout_at(deadline, extend()).await {
+                Ok(until) => return Ok(crate::store::row::from_millis(until?)),
+                Err(_) => self.conn.rebuild(generation),
             }
-        } else {
-            extend.await?
-        };
-        Ok(crate::store::row::from_millis(until))
+        }
+        Err(StoreError::unavailable(RenewalTimedOut(
+            deadline.saturating_duration_since(started),
+        )))
     }
 
     /// Redis deletes each record when its ttl passes (`PEXPIREAT`): nothing to purge.
@@ -1116,9 +1213,9 @@ impl Store for RedisStore {
 #[error("the write was not acknowledged by enough replicas in time")]
 struct NotReplicated;
 
-/// A lease renewal that got no answer within a quarter of its lease.
+/// A lease renewal that got no answer in time, on its connection and on a new one.
 #[derive(Debug, thiserror::Error)]
-#[error("no answer to a lease renewal within {0:?} (a quarter of the lease)")]
+#[error("no answer to a lease renewal within {0:?}, on its connection and on a new one")]
 struct RenewalTimedOut(Duration);
 
 /// Every claim attempt found the record changed under it.
@@ -1137,14 +1234,13 @@ mod tests {
         let config = redis::aio::ConnectionManagerConfig::new();
         let conn =
             ConnectionManager::new_lazy_with_config(client.clone(), config.clone()).expect("lazy");
-        let conn = Rebuilt {
-            connect: Box::new(move || {
+        let conn = Rebuilt::new(
+            Box::new(move || {
                 let lazy = ConnectionManager::new_lazy_with_config(client.clone(), config.clone());
                 Box::pin(std::future::ready(lazy))
             }),
-            conn: std::sync::RwLock::new(conn),
-            rebuilt: std::sync::Mutex::new(None),
-        };
+            conn,
+        );
         RedisStore::new(
             Conn::Single(std::sync::Arc::new(conn)),
             None,
@@ -1152,6 +1248,72 @@ mod tests {
             None,
             Duration::from_secs(5),
         )
+    }
+
+    /// A connection that is only a number: the `n`th one opened.
+    fn numbered() -> std::sync::Arc<Rebuilt<u32>> {
+        let opened = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        std::sync::Arc::new(Rebuilt::new(
+            Box::new(move || {
+                let n = opened.fetch_add(1, Ordering::SeqCst) + 1;
+                Box::pin(std::future::ready(Ok(n)))
+            }),
+            0,
+        ))
+    }
+
+    #[tokio::test]
+    async fn only_a_failure_of_the_current_connection_replaces_it() {
+        let conn = numbered();
+        let soon = || tokio::time::Instant::now() + Duration::from_secs(2);
+        assert_eq!(conn.conn(), (0, 0));
+        conn.rebuild(0);
+        assert!(conn.replaced(0, soon()).await);
+        assert_eq!(conn.conn(), (1, 1));
+        // A late failure on the replaced connection leaves its successor alone.
+        std::thread::sleep(REBUILD_INTERVAL);
+        conn.rebuild(0);
+        assert!(
+            !conn
+                .replaced(1, tokio::time::Instant::now() + REBUILD_INTERVAL)
+                .await
+        );
+        assert_eq!(conn.conn(), (1, 1));
+        // A failure of the current one within the interval waits for the next failure.
+        conn.rebuild(1);
+        assert!(conn.replaced(1, soon()).await);
+        assert_eq!(conn.conn(), (2, 2));
+        conn.rebuild(2);
+        assert!(
+            !conn
+                .replaced(2, tokio::time::Instant::now() + REBUILD_INTERVAL / 2)
+                .await
+        );
+        std::thread::sleep(REBUILD_INTERVAL);
+        conn.rebuild(2);
+        assert!(conn.replaced(2, soon()).await);
+        assert_eq!(conn.conn(), (3, 3));
+    }
+
+    #[test]
+    fn the_servers_own_errors_keep_the_connection() {
+        use redis::{ErrorKind, RedisError};
+        let io = |kind| RedisError::from(std::io::Error::from(kind));
+        assert!(needs_new_connection(&io(std::io::ErrorKind::TimedOut)));
+        assert!(needs_new_connection(&io(
+            std::io::ErrorKind::ConnectionReset
+        )));
+        assert!(needs_new_connection(&RedisError::from((
+            ErrorKind::ClusterConnectionNotFound,
+            "no connection to the node"
+        ))));
+        for kept in [
+            RedisError::from((ErrorKind::Extension, "WRONGTYPE", "not a hash".to_owned())),
+            RedisError::from((ErrorKind::Extension, "BUSY", "a script runs".to_owned())),
+            RedisError::from((ErrorKind::UnexpectedReturnType, "not an array")),
+        ] {
+            assert!(!needs_new_connection(&kept), "{kept}");
+        }
     }
 
     fn key(scope: &str, key: &str) -> RecordKey {
