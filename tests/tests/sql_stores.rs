@@ -787,6 +787,74 @@ async fn take_over_never_waits_on_a_row_lock<DB>(
     ));
 }
 
+/// A heartbeat never waits on the record's row lock either (held here by another
+/// transaction, as the owner's own complete holds it on the two-commit path until its COMMIT):
+/// it is answered unavailable at once, so it holds no pooled connection and cannot extend a
+/// lease after its owner gave up; once the lock goes, it extends. `lock_sql` locks the row of
+/// (scope, key).
+async fn extend_never_waits_on_a_row_lock<DB>(
+    store: DB::Store,
+    pool: &sqlx::Pool<DB>,
+    lock_sql: String,
+) where
+    DB: TxDatabase,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let key = unique_key("locked-extend");
+    let lease = Duration::from_secs(60);
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("rt"),
+        lease,
+        ttl: Duration::from_secs(3600),
+    };
+    let ClaimOutcome::Claimed(claimed) = store.claim(req).await.unwrap() else {
+        panic!("not claimed")
+    };
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(lock_sql))
+        .bind(key.scope.as_str())
+        .bind(key.key.as_str())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let extended = tokio::time::timeout(
+        Duration::from_secs(2),
+        store.extend(&key, claimed.token, lease),
+    )
+    .await
+    .expect("the heartbeat waited on the row lock");
+    assert!(
+        matches!(extended, Err(StoreError::Unavailable(_))),
+        "{extended:?}"
+    );
+    holder.rollback().await.unwrap();
+    let until = store.extend(&key, claimed.token, lease).await.unwrap();
+    assert!(until > SystemTime::now() + lease / 2, "{until:?}");
+    // Still fenced: a token that does not hold the record extends nothing.
+    assert!(matches!(
+        store.extend(&key, LeaseToken::generate(), lease).await,
+        Err(StoreError::StaleLease)
+    ));
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_extend_never_waits_on_a_row_lock() {
+    let table = unique_table("nowait");
+    let pool = pg_pool(4).await;
+    let store = pg_store(pool.clone(), &table).await;
+    let sql =
+        format!("SELECT 1 FROM idempotent_test.{table} WHERE scope = $1 AND key = $2 FOR UPDATE");
+    extend_never_waits_on_a_row_lock::<sqlx::Postgres>(store, &pool, sql).await;
+    pg_drop(&pool, &table).await;
+}
+
 #[tokio::test]
 #[cfg_attr(
     not(pg),
@@ -1024,6 +1092,20 @@ async fn mysql_take_over_never_waits_on_a_row_lock() {
     let store = mysql_store(pool.clone(), &table).await;
     let sql = format!("SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE");
     take_over_never_waits_on_a_row_lock::<sqlx::MySql>(store, &pool, sql).await;
+    mysql_drop(&pool, &table).await;
+}
+
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_extend_never_waits_on_a_row_lock() {
+    let table = unique_table("nowait");
+    let pool = mysql_pool(4).await;
+    let store = mysql_store(pool.clone(), &table).await;
+    let sql = format!("SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE");
+    extend_never_waits_on_a_row_lock::<sqlx::MySql>(store, &pool, sql).await;
     mysql_drop(&pool, &table).await;
 }
 

@@ -66,8 +66,8 @@ pub(crate) fn bounded_millis(d: Duration) -> i64 {
 ///   space); a response is one `LONGBLOB` row value, so keep the route's response limit below
 ///   the server's `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8): a
 ///   larger one fails to complete and is retried, then released with its lease.
-/// - **Versions.** `FOR UPDATE NOWAIT` (take-overs) and `SKIP LOCKED` (the sweeper) need
-///   MySQL 8.0.1+ or MariaDB 10.6+. The pool's sessions must autocommit (MySQL's default):
+/// - **Versions.** `FOR UPDATE NOWAIT` (take-overs, heartbeats) and `SKIP LOCKED` (the
+///   sweeper) need MySQL 8.0.1+ or MariaDB 10.6+. The pool's sessions must autocommit (MySQL's default):
 ///   [`MySqlStore::migrate`] refuses a pool whose sessions do not, and so does the first
 ///   claim outside a transaction (503); the check runs once per store, so code that turns
 ///   autocommit off on a session and gives it back to the pool defeats it (give the store a
@@ -474,7 +474,13 @@ impl MySqlStore {
             .bind(token.as_uuid())
     }
 
-    /// The fenced heartbeat: the new lease end, or `StaleLease`.
+    /// The fenced heartbeat: the new lease end, or `StaleLease`. Like a take-over, it never
+    /// waits on the row's lock: the lock's holder is almost always this execution's own
+    /// complete on the two-commit path, its COMMIT on its way (or stalled), and an `UPDATE`
+    /// queued behind it would hold a pooled connection up to `innodb_lock_wait_timeout`
+    /// (50 s by default), then extend a lease its owner may have given up. So: BEGIN, the row
+    /// locked with `FOR UPDATE NOWAIT` (a lock not granted is unavailable, and the heartbeat
+    /// tries again), the `UPDATE`, COMMIT.
     async fn extend_once(
         &self,
         key: &RecordKey,
@@ -483,25 +489,62 @@ impl MySqlStore {
     ) -> Result<SystemTime, StoreError> {
         let mut conflicts = 0;
         loop {
+            let mut conn = self.conn().await?;
             self.sent.bump();
-            let lease = bounded_millis(lease);
-            let done = sqlx::query(q(&self.sql.extend))
-                .bind(lease)
-                .bind(lease)
-                .bind(key.scope.as_str())
-                .bind(key.key.as_str())
-                .bind(token.as_uuid())
-                .execute(&self.pool)
+            let mut tx = sqlx::Connection::begin_with(&mut *conn, BEGIN_READ_COMMITTED)
                 .await
-                .map_err(db_error);
-            match done {
+                .map_err(db_error)?;
+            let extended = self.extend_in(&mut tx, key, token, lease).await;
+            self.sent.bump();
+            let ended = match extended {
+                Ok(_) => tx.commit().await,
+                Err(_) => tx.rollback().await,
+            };
+            let extended = extended.and_then(|until| ended.map(|()| until).map_err(db_error));
+            match extended {
                 Err(e) if super::again_after_conflict(&e, &mut conflicts).await => {}
-                // The pool's connections report rows matched (sqlx asks for FOUND_ROWS), so a
-                // heartbeat within the same millisecond as the last still counts.
-                Ok(done) if done.rows_affected() == 1 => return Ok(from_millis(lease_end(&done)?)),
-                Ok(_) => return Err(StoreError::StaleLease),
-                Err(e) => return Err(e),
+                extended => return extended,
             }
+        }
+    }
+
+    /// [`MySqlStore::extend_once`] inside its transaction: the row locked without waiting,
+    /// then the `extend` statement.
+    async fn extend_in(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        self.sent.bump();
+        let locked = sqlx::query(q(&self.sql.lock_row))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        if locked.is_none() {
+            return Err(StoreError::StaleLease);
+        }
+        self.sent.bump();
+        let lease = bounded_millis(lease);
+        let done = sqlx::query(q(&self.sql.extend))
+            .bind(lease)
+            .bind(lease)
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .execute(&mut *conn)
+            .await
+            .map_err(db_error)?;
+        // The connections report rows matched (sqlx asks for FOUND_ROWS), so a heartbeat
+        // within the same millisecond as the last still counts.
+        if done.rows_affected() == 1 {
+            Ok(from_millis(lease_end(&done)?))
+        } else {
+            Err(StoreError::StaleLease)
         }
     }
 

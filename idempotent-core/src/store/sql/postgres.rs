@@ -237,10 +237,20 @@ impl Statements {
             // Fenced like complete: a stale owner cannot delete the new owner's record.
             release: s("DELETE FROM {t}
                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}"),
-            // Fenced heartbeat; keeps the record alive at least as long as its lease.
-            extend: s("UPDATE {t} SET locked_until = {now} + $4::float8 * interval '1 millisecond',
+            // Fenced heartbeat; keeps the record alive at least as long as its lease. Like the
+            // take-over, it never waits on the row's lock: the lock's holder is almost always
+            // this execution's own complete on the two-commit path, its COMMIT on its way (or
+            // stalled), and a heartbeat queued behind it would hold a pooled connection and
+            // then extend a lease its owner may have given up. 55P03 instead: unavailable,
+            // and the heartbeat tries again.
+            extend: s("WITH target AS MATERIALIZED (
+                    SELECT 1 FROM {t}
+                    WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
+                    FOR UPDATE NOWAIT)
+                UPDATE {t} SET locked_until = {now} + $4::float8 * interval '1 millisecond',
                     expires_at = GREATEST(expires_at, {now} + $4::float8 * interval '1 millisecond')
                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
+                  AND EXISTS (SELECT 1 FROM target)
                 RETURNING (extract(epoch FROM locked_until) * 1000)::int8"),
             // Bounded batch; SKIP LOCKED so concurrent sweepers (one per instance) and claims
             // never wait on each other; the outer re-check skips rows taken over meanwhile.
