@@ -3,7 +3,7 @@
 //! connection nobody resets). Two triggers:
 //! - [`StallingProxy::arm`] (PostgreSQL): the first connection that sends `COMMIT` (alone,
 //!   or in a batch such as the library's complete and COMMIT) stalls, and the `COMMIT` never
-//!   reaches the server;
+//!   reaches the server; [`StallingProxy::arm_on`] does the same for other bytes;
 //! - [`StallingProxy::freeze_open`] (any protocol): every connection open now stalls at the
 //!   next bytes it sends, which never reach the server; connections opened later pass.
 //!
@@ -11,7 +11,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -25,7 +25,8 @@ pub struct StallingProxy {
 
 #[derive(Debug, Default)]
 struct Shared {
-    armed: AtomicBool,
+    /// The byte strings that stall the next connection sending one of them, once.
+    armed: std::sync::Mutex<Option<Vec<Vec<u8>>>>,
     stalled: AtomicU64,
     /// Connections are numbered from 1 as they are accepted.
     accepted: AtomicU64,
@@ -44,8 +45,6 @@ impl Drop for StallingProxy {
 
 /// `COMMIT` ending a simple-query message (as sqlx sends it) or a statement of a batch.
 const COMMITS: [&[u8]; 2] = [b"COMMIT\0", b"COMMIT;"];
-/// The length of both.
-const COMMIT_LEN: usize = 7;
 
 impl StallingProxy {
     /// Listens on a free port of 127.0.0.1 and forwards to `upstream`.
@@ -76,7 +75,14 @@ impl StallingProxy {
 
     /// Stalls the next connection that sends `COMMIT`.
     pub fn arm(&self) {
-        self.shared.armed.store(true, Ordering::SeqCst);
+        *self.shared.armed.lock().expect("lock") =
+            Some(COMMITS.iter().map(|c| c.to_vec()).collect());
+    }
+
+    /// Stalls the next connection that sends `bytes` (in one message or across two reads);
+    /// they never reach the server.
+    pub fn arm_on(&self, bytes: &[u8]) {
+        *self.shared.armed.lock().expect("lock") = Some(vec![bytes.to_vec()]);
     }
 
     /// Stalls every connection open now at the next bytes it sends (they never reach the
@@ -109,13 +115,19 @@ async fn forward(client: TcpStream, server: TcpStream, id: u64, shared: Arc<Shar
             };
             let mut window = std::mem::take(&mut tail);
             window.extend_from_slice(&buf[..n]);
-            let has_commit = window.windows(COMMIT_LEN).any(|w| COMMITS.contains(&w));
-            let commit_caught = has_commit
-                && shared
-                    .armed
-                    .compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok();
-            if commit_caught || id <= shared.frozen_up_to.load(Ordering::SeqCst) {
+            let (caught, longest) = {
+                let mut armed = shared.armed.lock().expect("lock");
+                let longest = armed.iter().flatten().map(Vec::len).max().unwrap_or(0);
+                let seen = armed
+                    .iter()
+                    .flatten()
+                    .any(|p| !p.is_empty() && window.windows(p.len()).any(|w| w == p.as_slice()));
+                if seen {
+                    *armed = None;
+                }
+                (seen, longest)
+            };
+            if caught || id <= shared.frozen_up_to.load(Ordering::SeqCst) {
                 shared.stalled.fetch_add(1, Ordering::SeqCst);
                 stall.notify_one();
                 // Held open, forwarding nothing, until the proxy goes.
@@ -124,7 +136,7 @@ async fn forward(client: TcpStream, server: TcpStream, id: u64, shared: Arc<Shar
             if sw.write_all(&buf[..n]).await.is_err() {
                 return;
             }
-            tail = window[window.len().saturating_sub(COMMIT_LEN)..].to_vec();
+            tail = window[window.len().saturating_sub(longest.max(COMMITS[0].len()))..].to_vec();
         }
     };
     let down = async {

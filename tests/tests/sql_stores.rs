@@ -796,6 +796,7 @@ async fn extend_never_waits_on_a_row_lock<DB>(
     store: DB::Store,
     pool: &sqlx::Pool<DB>,
     lock_sql: String,
+    lock_not_granted: fn(&StoreError) -> bool,
 ) where
     DB: TxDatabase,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -814,7 +815,7 @@ async fn extend_never_waits_on_a_row_lock<DB>(
         panic!("not claimed")
     };
     let mut holder = pool.begin().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(lock_sql))
+    sqlx::query(sqlx::AssertSqlSafe(lock_sql.clone()))
         .bind(key.scope.as_str())
         .bind(key.key.as_str())
         .execute(&mut *holder)
@@ -827,12 +828,21 @@ async fn extend_never_waits_on_a_row_lock<DB>(
     .await
     .expect("the heartbeat waited on the row lock");
     assert!(
-        matches!(extended, Err(StoreError::Unavailable(_))),
+        extended.as_ref().is_err_and(lock_not_granted),
         "{extended:?}"
     );
     holder.rollback().await.unwrap();
     let until = store.extend(&key, claimed.token, lease).await.unwrap();
     assert!(until > SystemTime::now() + lease / 2, "{until:?}");
+    // The heartbeat left no lock behind: another transaction takes the row without waiting.
+    let mut after = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("{lock_sql} NOWAIT")))
+        .bind(key.scope.as_str())
+        .bind(key.key.as_str())
+        .execute(&mut *after)
+        .await
+        .expect("the heartbeat left the row locked");
+    after.rollback().await.unwrap();
     // Still fenced: a token that does not hold the record extends nothing.
     assert!(matches!(
         store.extend(&key, LeaseToken::generate(), lease).await,
@@ -851,7 +861,10 @@ async fn postgres_extend_never_waits_on_a_row_lock() {
     let store = pg_store(pool.clone(), &table).await;
     let sql =
         format!("SELECT 1 FROM idempotent_test.{table} WHERE scope = $1 AND key = $2 FOR UPDATE");
-    extend_never_waits_on_a_row_lock::<sqlx::Postgres>(store, &pool, sql).await;
+    extend_never_waits_on_a_row_lock::<sqlx::Postgres>(store, &pool, sql, |e| {
+        sqlstate(e).as_deref() == Some("55P03")
+    })
+    .await;
     pg_drop(&pool, &table).await;
 }
 
@@ -1105,7 +1118,156 @@ async fn mysql_extend_never_waits_on_a_row_lock() {
     let pool = mysql_pool(4).await;
     let store = mysql_store(pool.clone(), &table).await;
     let sql = format!("SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE");
-    extend_never_waits_on_a_row_lock::<sqlx::MySql>(store, &pool, sql).await;
+    extend_never_waits_on_a_row_lock::<sqlx::MySql>(store, &pool, sql, |e| {
+        mysql_error_number(e).is_some_and(|n| n == 1205 || n == 3572)
+    })
+    .await;
+    mysql_drop(&pool, &table).await;
+}
+
+/// A session frozen inside a heartbeat's transaction while it holds the record's row lock
+/// (its COMMIT never reaches the server: a stopped process, a lost network) is ended by the
+/// server within the store's 10 s idle limit, and the lock goes with it. With the server's
+/// default idle limit (8 hours) the row would stay locked: the owner's complete would wait
+/// `innodb_lock_wait_timeout` (50 s) and fail, again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_a_heartbeat_frozen_holding_the_row_lock_is_ended_by_the_server() {
+    use idempotent_tests::stall::StallingProxy;
+    let table = unique_table("frozen");
+    let pool = mysql_pool(2).await;
+    let store = mysql_store(pool.clone(), &table).await;
+    let proxy = StallingProxy::start("127.0.0.1:3306".parse().unwrap()).await;
+    let url = mysql_url().replace("127.0.0.1:3306", &proxy.addr().to_string());
+    assert_ne!(url, mysql_url(), "MYSQL_URL must name 127.0.0.1:3306");
+    let frozen = MySqlStore::builder(
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .connect(&url)
+            .await
+            .unwrap(),
+    )
+    .table(&table)
+    .build()
+    .unwrap();
+    let key = unique_key("frozen");
+    let lease = Duration::from_secs(60);
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("rt"),
+        lease,
+        ttl: Duration::from_secs(3600),
+    };
+    let ClaimOutcome::Claimed(claimed) = store.claim(req).await.unwrap() else {
+        panic!("not claimed")
+    };
+    proxy.arm_on(b"COMMIT; SET SESSION wait_timeout");
+    let stuck = {
+        let key = key.clone();
+        tokio::spawn(async move { frozen.extend(&key, claimed.token, lease).await })
+    };
+    let armed = std::time::Instant::now();
+    while proxy.stalled() == 0 {
+        assert!(
+            armed.elapsed() < Duration::from_secs(10),
+            "the heartbeat's COMMIT never passed the proxy"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started = std::time::Instant::now();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? FOR UPDATE"
+    )))
+    .bind(key.scope.as_str())
+    .bind(key.key.as_str())
+    .execute(&mut *tx)
+    .await
+    .expect("the frozen session kept the row locked until innodb_lock_wait_timeout");
+    let waited = started.elapsed();
+    tx.rollback().await.unwrap();
+    assert!(
+        waited > Duration::from_secs(2),
+        "the row was not locked by the frozen heartbeat (waited {waited:?})"
+    );
+    assert!(
+        waited < Duration::from_secs(20),
+        "the frozen session held the row for {waited:?}"
+    );
+    stuck.abort();
+    drop(proxy);
+    mysql_drop(&pool, &table).await;
+}
+
+/// The MySQL error number of a store error that came from the server.
+fn mysql_error_number(error: &StoreError) -> Option<u16> {
+    let StoreError::Unavailable(source) = error else {
+        return None;
+    };
+    let db = source.downcast_ref::<sqlx::Error>()?.as_database_error()?;
+    Some(
+        db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()?
+            .number(),
+    )
+}
+
+/// The store's own short transactions (a take-over, a heartbeat, a sweep) lower the
+/// session's idle limit while they run, so a session frozen inside one is ended within
+/// seconds and its row lock goes with it, and put it back when they end, committed or not:
+/// a session left at 10 s would be ended by the server whenever the pool let it idle. One
+/// pooled connection, so every statement here runs on the session the store used.
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_short_transactions_put_the_idle_limit_back() {
+    let table = unique_table("idle");
+    let pool = mysql_pool(1).await;
+    let store = mysql_store(pool.clone(), &table).await;
+    let idle = async || -> u64 {
+        sqlx::query_scalar("SELECT @@SESSION.wait_timeout")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = idle().await;
+    assert_ne!(
+        before, 10,
+        "the session's idle limit is the server's, not the store's"
+    );
+    let key = unique_key("idle");
+    let lease = Duration::from_millis(200);
+    let req = ClaimRequest {
+        key: &key,
+        fingerprint: &fp("rt"),
+        lease,
+        ttl: Duration::from_secs(3600),
+    };
+    let ClaimOutcome::Claimed(first) = store.claim(req).await.unwrap() else {
+        panic!("not claimed")
+    };
+    // A heartbeat that commits, then one the fence refuses (rolled back).
+    store.extend(&key, first.token, lease).await.unwrap();
+    assert_eq!(idle().await, before, "after a heartbeat");
+    assert!(matches!(
+        store.extend(&key, LeaseToken::generate(), lease).await,
+        Err(StoreError::StaleLease)
+    ));
+    assert_eq!(idle().await, before, "after a refused heartbeat");
+    // A take-over once the lease ran out.
+    tokio::time::sleep(lease * 2).await;
+    assert!(matches!(
+        store.claim(req).await.unwrap(),
+        ClaimOutcome::Claimed(lease) if lease.took_over
+    ));
+    assert_eq!(idle().await, before, "after a take-over");
+    store.purge_expired(100).await.unwrap();
+    assert_eq!(idle().await, before, "after a sweep");
     mysql_drop(&pool, &table).await;
 }
 

@@ -13,12 +13,17 @@ mod lease;
 
 pub use claim::{Begin, Unprotected};
 pub(crate) use flight::{AutoSweep, InFlight};
-pub use lease::{Execution, PanicPayload};
 #[cfg_attr(
     not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
     allow(unused_imports)
 )]
-pub(crate) use lease::{NoAnswer, write_bound};
+pub(crate) use lease::NoAnswer;
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_imports)
+)]
+pub(crate) use lease::write_bound;
+pub use lease::{Execution, PanicPayload};
 
 use crate::derive::DeriveSecret;
 use crate::fingerprint::Fingerprint;

@@ -270,7 +270,8 @@ type Connector<C> = Box<
 ///
 /// Each connection has a generation. Only a failure on the current generation starts a
 /// rebuild (a late failure on a connection already replaced does not replace its successor),
-/// one rebuild runs at a time, and rebuilds start at most every [`REBUILD_INTERVAL`].
+/// one rebuild runs at a time, and rebuilds start at most every `interval`
+/// ([`REBUILD_INTERVAL`]).
 struct Rebuilt<C> {
     connect: Connector<C>,
     /// The current connection and its generation.
@@ -279,24 +280,40 @@ struct Rebuilt<C> {
     generation: tokio::sync::watch::Sender<u64>,
     /// Whether a rebuild runs, and when the last one started.
     rebuilding: std::sync::Mutex<(bool, Option<std::time::Instant>)>,
+    interval: Duration,
 }
 
 /// The shortest time between the starts of two rebuilds of one connection (a server that
 /// refuses connections is not asked again at once by every failing command).
 const REBUILD_INTERVAL: Duration = Duration::from_millis(100);
 
+/// Marks a rebuild of its connection as ended when dropped: when it finished, failed,
+/// panicked, or its future was dropped unfinished (its runtime shut down, or none to run it).
+struct RebuildEnds<C>(std::sync::Arc<Rebuilt<C>>);
+
+impl<C> Drop for RebuildEnds<C> {
+    fn drop(&mut self) {
+        self.0
+            .rebuilding
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0 = false;
+    }
+}
+
 impl<C: Clone + Send + Sync + 'static> Rebuilt<C> {
     async fn connect(connect: Connector<C>) -> Result<Self, redis::RedisError> {
         let conn = connect().await?;
-        Ok(Self::new(connect, conn))
+        Ok(Self::new(connect, conn, REBUILD_INTERVAL))
     }
 
-    fn new(connect: Connector<C>, conn: C) -> Self {
+    fn new(connect: Connector<C>, conn: C, interval: Duration) -> Self {
         Rebuilt {
             connect,
             current: std::sync::RwLock::new((conn, 0)),
             generation: tokio::sync::watch::Sender::new(0),
             rebuilding: std::sync::Mutex::new((false, None)),
+            interval,
         }
     }
 
@@ -310,32 +327,28 @@ impl<C: Clone + Send + Sync + 'static> Rebuilt<C> {
 
     /// Rebuilds the connection in the background after a failure on generation `failed`,
     /// unless that connection was replaced already, a rebuild runs, or the last one started
-    /// less than [`REBUILD_INTERVAL`] ago.
+    /// less than the interval ago.
     fn rebuild(self: &std::sync::Arc<Self>, failed: u64) {
-        if *self.generation.borrow() != failed {
-            return;
-        }
         {
             let mut state = self
                 .rebuilding
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Checked under the lock: a rebuild that ends meanwhile changes the generation
+            // before it clears `running`.
+            if *self.generation.borrow() != failed {
+                return;
+            }
             let (running, last) = &mut *state;
-            if *running || last.is_some_and(|t| t.elapsed() < REBUILD_INTERVAL) {
+            if *running || last.is_some_and(|t| t.elapsed() < self.interval) {
                 return;
             }
             *running = true;
             *last = Some(std::time::Instant::now());
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.rebuilding
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0 = false;
-            return;
-        };
-        let this = std::sync::Arc::clone(self);
-        runtime.spawn(async move {
+        let ends = RebuildEnds(std::sync::Arc::clone(self));
+        let rebuild = async move {
+            let this = &ends.0;
             match (this.connect)().await {
                 Ok(conn) => {
                     let generation = {
@@ -353,20 +366,32 @@ impl<C: Clone + Send + Sync + 'static> Rebuilt<C> {
                     tracing::warn!("redis store: rebuilding the connection failed: {e}");
                 }
             }
-            this.rebuilding
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0 = false;
-        });
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(rebuild)),
+            // No runtime to run it on: dropped unstarted, it still ends the rebuild it marked.
+            Err(_) => drop(rebuild),
+        }
     }
 
     /// Waits until a connection newer than generation `old` is in place, at most until
-    /// `deadline`; whether one is.
-    async fn replaced(&self, old: u64, deadline: tokio::time::Instant) -> bool {
+    /// `deadline`, asking again every interval for a rebuild (one can fail, or be skipped
+    /// for the interval); whether one is.
+    async fn replaced(
+        self: &std::sync::Arc<Self>,
+        old: u64,
+        deadline: tokio::time::Instant,
+    ) -> bool {
         let mut generation = self.generation.subscribe();
-        tokio::time::timeout_at(deadline, generation.wait_for(|g| *g != old))
-            .await
-            .is_ok_and(|changed| changed.is_ok())
+        loop {
+            let every = self.interval.max(Duration::from_millis(1));
+            let next = (tokio::time::Instant::now() + every).min(deadline);
+            match tokio::time::timeout_at(next, generation.wait_for(|g| *g != old)).await {
+                Ok(changed) => return changed.is_ok(),
+                Err(_) if next >= deadline => return false,
+                Err(_) => self.rebuild(old),
+            }
+        }
     }
 }
 
@@ -949,7 +974,8 @@ impl Conn {
         }
     }
 
-    /// Waits for a connection newer than generation `old`, at most until `deadline`.
+    /// Waits for a connection newer than generation `old`, at most until `deadline` (see
+    /// [`Rebuilt::replaced`]).
     async fn replaced(&self, old: u64, deadline: tokio::time::Instant) -> bool {
         match self {
             Conn::Single(c) => c.replaced(old, deadline).await,
@@ -1155,8 +1181,12 @@ impl Store for RedisStore {
             return Ok(crate::store::row::from_millis(extend().await?));
         }
         let generation = self.conn.generation();
-        if let Ok(until) = tokio::time::timeout(first_bound, extend()).await {
-            return Ok(crate::store::row::from_millis(until?));
+        match tokio::time::timeout(first_bound, extend()).await {
+            Ok(Ok(until)) => return Ok(crate::store::row::from_millis(until)),
+            // No answer in time, or the store unavailable at once (a connection reset in a
+            // failover, say): a new connection, within the same deadline.
+            Err(_) | Ok(Err(StoreError::Unavailable(_))) => {}
+            Ok(Err(e)) => return Err(e),
         }
         self.conn.rebuild(generation);
         if self.conn.replaced(generation, deadline).await {
@@ -1240,6 +1270,7 @@ mod tests {
                 Box::pin(std::future::ready(lazy))
             }),
             conn,
+            REBUILD_INTERVAL,
         );
         RedisStore::new(
             Conn::Single(std::sync::Arc::new(conn)),
@@ -1250,49 +1281,104 @@ mod tests {
         )
     }
 
-    /// A connection that is only a number: the `n`th one opened.
-    fn numbered() -> std::sync::Arc<Rebuilt<u32>> {
+    /// A connection that is only a number: the `n`th one opened; each opening waits for
+    /// `gate` when there is one.
+    fn numbered(
+        interval: Duration,
+        gate: Option<std::sync::Arc<tokio::sync::Semaphore>>,
+    ) -> (
+        std::sync::Arc<Rebuilt<u32>>,
+        std::sync::Arc<std::sync::atomic::AtomicU32>,
+    ) {
         let opened = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-        std::sync::Arc::new(Rebuilt::new(
+        let counted = std::sync::Arc::clone(&opened);
+        let conn = Rebuilt::new(
             Box::new(move || {
-                let n = opened.fetch_add(1, Ordering::SeqCst) + 1;
-                Box::pin(std::future::ready(Ok(n)))
+                let (opened, gate) = (std::sync::Arc::clone(&opened), gate.clone());
+                Box::pin(async move {
+                    if let Some(gate) = gate {
+                        gate.acquire().await.expect("open").forget();
+                    }
+                    Ok(opened.fetch_add(1, Ordering::SeqCst) + 1)
+                })
             }),
             0,
-        ))
+            interval,
+        );
+        (std::sync::Arc::new(conn), counted)
+    }
+
+    fn soon() -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_secs(5)
     }
 
     #[tokio::test]
-    async fn only_a_failure_of_the_current_connection_replaces_it() {
-        let conn = numbered();
-        let soon = || tokio::time::Instant::now() + Duration::from_secs(2);
+    async fn a_late_failure_of_a_replaced_connection_leaves_its_successor() {
+        let (conn, opened) = numbered(Duration::ZERO, None);
         assert_eq!(conn.conn(), (0, 0));
         conn.rebuild(0);
         assert!(conn.replaced(0, soon()).await);
         assert_eq!(conn.conn(), (1, 1));
-        // A late failure on the replaced connection leaves its successor alone.
-        std::thread::sleep(REBUILD_INTERVAL);
         conn.rebuild(0);
-        assert!(
-            !conn
-                .replaced(1, tokio::time::Instant::now() + REBUILD_INTERVAL)
-                .await
-        );
+        tokio::task::yield_now().await;
         assert_eq!(conn.conn(), (1, 1));
-        // A failure of the current one within the interval waits for the next failure.
+        assert_eq!(opened.load(Ordering::SeqCst), 1, "a stale failure rebuilt");
         conn.rebuild(1);
         assert!(conn.replaced(1, soon()).await);
         assert_eq!(conn.conn(), (2, 2));
-        conn.rebuild(2);
-        assert!(
-            !conn
-                .replaced(2, tokio::time::Instant::now() + REBUILD_INTERVAL / 2)
-                .await
+    }
+
+    #[tokio::test]
+    async fn rebuilds_wait_out_the_interval() {
+        let (conn, opened) = numbered(Duration::from_secs(3600), None);
+        conn.rebuild(0);
+        assert!(conn.replaced(0, soon()).await);
+        conn.rebuild(1);
+        let waited = tokio::time::Instant::now() + Duration::from_millis(50);
+        assert!(!conn.replaced(1, waited).await);
+        assert_eq!(opened.load(Ordering::SeqCst), 1);
+        assert_eq!(conn.conn(), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn one_rebuild_runs_at_a_time() {
+        let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+        let (conn, opened) = numbered(Duration::ZERO, Some(std::sync::Arc::clone(&gate)));
+        conn.rebuild(0);
+        for _ in 0..5 {
+            tokio::task::yield_now().await;
+            conn.rebuild(0);
+        }
+        gate.add_permits(10);
+        assert!(conn.replaced(0, soon()).await);
+        for _ in 0..5 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            opened.load(Ordering::SeqCst),
+            1,
+            "rebuilds ran side by side"
         );
-        std::thread::sleep(REBUILD_INTERVAL);
-        conn.rebuild(2);
-        assert!(conn.replaced(2, soon()).await);
-        assert_eq!(conn.conn(), (3, 3));
+        assert_eq!(conn.conn(), (1, 1));
+    }
+
+    #[test]
+    fn a_rebuild_with_no_runtime_to_run_on_does_not_block_the_next() {
+        let (conn, opened) = numbered(Duration::ZERO, None);
+        conn.rebuild(0);
+        assert!(
+            !conn.rebuilding.lock().expect("lock").0,
+            "left marked as running"
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            conn.rebuild(0);
+            assert!(conn.replaced(0, soon()).await);
+        });
+        assert_eq!(opened.load(Ordering::SeqCst), 1);
     }
 
     #[test]

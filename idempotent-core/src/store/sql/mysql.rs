@@ -390,17 +390,42 @@ impl MySqlStore {
         if sqlx::Connection::is_in_transaction(&*conn) {
             return self.take_over_in(conn, req, token, old).await;
         }
+        self.short_tx(
+            conn,
+            async |tx| self.take_over_in(tx, req, token, old).await,
+            |outcome| matches!(outcome, Ok(Some(ClaimOutcome::Claimed(_)))),
+        )
+        .await
+    }
+
+    /// Runs `work` in a short transaction of the store's own on `conn` (not in one already):
+    /// READ COMMITTED, with the session's `wait_timeout` lowered to 10 s until it ends, so a session that stops between its statements while it holds a row
+    /// lock (a frozen process, a lost network) is ended by the server within seconds, not
+    /// hours, and the lock goes with it. Commits when `commit` says so, else rolls back; the
+    /// end and the idle limit put back go in one round trip.
+    async fn short_tx<T>(
+        &self,
+        conn: &mut MySqlConnection,
+        work: impl AsyncFnOnce(&mut MySqlConnection) -> Result<T, StoreError>,
+        commit: impl FnOnce(&Result<T, StoreError>) -> bool,
+    ) -> Result<T, StoreError> {
         self.sent.bump();
-        let mut tx = sqlx::Connection::begin_with(&mut *conn, BEGIN_READ_COMMITTED)
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, BEGIN_SHORT)
             .await
             .map_err(db_error)?;
-        let outcome = self.take_over_in(&mut tx, req, token, old).await;
-        self.sent.bump();
-        if matches!(outcome, Ok(Some(ClaimOutcome::Claimed(_)))) {
-            tx.commit().await.map_err(db_error)?;
+        let outcome = work(&mut tx).await;
+        let end = if commit(&outcome) {
+            END_SHORT_COMMIT
         } else {
-            tx.rollback().await.map_err(db_error)?;
-        }
+            END_SHORT_ROLLBACK
+        };
+        self.sent.bump();
+        // sqlx still counts the transaction: dropped, `tx` queues a ROLLBACK that does
+        // nothing now (it goes out with the connection's next statement).
+        sqlx::raw_sql(end)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
         outcome
     }
 
@@ -490,17 +515,13 @@ impl MySqlStore {
         let mut conflicts = 0;
         loop {
             let mut conn = self.conn().await?;
-            self.sent.bump();
-            let mut tx = sqlx::Connection::begin_with(&mut *conn, BEGIN_READ_COMMITTED)
-                .await
-                .map_err(db_error)?;
-            let extended = self.extend_in(&mut tx, key, token, lease).await;
-            self.sent.bump();
-            let ended = match extended {
-                Ok(_) => tx.commit().await,
-                Err(_) => tx.rollback().await,
-            };
-            let extended = extended.and_then(|until| ended.map(|()| until).map_err(db_error));
+            let extended = self
+                .short_tx(
+                    &mut conn,
+                    async |tx| self.extend_in(tx, key, token, lease).await,
+                    Result::is_ok,
+                )
+                .await;
             match extended {
                 Err(e) if super::again_after_conflict(&e, &mut conflicts).await => {}
                 extended => return extended,
@@ -552,10 +573,16 @@ impl MySqlStore {
     /// row another transaction holds.
     async fn purge_batch(&self, batch: usize) -> Result<u64, StoreError> {
         let mut conn = self.conn().await?;
-        self.sent.bump();
-        let mut tx = sqlx::Connection::begin_with(&mut *conn, BEGIN_READ_COMMITTED)
-            .await
-            .map_err(db_error)?;
+        self.short_tx(
+            &mut conn,
+            async |tx| self.purge_in(tx, batch).await,
+            Result::is_ok,
+        )
+        .await
+    }
+
+    /// [`MySqlStore::purge_batch`] inside its transaction.
+    async fn purge_in(&self, tx: &mut MySqlConnection, batch: usize) -> Result<u64, StoreError> {
         self.sent.bump();
         let rows: Vec<(Vec<u8>, Vec<u8>, uuid::Uuid)> = sqlx::query_as(q(&self.sql.purge_pick))
             .bind(i64::try_from(batch).unwrap_or(i64::MAX))
@@ -584,8 +611,6 @@ impl MySqlStore {
                     .rows_affected();
             }
         }
-        self.sent.bump();
-        tx.commit().await.map_err(db_error)?;
         Ok(deleted)
     }
 
@@ -719,9 +744,14 @@ fn is_lock_wait_timeout(e: &sqlx::Error) -> bool {
     matches!(error_number(e), Some(1205 | 3572))
 }
 
-/// How the store's own transactions begin (a take-over outside one; transactional mode's
-/// BEGIN adds an idle limit, see `tx/mysql.rs`): READ COMMITTED for this transaction only.
-pub(crate) const BEGIN_READ_COMMITTED: &str =
-    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+/// The BEGIN of the store's own short transactions ([`MySqlStore::short_tx`]: a take-over, a
+/// heartbeat, a sweep): the session's idle limit kept and lowered to 10 s, then READ
+/// COMMITTED for this transaction only (transactional mode's BEGIN is in `tx/mysql.rs`).
+const BEGIN_SHORT: &str = "SET @idempotent_wait_timeout = @@SESSION.wait_timeout, \
+    SESSION wait_timeout = 10; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// The ends of [`MySqlStore::short_tx`], with the session's idle limit put back.
+const END_SHORT_COMMIT: &str = "COMMIT; SET SESSION wait_timeout = @idempotent_wait_timeout";
+const END_SHORT_ROLLBACK: &str = "ROLLBACK; SET SESSION wait_timeout = @idempotent_wait_timeout";
 
 sql_store_common!(@common MySqlStore, MySqlPool, sqlx::MySql, MySqlConnection);
