@@ -53,7 +53,7 @@ async fn a_streamed_response_keeps_its_lease_on_time() {
 /// hangs while extensions still answer) must not let a retry take the record over and run
 /// the handler a second time. Once the write lands the renewals stop.
 async fn a_slow_write_keeps_its_lease(store_it: bool) {
-    let lease = Duration::from_millis(600);
+    let lease = Duration::from_secs(1);
     let store = FaultyStore::new(MemoryStore::new());
     store.delay_finishes(lease * 3);
     let engine = Engine::from_arc(store.clone());

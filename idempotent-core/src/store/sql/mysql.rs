@@ -438,14 +438,7 @@ impl MySqlStore {
         token: LeaseToken,
         old: LeaseToken,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        self.sent.bump();
-        let locked = sqlx::query(q(&self.sql.lock_row))
-            .bind(req.key.scope.as_str())
-            .bind(req.key.key.as_str())
-            .bind(old.as_uuid())
-            .fetch_optional(&mut *conn)
-            .await;
-        match locked {
+        match self.lock_row(conn, req.key, old).await {
             Ok(Some(_)) => {}
             // Changed since the read (taken over, completed, released): read it again.
             Ok(None) => return Ok(None),
@@ -529,6 +522,24 @@ impl MySqlStore {
         }
     }
 
+    /// Locks the row of `key` while `token` holds it, without waiting (`FOR UPDATE NOWAIT`; a
+    /// lock not granted is an error, see [`is_lock_wait_timeout`]); `None`: the token does
+    /// not hold it.
+    async fn lock_row(
+        &self,
+        conn: &mut MySqlConnection,
+        key: &RecordKey,
+        token: LeaseToken,
+    ) -> Result<Option<sqlx::mysql::MySqlRow>, sqlx::Error> {
+        self.sent.bump();
+        sqlx::query(q(&self.sql.lock_row))
+            .bind(key.scope.as_str())
+            .bind(key.key.as_str())
+            .bind(token.as_uuid())
+            .fetch_optional(&mut *conn)
+            .await
+    }
+
     /// [`MySqlStore::extend_once`] inside its transaction: the row locked without waiting,
     /// then the `extend` statement.
     async fn extend_in(
@@ -538,15 +549,12 @@ impl MySqlStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
-        self.sent.bump();
-        let locked = sqlx::query(q(&self.sql.lock_row))
-            .bind(key.scope.as_str())
-            .bind(key.key.as_str())
-            .bind(token.as_uuid())
-            .fetch_optional(&mut *conn)
+        if self
+            .lock_row(conn, key, token)
             .await
-            .map_err(db_error)?;
-        if locked.is_none() {
+            .map_err(db_error)?
+            .is_none()
+        {
             return Err(StoreError::StaleLease);
         }
         self.sent.bump();
