@@ -464,8 +464,8 @@ async fn graceful_failover_under_load_on_redis_cluster() {
     // hung until that timeout, so the holder's completion hung with it, unrenewed, for 5 s;
     // a duplicate sent to the other server took the lease over after 2 s and ran the handler
     // again. Since then the engine renews a lease while its completion is on its way, a
-    // renewal waits at most a quarter of the lease, and a connection that got no answer is
-    // replaced: `a_lease_outlives_a_connection_that_stops_answering` in
+    // renewal gives up on its connection after an eighth of the lease and tries once more on
+    // a new one, and a connection that got no answer is replaced: `a_lease_outlives_a_connection_that_stops_answering` in
     // `tests/tests/redis_conformance.rs` checks that case with a 2 s lease. This test keeps
     // 15 s, so a failover slower than a short lease on a loaded CI machine cannot fail it.
     let a = start(Bin::Axum, &url, &["--lease", "15s"]);

@@ -390,12 +390,13 @@ async fn a_connection_that_stops_answering_is_replaced() {
 }
 
 /// Stop 45's CI failure, on a standalone server: the connection of an execution stops
-/// answering right after its handler ran, and its lease (2 s) is shorter than the store's
-/// response timeout (5 s, the default). Its completion hangs for the whole timeout; its
-/// renewals give up after a quarter of the lease and go through a new connection, so a
-/// duplicate sent to another instance finds the record in progress throughout (before, it
-/// took the lease over after 2 s and ran the handler again), and the completion, retried on
-/// the new connection, is stored once.
+/// answering when its outcome is to be stored (here right after its claim), and its lease
+/// (2 s) is shorter than the store's response timeout (5 s, the default). Its completion
+/// hangs for the whole timeout; its renewals give up after an eighth of the lease and go
+/// through a new connection, so a duplicate sent to another instance finds the record in
+/// progress throughout (before, it took the lease over after 2 s, and would have run the
+/// handler again), and the completion, retried on the new connection, is stored and
+/// replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
     not(redis_standalone),

@@ -374,6 +374,16 @@ impl<C: Clone + Send + Sync + 'static> Rebuilt<C> {
         }
     }
 
+    /// Whether generation `old` was replaced, or a rebuild runs.
+    fn replacing(&self, old: u64) -> bool {
+        *self.generation.borrow() != old
+            || self
+                .rebuilding
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0
+    }
+
     /// Waits until a connection newer than generation `old` is in place, at most until
     /// `deadline`, asking again every interval for a rebuild (one can fail, or be skipped
     /// for the interval); whether one is.
@@ -454,11 +464,12 @@ impl RedisStoreBuilder {
     /// on its connection, then waits for the new connection and tries once more there, all
     /// within seven sixteenths of the lease. So a lease shorter than the timeout survives a
     /// connection that stops answering, provided a new connection is up and answers within
-    /// about a quarter of the lease (500 ms for a 2 s lease); the completion, which may wait the whole
-    /// timeout, is retried on the new connection while the renewals keep the lease. A lease
-    /// must still outlast the time the store needs to answer again (see [`RedisStore`] on a
-    /// failover). Keep the timeout under 10 s: the engine gives up on a completion that got
-    /// no answer for 10 s (or a lease, if longer) without replacing the connection.
+    /// about a quarter of the lease (500 ms for a 2 s lease); the completion, which may wait
+    /// the whole timeout, is retried on the new connection while the renewals keep the lease.
+    /// A lease must still outlast the time the store needs to answer again (see
+    /// [`RedisStore`] on a failover). Keep the timeout under 10 s: the engine gives up on a
+    /// completion that got no answer for 10 s (or a lease, if longer) without replacing the
+    /// connection.
     #[must_use]
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
@@ -966,6 +977,14 @@ impl Conn {
         }
     }
 
+    /// Whether generation `old` was replaced, or a rebuild runs.
+    fn replacing(&self, old: u64) -> bool {
+        match self {
+            Conn::Single(c) => c.replacing(old),
+            Conn::Cluster(c) => c.replacing(old),
+        }
+    }
+
     /// Replaces the connection after a failure on generation `failed` (see [`Rebuilt`]).
     fn rebuild(&self, failed: u64) {
         match self {
@@ -1183,12 +1202,13 @@ impl Store for RedisStore {
         let generation = self.conn.generation();
         match tokio::time::timeout(first_bound, extend()).await {
             Ok(Ok(until)) => return Ok(crate::store::row::from_millis(until)),
-            // No answer in time, or the store unavailable at once (a connection reset in a
-            // failover, say): a new connection, within the same deadline.
-            Err(_) | Ok(Err(StoreError::Unavailable(_))) => {}
+            // No answer in time: a new connection, within the same deadline.
+            Err(_) => self.conn.rebuild(generation),
+            // The connection failed at once (a reset in a failover, say) and is being
+            // replaced: the same. The server's own refusals (`BUSY`, `OOM`) keep it.
+            Ok(Err(StoreError::Unavailable(_))) if self.conn.replacing(generation) => {}
             Ok(Err(e)) => return Err(e),
         }
-        self.conn.rebuild(generation);
         if self.conn.replaced(generation, deadline).await {
             let generation = self.conn.generation();
             match tokio::time::timeout_at(deadline, extend()).await {
@@ -1360,6 +1380,24 @@ mod tests {
             "rebuilds ran side by side"
         );
         assert_eq!(conn.conn(), (1, 1));
+    }
+
+    /// What a renewal that failed at once asks: is its connection being replaced (then it
+    /// waits for the new one), or did the server refuse it (then it reports that)?
+    #[tokio::test]
+    async fn replacing_says_whether_a_failed_connection_is_being_replaced() {
+        let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+        let (conn, _) = numbered(Duration::ZERO, Some(std::sync::Arc::clone(&gate)));
+        assert!(!conn.replacing(0), "nothing failed");
+        conn.rebuild(0);
+        assert!(conn.replacing(0), "a rebuild runs");
+        gate.add_permits(1);
+        assert!(conn.replaced(0, soon()).await);
+        assert!(conn.replacing(0), "generation 0 was replaced");
+        assert!(
+            !conn.replacing(1),
+            "the new connection is not being replaced"
+        );
     }
 
     #[test]

@@ -67,11 +67,11 @@ pub(crate) fn bounded_millis(d: Duration) -> i64 {
 ///   the server's `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8): a
 ///   larger one fails to complete and is retried, then released with its lease.
 /// - **Versions.** `FOR UPDATE NOWAIT` (take-overs, heartbeats) and `SKIP LOCKED` (the
-///   sweeper) need MySQL 8.0.1+ or MariaDB 10.6+. The pool's sessions must autocommit (MySQL's default):
-///   [`MySqlStore::migrate`] refuses a pool whose sessions do not, and so does the first
-///   claim outside a transaction (503); the check runs once per store, so code that turns
-///   autocommit off on a session and gives it back to the pool defeats it (give the store a
-///   pool of its own, or never leave a session so). Two commits (and unprotected
+///   sweeper) need MySQL 8.0.1+ or MariaDB 10.6+. The pool's sessions must autocommit
+///   (MySQL's default): [`MySqlStore::migrate`] refuses a pool whose sessions do not, and so
+///   does the first claim outside a transaction (503); the check runs once per store, so code
+///   that turns autocommit off on a session and gives it back to the pool defeats it (give
+///   the store a pool of its own, or never leave a session so). Two commits (and unprotected
 ///   transactional requests) need the `CREATE TEMPORARY TABLES` privilege: their
 ///   transaction carries a marker row in a temporary table, which tells a rollback by the
 ///   server (a deadlock) from a commit, before the record completes.
@@ -399,10 +399,11 @@ impl MySqlStore {
     }
 
     /// Runs `work` in a short transaction of the store's own on `conn` (not in one already):
-    /// READ COMMITTED, with the session's `wait_timeout` lowered to 10 s until it ends, so a session that stops between its statements while it holds a row
-    /// lock (a frozen process, a lost network) is ended by the server within seconds, not
-    /// hours, and the lock goes with it. Commits when `commit` says so, else rolls back; the
-    /// end and the idle limit put back go in one round trip.
+    /// READ COMMITTED, with the session's `wait_timeout` lowered to 10 s until it ends, so a
+    /// session that stops between its statements while it holds a row lock (a frozen process,
+    /// a lost network) is ended by the server within seconds, not hours, and the lock goes
+    /// with it. Commits when `commit` says so, else rolls back; the end and the idle limit put
+    /// back go in one round trip.
     async fn short_tx<T>(
         &self,
         conn: &mut MySqlConnection,
