@@ -34,6 +34,31 @@ fn json_1k_unsorted() -> Vec<u8> {
     format!("{{{}}}", fields.join(",")).into_bytes()
 }
 
+/// The same members as [`json_1k_unsorted`] in a scattered order (every seventh, from each
+/// start in turn), as a serializer's field order is: neither sorted nor reversed.
+fn json_1k_scattered() -> Vec<u8> {
+    let text = String::from_utf8(json_1k_unsorted()).expect("utf-8");
+    let inner = &text[1..text.len() - 1];
+    let members: Vec<&str> = inner.split("},").collect();
+    let n = members.len();
+    let mut order = Vec::new();
+    for start in 0..7 {
+        order.extend((start..n).step_by(7));
+    }
+    let picked: Vec<String> = order
+        .iter()
+        .map(|&i| {
+            let m = members[i];
+            if m.ends_with('}') {
+                m.to_string()
+            } else {
+                format!("{m}}}")
+            }
+        })
+        .collect();
+    format!("{{{}}}", picked.join(",")).into_bytes()
+}
+
 /// About 1 KiB of form fields, out of order, some with encoded bytes.
 fn form_1k() -> Vec<u8> {
     let mut out = String::new();
@@ -149,9 +174,15 @@ fn benches(c: &mut Criterion) {
     let body = json_1k();
     assert!((1000..1200).contains(&body.len()), "{}", body.len());
     let unsorted = json_1k_unsorted();
+    let scattered = json_1k_scattered();
+    assert_eq!(
+        canonical_json(&scattered).expect("json"),
+        canonical_json(&unsorted).expect("json")
+    );
     for (name, json) in [
         ("fingerprint/json_1KiB", &body),
         ("fingerprint/json_1KiB_unsorted", &unsorted),
+        ("fingerprint/json_1KiB_scattered", &scattered),
     ] {
         c.bench_function(name, |b| {
             b.iter(|| fingerprint_of("application/json", json))
@@ -164,6 +195,9 @@ fn benches(c: &mut Criterion) {
     });
     c.bench_function("canonical_json/1KiB_unsorted", |b| {
         b.iter(|| canonical_json(black_box(&unsorted)))
+    });
+    c.bench_function("canonical_json/1KiB_scattered", |b| {
+        b.iter(|| canonical_json(black_box(&scattered)))
     });
     c.bench_function("canonical_json/serde_jcs_1KiB", |b| {
         b.iter(|| {

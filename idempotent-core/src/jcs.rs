@@ -19,14 +19,15 @@
 //!   21 bytes for 4; any other text is at most as long as its input). The working memory
 //!   beyond the output is one offset (4 bytes, 8 above 512 MiB of input) per member of the
 //!   objects still open, each member taking at least 5 bytes of input, and one copy of an
-//!   object whose members need reordering, plus 2 KiB at most for sorting small objects (3
-//!   above 512 MiB of input): about 3 times the input at most, output included, unless numbers grow. An object of at
-//!   most 64 members is sorted by the first 16 bytes of its names as integers (most
-//!   comparisons are one integer comparison), with each member's end known from where the
-//!   next began; a larger one is sorted in place, comparing names without allocating at the
-//!   cost of their common prefix and finding each member's end again in the text. An object
-//!   whose members need reordering is copied once, so a text nested `d` objects deep, each out
-//!   of order, is copied at most `d` (≤ 127) times.
+//!   object whose members need reordering, plus 1.5 KiB at most for sorting small objects
+//!   (2 above 512 MiB of input): about 3 times the input at most, output included, unless
+//!   numbers grow. An object of at most 64 members is sorted as integer keys that hold the
+//!   first 12 bytes of each name and the member's index (names are compared only where
+//!   their keys tie), with each member's end known from where the next began; a larger one
+//!   is sorted in place, comparing names without allocating at the cost of their common
+//!   prefix and finding each member's end again in the text. An object whose members need
+//!   reordering is copied once, so a text nested `d` objects deep, each out of order, is
+//!   copied at most `d` (≤ 127) times.
 
 use std::cell::Cell;
 use std::cmp::Ordering;
@@ -125,8 +126,10 @@ struct Buffers<O> {
     /// Copy of an object's members while they are rewritten in order.
     scratch: Vec<u8>,
     /// The members of an object of at most [`SMALL_OBJECT`] members while it is put in
-    /// order (at most a few KiB, whatever the input).
+    /// order, in input order (at most 1 KiB, whatever the input).
     small: Vec<SmallMember<O>>,
+    /// The sort keys of those members ([`name_key`]), sorted (at most 1 KiB).
+    keys: Vec<u128>,
 }
 
 impl<O> Default for Buffers<O> {
@@ -136,6 +139,7 @@ impl<O> Default for Buffers<O> {
             members: Vec::new(),
             scratch: Vec::new(),
             small: Vec::new(),
+            keys: Vec::new(),
         }
     }
 }
@@ -156,6 +160,7 @@ impl<O> Buffers<O> {
         bounded(&mut self.members, KEEP_BYTES / 4);
         // At most SMALL_OBJECT entries, whatever the input (`order_small`).
         self.small.clear();
+        self.keys.clear();
         self.out.capacity() + self.scratch.capacity() + self.members.capacity() > 0
     }
 }
@@ -167,20 +172,15 @@ struct Writer<'a, O> {
 }
 
 /// Objects of at most this many members are put in order through [`SmallMember`]s, which
-/// carry each member's end and a prefix of its name: no rescanning of the written text, and
-/// most comparisons are one integer comparison. (At 32 bytes a member, 2 KiB at most; 3 KiB
-/// with the 8-byte offsets of inputs above 512 MiB.)
+/// carry each member's end, and sort keys ([`name_key`]) that carry a prefix of its name:
+/// no rescanning of the written text, and most comparisons are one integer comparison. (At
+/// 24 bytes a member, 1.5 KiB at most; 2 KiB with the 8-byte offsets of inputs above
+/// 512 MiB.)
 const SMALL_OBJECT: usize = 64;
 
-/// A member of a small object: where it starts and ends in the written text, and the first
-/// bytes of its name as an integer that orders as the names do ([`name_prefix`]).
+/// A member of a small object: where it starts and ends in the written text.
 #[derive(Clone, Copy)]
 struct SmallMember<O> {
-    /// The name's first 16 bytes, big-endian, zero past its end (0 when not `exact`).
-    prefix: u128,
-    /// Whether `prefix` orders the name: false when the first 16 bytes hold an escape or a
-    /// byte from 0xEE up, whose order is not their bytes' order.
-    exact: bool,
     start: O,
     end: O,
 }
@@ -194,7 +194,10 @@ impl<'a, O: Offset> Writer<'a, O> {
         buffers.members.clear();
         buffers.scratch.clear();
         buffers.small.clear();
-        buffers.out.reserve(input.len());
+        buffers.keys.clear();
+        // Room for the 16 bytes `order_small` puts past the text for a moment: on an output
+        // no longer than its input (no number written out longer) they never reallocate it.
+        buffers.out.reserve(input.len() + 16);
         Writer {
             input,
             pos: 0,
@@ -339,52 +342,84 @@ impl<'a, O: Offset> Writer<'a, O> {
         }
     }
 
-    /// [`Self::order_members`], out of order, for an object of at most [`SMALL_OBJECT`] members: each
-    /// member's end is the next one's start (less its comma), known before they move, and
-    /// names are compared by their prefixes first.
+    /// [`Self::order_members`], out of order, for an object of at most [`SMALL_OBJECT`]
+    /// members: each member's end is the next one's start (less its comma), known before
+    /// they move, and the members are sorted as integer keys ([`name_key`]) that carry their
+    /// index; only keys that tie (names that share their first 12 bytes and go on past them)
+    /// compare the names themselves. An object with a name whose key does not order it (an
+    /// escape or a byte from 0xEE up in its first 16 bytes) is sorted on its names alone.
     fn order_small(&mut self, base: usize) {
+        let len = self.buffers.out.len();
+        // Sixteen bytes past the text while the keys are taken, so that each name's first
+        // sixteen bytes can be read at once, the last member's included ([`name_prefix`]).
+        self.buffers.out.extend_from_slice(&[0; 16]);
         let out = &self.buffers.out;
         let members = &self.buffers.members[base..];
-        self.buffers.small.clear();
-        // Exact, so that it never holds more than SMALL_OBJECT.
-        self.buffers.small.reserve_exact(members.len());
-        self.buffers
-            .small
-            .extend(members.iter().enumerate().map(|(i, m)| {
-                let prefix = name_prefix(out, m.get());
-                SmallMember {
-                    prefix: prefix.unwrap_or(0),
-                    exact: prefix.is_some(),
-                    start: *m,
-                    end: members
-                        .get(i + 1)
-                        .map_or(O::at(out.len()), |next| O::at(next.get() - 1)),
-                }
-            }));
-        let cmp = |a: &SmallMember<O>, b: &SmallMember<O>| {
-            if a.exact && b.exact && a.prefix != b.prefix {
-                a.prefix.cmp(&b.prefix)
-            } else {
-                cmp_names(out, a.start.get(), b.start.get())
-            }
-        };
-        // Ties broken by position, which is input order: the order of a stable sort, so the
+        let (small, keys) = (&mut self.buffers.small, &mut self.buffers.keys);
+        // Exact, so that neither ever holds more than SMALL_OBJECT.
+        small.clear();
+        small.reserve_exact(members.len());
+        keys.clear();
+        keys.reserve_exact(members.len());
+        let mut keyed = true;
+        for (i, m) in members.iter().enumerate() {
+            small.push(SmallMember {
+                start: *m,
+                end: members
+                    .get(i + 1)
+                    .map_or(O::at(len), |next| O::at(next.get() - 1)),
+            });
+            let key = name_key(out, m.get());
+            keyed &= key.is_some();
+            keys.push(key.unwrap_or(0) | i as u128);
+        }
+        let small = &*small;
+        let start = |key: &u128| small[(key & KEY_INDEX) as usize].start.get();
+        // Ties broken by index, which is input order: the order of a stable sort, so the
         // last of each run of equal names is the one that wins.
-        self.buffers
-            .small
-            .sort_unstable_by(|a, b| cmp(a, b).then_with(|| a.start.cmp(&b.start)));
+        let by_name = |a: &u128, b: &u128| {
+            cmp_names(out, start(a), start(b)).then_with(|| (a & KEY_INDEX).cmp(&(b & KEY_INDEX)))
+        };
+        if keyed {
+            keys.sort_unstable();
+            let mut rest = &mut keys[..];
+            while let Some((&first, _)) = rest.split_first() {
+                let run = 1 + rest[1..]
+                    .iter()
+                    .take_while(|k| key_ties(first, **k))
+                    .count();
+                let (tied, after) = rest.split_at_mut(run);
+                if run > 1 {
+                    tied.sort_unstable_by(by_name);
+                }
+                rest = after;
+            }
+        } else {
+            for key in keys.iter_mut() {
+                *key &= KEY_INDEX;
+            }
+            keys.sort_unstable_by(by_name);
+        }
         let region = members[0].get();
+        self.buffers.out.truncate(len);
         self.take_region(region);
-        let (scratch, small) = (&self.buffers.scratch, &self.buffers.small);
-        let name = |m: &SmallMember<O>| {
+        let (scratch, small, keys) = (
+            &self.buffers.scratch,
+            &self.buffers.small,
+            &self.buffers.keys,
+        );
+        let member = |key: &u128| small[(key & KEY_INDEX) as usize];
+        let name = |m: SmallMember<O>| {
             let at = m.start.get() - region;
             &scratch[at..string_end(scratch, at)]
         };
         let mut first = true;
-        for (i, m) in small.iter().enumerate() {
-            // Canonical text is unique per name, so equal texts are equal names.
-            let superseded = small.get(i + 1).is_some_and(|next| {
-                (m.exact, m.prefix) == (next.exact, next.prefix) && name(m) == name(next)
+        for (i, key) in keys.iter().enumerate() {
+            let m = member(key);
+            // Canonical text is unique per name, so equal texts are equal names (and
+            // equal names have keys that agree but for their index).
+            let superseded = keys.get(i + 1).is_some_and(|next| {
+                (!keyed || key >> 24 == next >> 24) && name(m) == name(member(next))
             });
             if superseded {
                 continue;
@@ -753,6 +788,29 @@ fn name_prefix(text: &[u8], at: usize) -> Option<u128> {
     let mut prefix = [0u8; 16];
     prefix[..name.len()].copy_from_slice(name);
     Some(u128::from_be_bytes(prefix))
+}
+
+/// The bits of a [`name_key`] that hold the member's index.
+const KEY_INDEX: u128 = (1 << 24) - 1;
+
+/// The sort key of the name whose opening quote is at `at`, for a member whose index goes
+/// in its low 24 bits: the name's first 12 bytes (big-endian, zero past its end), then how
+/// many there are (13 when the name goes on past them), so that keys order names as
+/// [`cmp_names`] does, but for two names that share their first 12 bytes and both go on
+/// ([`key_ties`]). `None` where [`name_prefix`] is.
+///
+/// Zero padding is exact: no name holds a zero byte (controls are escaped), so where one
+/// name has ended the other goes on with a larger byte, and the counts agree with that.
+fn name_key(text: &[u8], at: usize) -> Option<u128> {
+    let prefix = name_prefix(text, at)?;
+    // The name's length within the 16 bytes: the bytes before the zero padding.
+    let len = 16 - u128::from(prefix.trailing_zeros() / 8);
+    Some(prefix >> 32 << 32 | len.min(13) << 24)
+}
+
+/// Whether two [`name_key`]s do not order their names: the same 12 bytes, and both go on.
+fn key_ties(a: u128, b: u128) -> bool {
+    a >> 24 == b >> 24 && (a >> 24) & 0xff == 13
 }
 
 /// Orders the names whose opening quotes are at `a` and `b` in canonical text by their
@@ -1230,6 +1288,7 @@ mod tests {
         assert_eq!(reused(widest.as_bytes()), canonicalize(widest.as_bytes()));
         let spare = SPARE.take().expect("buffers kept");
         assert!(spare.small.capacity() >= 1 && spare.small.capacity() <= SMALL_OBJECT);
+        assert!(spare.keys.capacity() >= 1 && spare.keys.capacity() <= SMALL_OBJECT);
         SPARE.set(Some(spare));
         // A long string out of order: the text and its copy grow past the bound and are freed,
         // the two member offsets are kept.
@@ -1266,8 +1325,9 @@ mod tests {
             prop_assert_eq!(reused(&bytes), canonicalize(&bytes));
         }
 
-        /// Names that share their first 16 bytes or more, where the prefixes small objects
-        /// are sorted by tie and the whole names decide, in objects of either size.
+        /// Names that share a stem of up to 21 bytes: past the 12 bytes of a small object's
+        /// sort keys, where they tie and the whole names decide, and past the 16 it reads
+        /// at once; in objects of either size.
         #[test]
         fn long_shared_names_agree(
             members in prop::collection::vec(
