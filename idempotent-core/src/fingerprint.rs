@@ -308,17 +308,6 @@ impl Sink for Vec<u8> {
     }
 }
 
-/// Counts the bytes it is given.
-struct Count(u64);
-
-impl Sink for Count {
-    fn begin(&mut self, _: u64) {}
-
-    fn put(&mut self, bytes: &[u8]) {
-        self.0 += bytes.len() as u64;
-    }
-}
-
 /// Feeds a hash through a buffer, so the many short writes (a `=`, an escape) do not each
 /// cost a call into the hash. The form is a length-prefixed field: its length goes first.
 struct Hashing<'h> {
@@ -455,14 +444,8 @@ fn write_form(sink: &mut impl Sink, body: &[u8]) {
 }
 
 /// The length of the canonical form of the segment `scan` was taken of.
-fn canonical_len(segment: &[u8], scan: &SegmentScan) -> u64 {
-    if scan.canonical {
-        scan.len as u64 + u64::from(scan.eq.is_none())
-    } else {
-        let mut count = Count(0);
-        write_segment(&mut count, segment, scan);
-        count.0
-    }
+fn canonical_len(scan: &SegmentScan) -> u64 {
+    (scan.len + scan.grown - scan.shrunk + usize::from(scan.eq.is_none())) as u64
 }
 
 /// Something that says where a segment starts in the body: an offset, or a sort key that
@@ -505,7 +488,7 @@ fn write_sorted_offsets<O: Offset>(sink: &mut impl Sink, body: &[u8], fields: us
         AsIs::none()
     };
     order.extend(scanned_segments(body, &mut as_is).map(|(start, scan)| {
-        len += canonical_len(&body[start..start + scan.len], &scan);
+        len += canonical_len(&scan);
         O::at(start)
     }));
     sink.begin(len);
@@ -525,8 +508,7 @@ fn write_sorted_keys<K: FormKey>(sink: &mut impl Sink, body: &[u8], fields: usiz
     let mut len = fields.saturating_sub(1) as u64;
     let mut as_is = AsIs::new(body);
     keys.extend(scanned_segments(body, &mut as_is).map(|(start, scan)| {
-        let segment = &body[start..start + scan.len];
-        len += canonical_len(segment, &scan);
+        len += canonical_len(&scan);
         K::new(&body[start..], 0, start)
     }));
     sink.begin(len);
@@ -756,6 +738,11 @@ struct SegmentScan {
     eq: Option<usize>,
     /// The segment is exactly the encoding [`reencode`] would give its decoding.
     canonical: bool,
+    /// How many bytes its canonical form ([`write_segment`]) gains over the segment, less
+    /// an absent `=`: 2 for each byte that is written as an escape and was not one...
+    grown: usize,
+    /// ... and 2 for each escape that is written as one byte (a plain byte or a space).
+    shrunk: usize,
 }
 
 /// Scans the segment at the start of `rest` (up to its first `&`).
@@ -764,6 +751,8 @@ fn scan_form_segment(rest: &[u8]) -> SegmentScan {
         len: rest.len(),
         eq: None,
         canonical: true,
+        grown: 0,
+        shrunk: 0,
     };
     let mut i = 0;
     while i < rest.len() {
@@ -778,21 +767,33 @@ fn scan_form_segment(rest: &[u8]) -> SegmentScan {
                 // A space, as it is encoded.
                 b'+' => {}
                 b'%' => {
-                    // Canonical only as upper-case hex of a byte that must be encoded
-                    // (not a plain byte, not a space, which encodes as `+`). Hex digits are
-                    // never `&`: an escape never crosses the segment's end.
-                    match (upper_hex(rest.get(i + 1)), upper_hex(rest.get(i + 2))) {
+                    // Hex digits are never `&`: an escape never crosses the segment's end.
+                    match (hex(rest.get(i + 1)), hex(rest.get(i + 2))) {
                         (Some(hi), Some(lo)) => {
                             let byte = hi << 4 | lo;
-                            scan.canonical &= !FORM_PLAIN[usize::from(byte)] && byte != b' ';
+                            let one_byte = FORM_PLAIN[usize::from(byte)] || byte == b' ';
+                            scan.shrunk += 2 * usize::from(one_byte);
+                            // Canonical only as upper-case hex of a byte that must be
+                            // encoded (not a plain byte, not a space, which encodes as `+`).
+                            scan.canonical &= !one_byte
+                                && upper_hex(rest.get(i + 1)).is_some()
+                                && upper_hex(rest.get(i + 2)).is_some();
                             i += 2;
                         }
+                        // A `%` of its own, written `%25`.
                         _ => {
                             scan.canonical = false;
+                            scan.grown += 2;
                         }
                     }
                 }
-                _ => scan.canonical = false,
+                // A raw space, written `+`.
+                b' ' => scan.canonical = false,
+                // Any other byte (a second `=` included) is written as an escape.
+                _ => {
+                    scan.canonical = false;
+                    scan.grown += 2;
+                }
             }
         }
         i += 1;
