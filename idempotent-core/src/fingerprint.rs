@@ -291,7 +291,7 @@ pub fn canonical_form(body: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Where canonical form bytes go: a buffer, a hash, or a count.
+/// Where canonical form bytes go: a buffer or a hash.
 trait Sink {
     /// Told the canonical form's length before its first byte.
     fn begin(&mut self, len: u64);
@@ -445,7 +445,7 @@ fn write_form(sink: &mut impl Sink, body: &[u8]) {
 
 /// The length of the canonical form of the segment `scan` was taken of.
 fn canonical_len(scan: &SegmentScan) -> u64 {
-    (scan.len + scan.grown - scan.shrunk + usize::from(scan.eq.is_none())) as u64
+    scan.len as u64 + scan.grown - scan.shrunk + u64::from(scan.eq.is_none())
 }
 
 /// Something that says where a segment starts in the body: an offset, or a sort key that
@@ -740,9 +740,9 @@ struct SegmentScan {
     canonical: bool,
     /// How many bytes its canonical form ([`write_segment`]) gains over the segment, less
     /// an absent `=`: 2 for each byte that is written as an escape and was not one...
-    grown: usize,
+    grown: u64,
     /// ... and 2 for each escape that is written as one byte (a plain byte or a space).
-    shrunk: usize,
+    shrunk: u64,
 }
 
 /// Scans the segment at the start of `rest` (up to its first `&`).
@@ -772,7 +772,7 @@ fn scan_form_segment(rest: &[u8]) -> SegmentScan {
                         (Some(hi), Some(lo)) => {
                             let byte = hi << 4 | lo;
                             let one_byte = FORM_PLAIN[usize::from(byte)] || byte == b' ';
-                            scan.shrunk += 2 * usize::from(one_byte);
+                            scan.shrunk += 2 * u64::from(one_byte);
                             // Canonical only as upper-case hex of a byte that must be
                             // encoded (not a plain byte, not a space, which encodes as `+`).
                             scan.canonical &= !one_byte
@@ -1321,12 +1321,45 @@ mod tests {
         ]
     }
 
+    /// What the scan finds in one segment: its end, its `=`, whether it is written as it
+    /// is, and the canonical length counted on the way, against what is written.
+    #[test]
+    fn segment_scans() {
+        for (segment, len, eq, canonical, written) in [
+            (&b"%C3%A9=x&b"[..], 8, Some(6), true, &b"%C3%A9=x"[..]),
+            (b"%c3%a9", 6, None, false, b"%C3%A9="),
+            (b"%", 1, None, false, b"%25="),
+            (b"a==b", 4, Some(1), false, b"a=%3Db"),
+            (b"%20=%41", 7, Some(3), false, b"+=A"),
+            (b"a b=+", 5, Some(3), false, b"a+b=+"),
+            (b"%4g=%4", 6, Some(3), false, b"%254g=%254"),
+            (b"%2A=%26", 7, Some(3), false, b"*=%26"),
+            (b"k=\\xff", 6, Some(1), false, b"k=%5Cxff"),
+            (b"k=\xff", 3, Some(1), false, b"k=%FF"),
+            (b"=", 1, Some(0), true, b"="),
+        ] {
+            let scan = scan_form_segment(segment);
+            assert_eq!(
+                (scan.len, scan.eq, scan.canonical),
+                (len, eq, canonical),
+                "{segment:?}"
+            );
+            let mut out = Vec::new();
+            write_segment(&mut out, &segment[..scan.len], &scan);
+            assert_eq!(out, written, "{segment:?}");
+            assert_eq!(canonical_len(&scan), written.len() as u64, "{segment:?}");
+        }
+    }
+
     #[test]
     fn every_order_gives_the_same_form() {
         let long = "customer%5Baddress%5D%5Bline1%5D";
         for body in [
             &b"b=2&a=1&a=%41+x&c&&=z&%7e=~"[..],
             b"&a&a&b&a",
+            b"%",
+            b"a=%",
+            b"%4g=%4&%2=%",
             b"",
             b"&&",
             b"z&y&x",

@@ -87,7 +87,8 @@ fn canonicalize_with<O: Offset>(input: &[u8]) -> Option<Vec<u8>> {
 /// nothing once the thread has made one.
 ///
 /// What a thread keeps between calls is bounded: a buffer that grew past [`KEEP_BYTES`]
-/// (bytes, or entries of 4 bytes for the member offsets) is freed, never kept.
+/// (bytes, or entries of 4 bytes for the member offsets; the output's 16 bytes more, the room
+/// it is given past its input's length) is freed, never kept.
 pub(crate) fn with_canonical<R>(input: &[u8], f: impl FnOnce(&[u8]) -> R) -> Option<R> {
     if input.len() > (u32::MAX / 8) as usize {
         return canonicalize(input).map(|out| f(&out));
@@ -155,7 +156,8 @@ impl<O> Buffers<O> {
                 v.clear();
             }
         }
-        bounded(&mut self.out, KEEP_BYTES);
+        // With the 16 bytes of room `Writer::new` reserves past an input's length.
+        bounded(&mut self.out, KEEP_BYTES + 16);
         bounded(&mut self.scratch, KEEP_BYTES);
         bounded(&mut self.members, KEEP_BYTES / 4);
         // At most SMALL_OBJECT entries, whatever the input (`order_small`).
