@@ -19,12 +19,11 @@
 //!   21 bytes for 4; any other text is at most as long as its input). The working memory
 //!   beyond the output is one offset (4 bytes, 8 above 512 MiB of input) per member of the
 //!   objects still open, each member taking at least 5 bytes of input, and one copy of an
-//!   object whose members need reordering, plus 1.5 KiB at most for sorting small objects
-//!   (2 above 512 MiB of input): about 3 times the input at most, output included, unless
-//!   numbers grow. An object of at most 64 members is sorted as integer keys that hold the
-//!   first 12 bytes of each name and the member's index (names are compared only where
-//!   their keys tie), with each member's end known from where the next began; a larger one
-//!   is sorted in place, comparing names without allocating at the cost of their common
+//!   object whose members need reordering, plus 1 KiB at most for sorting small objects:
+//!   about 3 times the input at most, output included, unless numbers grow. An object of at
+//!   most 64 members is sorted as integer keys that hold the first 12 bytes of each name and
+//!   the member's index (names are compared only where their keys tie), with each member's
+//!   end known from where the next began; a larger one is sorted in place, comparing names without allocating at the cost of their common
 //!   prefix and finding each member's end again in the text. An object whose members need
 //!   reordering is copied once, so a text nested `d` objects deep, each out of order, is
 //!   copied at most `d` (≤ 127) times.
@@ -126,10 +125,8 @@ struct Buffers<O> {
     members: Vec<O>,
     /// Copy of an object's members while they are rewritten in order.
     scratch: Vec<u8>,
-    /// The members of an object of at most [`SMALL_OBJECT`] members while it is put in
-    /// order, in input order (at most 1 KiB, whatever the input).
-    small: Vec<SmallMember<O>>,
-    /// The sort keys of those members ([`name_key`]), sorted (at most 1 KiB).
+    /// The sort keys ([`name_key`]) of the members of an object of at most
+    /// [`SMALL_OBJECT`] members while it is put in order (at most 1 KiB, whatever the input).
     keys: Vec<u128>,
 }
 
@@ -139,7 +136,6 @@ impl<O> Default for Buffers<O> {
             out: Vec::new(),
             members: Vec::new(),
             scratch: Vec::new(),
-            small: Vec::new(),
             keys: Vec::new(),
         }
     }
@@ -161,7 +157,6 @@ impl<O> Buffers<O> {
         bounded(&mut self.scratch, KEEP_BYTES);
         bounded(&mut self.members, KEEP_BYTES / 4);
         // At most SMALL_OBJECT entries, whatever the input (`order_small`).
-        self.small.clear();
         self.keys.clear();
         self.out.capacity() + self.scratch.capacity() + self.members.capacity() > 0
     }
@@ -173,19 +168,11 @@ struct Writer<'a, O> {
     buffers: Buffers<O>,
 }
 
-/// Objects of at most this many members are put in order through [`SmallMember`]s, which
-/// carry each member's end, and sort keys ([`name_key`]) that carry a prefix of its name:
-/// no rescanning of the written text, and most comparisons are one integer comparison. (At
-/// 24 bytes a member, 1.5 KiB at most; 2 KiB with the 8-byte offsets of inputs above
-/// 512 MiB.)
+/// Objects of at most this many members are put in order through sort keys
+/// ([`name_key`]) that carry a prefix of each name and the member's index, so that each
+/// member's end is known from where the next began (no rescanning of the written text), and
+/// most comparisons are one integer comparison. (At 16 bytes a member, 1 KiB at most.)
 const SMALL_OBJECT: usize = 64;
-
-/// A member of a small object: where it starts and ends in the written text.
-#[derive(Clone, Copy)]
-struct SmallMember<O> {
-    start: O,
-    end: O,
-}
 
 impl<'a, O: Offset> Writer<'a, O> {
     /// A writer of `input`'s canonical form into `buffers` (emptied).
@@ -195,7 +182,6 @@ impl<'a, O: Offset> Writer<'a, O> {
         buffers.out.clear();
         buffers.members.clear();
         buffers.scratch.clear();
-        buffers.small.clear();
         buffers.keys.clear();
         // Room for the 16 bytes `order_small` puts past the text for a moment: on an output
         // no longer than its input (no number written out longer) they never reallocate it.
@@ -357,26 +343,17 @@ impl<'a, O: Offset> Writer<'a, O> {
         self.buffers.out.extend_from_slice(&[0; 16]);
         let out = &self.buffers.out;
         let members = &self.buffers.members[base..];
-        let (small, keys) = (&mut self.buffers.small, &mut self.buffers.keys);
-        // Exact, so that neither ever holds more than SMALL_OBJECT.
-        small.clear();
-        small.reserve_exact(members.len());
+        let keys = &mut self.buffers.keys;
+        // Exact, so that it never holds more than SMALL_OBJECT.
         keys.clear();
         keys.reserve_exact(members.len());
         let mut keyed = true;
         for (i, m) in members.iter().enumerate() {
-            small.push(SmallMember {
-                start: *m,
-                end: members
-                    .get(i + 1)
-                    .map_or(O::at(len), |next| O::at(next.get() - 1)),
-            });
             let key = name_key(out, m.get());
             keyed &= key.is_some();
             keys.push(key.unwrap_or(0) | i as u128);
         }
-        let small = &*small;
-        let start = |key: &u128| small[(key & KEY_INDEX) as usize].start.get();
+        let start = |key: &u128| members[(key & KEY_INDEX) as usize].get();
         // Ties broken by index, which is input order: the order of a stable sort, so the
         // last of each run of equal names is the one that wins.
         let by_name = |a: &u128, b: &u128| {
@@ -405,24 +382,28 @@ impl<'a, O: Offset> Writer<'a, O> {
         let region = members[0].get();
         self.buffers.out.truncate(len);
         self.take_region(region);
-        let (scratch, small, keys) = (
-            &self.buffers.scratch,
-            &self.buffers.small,
-            &self.buffers.keys,
-        );
-        let member = |key: &u128| small[(key & KEY_INDEX) as usize];
-        let name = |m: SmallMember<O>| {
-            let at = m.start.get() - region;
+        let (scratch, keys) = (&self.buffers.scratch, &self.buffers.keys);
+        let members = &self.buffers.members[base..];
+        // Where the member of a key starts and ends in `scratch`: its end is the next one's
+        // start, less its comma.
+        let start = |key: &u128| members[(key & KEY_INDEX) as usize].get() - region;
+        let end = |key: &u128| {
+            members
+                .get((key & KEY_INDEX) as usize + 1)
+                .map_or(len, |next| next.get() - 1)
+                - region
+        };
+        let name = |key: &u128| {
+            let at = start(key);
             &scratch[at..string_end(scratch, at)]
         };
         let mut first = true;
         for (i, key) in keys.iter().enumerate() {
-            let m = member(key);
             // Canonical text is unique per name, so equal texts are equal names (and
             // equal names have keys that agree but for their index).
-            let superseded = keys.get(i + 1).is_some_and(|next| {
-                (!keyed || key >> 24 == next >> 24) && name(m) == name(member(next))
-            });
+            let superseded = keys
+                .get(i + 1)
+                .is_some_and(|next| (!keyed || key >> 24 == next >> 24) && name(key) == name(next));
             if superseded {
                 continue;
             }
@@ -432,7 +413,7 @@ impl<'a, O: Offset> Writer<'a, O> {
             first = false;
             self.buffers
                 .out
-                .extend_from_slice(&scratch[m.start.get() - region..m.end.get() - region]);
+                .extend_from_slice(&scratch[start(key)..end(key)]);
         }
     }
 
@@ -754,6 +735,7 @@ fn member_end(text: &[u8], at: usize) -> usize {
 /// padded with zeros past the closing quote (no name holds a zero byte: controls are
 /// escaped), so that two prefixes that differ order as their names do; `None` when the
 /// bytes hold an escape or a byte from 0xEE up (see [`first_difference`]).
+#[inline]
 fn name_prefix(text: &[u8], at: usize) -> Option<u128> {
     const ONES: u128 = u128::MAX / 0xFF;
     const HIGH: u128 = ONES << 7;
@@ -779,6 +761,13 @@ fn name_prefix(text: &[u8], at: usize) -> Option<u128> {
             return Some((x & ((1u128 << (8 * len)) - 1)).swap_bytes());
         }
     }
+    name_prefix_slow(text, start)
+}
+
+/// [`name_prefix`] of the name that starts at `start`, where its 16 bytes are not all in the
+/// text or hold a byte above 0x7F or an escape before the name's end: a byte at a time.
+#[inline(never)]
+fn name_prefix_slow(text: &[u8], start: usize) -> Option<u128> {
     let window = &text[start..text.len().min(start + 16)];
     let name = &window[..window
         .iter()
@@ -803,6 +792,7 @@ const KEY_INDEX: u128 = (1 << 24) - 1;
 ///
 /// Zero padding is exact: no name holds a zero byte (controls are escaped), so where one
 /// name has ended the other goes on with a larger byte, and the counts agree with that.
+#[inline]
 fn name_key(text: &[u8], at: usize) -> Option<u128> {
     let prefix = name_prefix(text, at)?;
     // The name's length within the 16 bytes: the bytes before the zero padding.
@@ -1260,7 +1250,7 @@ mod tests {
             c
         };
         // An object of 5,000 members, out of order: the text, its copy and the member offsets
-        // grow past their bounds (`small` is not used: the object is sorted in place).
+        // grow past their bounds (`keys` is not used: the object is sorted in place).
         let big: String = format!(
             "{{{}}}",
             (0..5_000)
@@ -1289,7 +1279,6 @@ mod tests {
         );
         assert_eq!(reused(widest.as_bytes()), canonicalize(widest.as_bytes()));
         let spare = SPARE.take().expect("buffers kept");
-        assert!(spare.small.capacity() >= 1 && spare.small.capacity() <= SMALL_OBJECT);
         assert!(spare.keys.capacity() >= 1 && spare.keys.capacity() <= SMALL_OBJECT);
         SPARE.set(Some(spare));
         // A long string out of order: the text and its copy grow past the bound and are freed,
