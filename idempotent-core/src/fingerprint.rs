@@ -250,7 +250,7 @@ fn is_json(media: &str) -> bool {
 ///
 /// Working memory, beyond the canonical text it returns: 4 bytes per member of the objects
 /// still open (8 above 512 MiB), one copy of an object whose members must be reordered, and
-/// up to 2 KiB to sort small objects.
+/// up to 1 KiB to sort small objects.
 ///
 /// ```
 /// use idempotent_core::fingerprint::canonical_json;

@@ -23,10 +23,10 @@
 //!   about 3 times the input at most, output included, unless numbers grow. An object of at
 //!   most 64 members is sorted as integer keys that hold the first 12 bytes of each name and
 //!   the member's index (names are compared only where their keys tie), with each member's
-//!   end known from where the next began; a larger one is sorted in place, comparing names without allocating at the cost of their common
-//!   prefix and finding each member's end again in the text. An object whose members need
-//!   reordering is copied once, so a text nested `d` objects deep, each out of order, is
-//!   copied at most `d` (≤ 127) times.
+//!   end known from where the next began; a larger one is sorted in place, comparing names
+//!   without allocating at the cost of their common prefix and finding each member's end
+//!   again in the text. An object whose members need reordering is copied once, so a text
+//!   nested `d` objects deep, each out of order, is copied at most `d` (≤ 127) times.
 
 use std::cell::Cell;
 use std::cmp::Ordering;

@@ -24,7 +24,7 @@ use std::cell::Cell;
 /// Peak extra allocation allowed, as a multiple of the body's size.
 const BOUND: usize = 4;
 /// Plus a constant, for what every fingerprint costs whatever the body (a first small buffer,
-/// the JSON writer's 1.5 KiB at most for sorting a small object, the media type's lower-case and
+/// the JSON writer's 1 KiB at most for sorting a small object, the media type's lower-case and
 /// the method's upper-case copies when they were not in that case already).
 const SLACK: usize = 4096;
 
