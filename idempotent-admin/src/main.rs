@@ -154,7 +154,117 @@ fn describe(record: &Record, show_body: bool) -> Value {
     out
 }
 
+/// The database URL as errors print it: its scheme and its hosts with their ports, never its
+/// user, password, path or query (a password may sit in any of them: `user:pw@`,
+/// `?password=…`). A SQLite URL names a file, not a server: its path is shown, without the
+/// query. `None` when `url` is no `scheme://…` URL (then none of it is shown).
+///
+/// ```text
+/// postgres://app:s3cret@db.internal:5432/app?sslmode=require  →  postgres://db.internal:5432
+/// redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7000             →  redis+cluster://10.0.0.1:7000,10.0.0.2:7000
+/// sqlite://charges.db?mode=ro                                  →  sqlite://charges.db
+/// ```
+fn redacted(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once(':')?;
+    if !is_scheme(scheme) {
+        return None;
+    }
+    if scheme == "sqlite" {
+        let path = rest.split(['?', '#']).next().unwrap_or_default();
+        return Some(format!("{scheme}:{path}"));
+    }
+    let rest = rest.strip_prefix("//")?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    // A cluster URL lists several nodes; each may carry `user:password@`.
+    let hosts: Vec<&str> = authority
+        .split(',')
+        .map(|node| node.rsplit_once('@').map_or(node, |(_, host)| host))
+        .collect();
+    Some(format!("{scheme}://{}", hosts.join(",")))
+}
+
+/// [`redacted`], or words that say the value is no URL.
+fn shown(url: &str) -> String {
+    redacted(url).unwrap_or_else(|| "the database (not a `scheme://…` URL)".into())
+}
+
+/// Whether `s` can be a URL scheme (RFC 3986: a letter, then letters, digits, `+`, `-`, `.`).
+fn is_scheme(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_alphabetic())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
+/// `message` with `url`, and any password it carries, replaced: a driver's error may quote
+/// the URL it was given or a part of it.
+fn scrubbed(message: impl std::fmt::Display, url: &str) -> String {
+    let mut message = message.to_string().replace(url, &shown(url));
+    for secret in secrets(url) {
+        message = message.replace(&secret, "***");
+    }
+    message
+}
+
+/// The passwords in `url`: after the user in `user:password@` (of each cluster node) and the
+/// values of `password`-like query parameters, as written and percent-decoded.
+fn secrets(url: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let authority = before_query.split(['/', '#']).next().unwrap_or_default();
+    for node in authority.split(',') {
+        if let Some((userinfo, _)) = node.rsplit_once('@')
+            && let Some((_, password)) = userinfo.split_once(':')
+        {
+            out.push(password.to_owned());
+        }
+    }
+    for pair in query.split(['&', ';']) {
+        if let Some((name, value)) = pair.split_once('=')
+            && ["password", "pass", "pwd", "sslpassword"]
+                .iter()
+                .any(|n| name.eq_ignore_ascii_case(n))
+        {
+            out.push(value.to_owned());
+        }
+    }
+    let decoded: Vec<String> = out.iter().filter_map(|s| percent_decoded(s)).collect();
+    out.extend(decoded);
+    // A short password would blank out unrelated text; it is still never printed as part of
+    // the URL, which is replaced whole.
+    out.retain(|s| s.len() >= 4);
+    out
+}
+
+/// `s` percent-decoded, if it holds an escape and decodes to UTF-8.
+fn percent_decoded(s: &str) -> Option<String> {
+    if !s.contains('%') {
+        return None;
+    }
+    let digit = |b: Option<&u8>| b.and_then(|&b| char::from(b).to_digit(16));
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        match (b, digit(bytes.get(i + 1)), digit(bytes.get(i + 2))) {
+            (b'%', Some(high), Some(low)) => {
+                // Two hex digits: at most 255.
+                out.push(u8::try_from(high * 16 + low).ok()?);
+                i += 3;
+            }
+            _ => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Opens the store at `url`. Every error names the database by [`redacted`] only.
 async fn open(url: &str, prefix: &str) -> Result<Box<dyn Store>, String> {
+    let shown = shown(url);
+    let failed = |e: &dyn std::fmt::Display| format!("cannot open {shown}: {}", scrubbed(e, url));
     if [
         "redis://",
         "rediss://",
@@ -168,13 +278,13 @@ async fn open(url: &str, prefix: &str) -> Result<Box<dyn Store>, String> {
             .prefix(prefix)
             .connect(url)
             .await
-            .map_err(|e| format!("cannot open {url}: {e}"))?;
+            .map_err(|e| failed(&e))?;
         return Ok(Box::new(store));
     }
     if url.starts_with("sqlite:") {
         // Never create a database: a mistyped path is an error, not a new empty file.
         let options = sqlx::sqlite::SqliteConnectOptions::from_str(url)
-            .map_err(|e| e.to_string())?
+            .map_err(|e| failed(&e))?
             .create_if_missing(false);
         if options.get_filename() == std::path::Path::new(":memory:") {
             return Err("an in-memory SQLite database holds no records to inspect".into());
@@ -183,10 +293,8 @@ async fn open(url: &str, prefix: &str) -> Result<Box<dyn Store>, String> {
             .max_connections(1)
             .connect_with(options)
             .await
-            .map_err(|e| format!("cannot open {url}: {e}"))?;
-        let store = SqliteStore::builder(pool)
-            .build()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| failed(&e))?;
+        let store = SqliteStore::builder(pool).build().map_err(|e| failed(&e))?;
         return Ok(Box::new(store));
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -194,21 +302,19 @@ async fn open(url: &str, prefix: &str) -> Result<Box<dyn Store>, String> {
             .max_connections(1)
             .connect(url)
             .await
-            .map_err(|e| e.to_string())?;
-        return Ok(Box::new(
-            PostgresStore::new(pool).map_err(|e| e.to_string())?,
-        ));
+            .map_err(|e| failed(&e))?;
+        return Ok(Box::new(PostgresStore::new(pool).map_err(|e| failed(&e))?));
     }
     if url.starts_with("mysql://") || url.starts_with("mariadb://") {
         let pool = sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(1)
             .connect(url)
             .await
-            .map_err(|e| e.to_string())?;
-        return Ok(Box::new(MySqlStore::new(pool).map_err(|e| e.to_string())?));
+            .map_err(|e| failed(&e))?;
+        return Ok(Box::new(MySqlStore::new(pool).map_err(|e| failed(&e))?));
     }
     Err(format!(
-        "unsupported database URL `{url}`: use sqlite://FILE, postgres://…, mysql://…, redis://… or redis+cluster://…"
+        "cannot open {shown}: unsupported database URL; use sqlite://FILE, postgres://…, mysql://…, redis://… or redis+cluster://…"
     ))
 }
 
@@ -218,11 +324,12 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         .or_else(|| std::env::var("DATABASE_URL").ok())
         .ok_or("give --database URL (or set DATABASE_URL)")?;
     let store = open(&url, &args.prefix).await?;
+    let failed = |e: idempotent_core::StoreError| scrubbed(e, &url);
     let print = |v: Value| println!("{v}");
     match args.command {
         Command::Get { record, show_body } => {
             let key = record.record_key()?;
-            match store.get(&key).await.map_err(|e| e.to_string())? {
+            match store.get(&key).await.map_err(failed)? {
                 Some(found) => {
                     print(describe(&found, show_body));
                     Ok(ExitCode::SUCCESS)
@@ -235,7 +342,7 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         }
         Command::Delete { record, force } => {
             let key = record.record_key()?;
-            match store.delete(&key, force).await.map_err(|e| e.to_string())? {
+            match store.delete(&key, force).await.map_err(failed)? {
                 Deleted::Deleted(gone) => {
                     let mut out = describe(&gone, false);
                     out["deleted"] = json!(true);

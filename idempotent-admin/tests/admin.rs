@@ -279,3 +279,49 @@ async fn mysql_admin(server: &str, sql: &str) {
 async fn admin_on_redis_cluster() {
     inspect_and_delete(&std::env::var("REDIS_CLUSTER_URL").unwrap()).await;
 }
+
+/// A database URL is printed as its scheme, host and port only: never its user, password,
+/// path or query (`?password=…`), whatever fails (an unreachable server, a URL the tool does
+/// not take, one it cannot parse). A SQLite URL shows its file's path.
+#[test]
+fn errors_print_database_urls_without_credentials() {
+    let secret = "s3cr3t-pw";
+    let cases = [
+        // Nothing listens on port 1: the connection fails.
+        (
+            format!("redis://default:{secret}@127.0.0.1:1/0"),
+            "redis://127.0.0.1:1",
+        ),
+        (
+            format!("redis+cluster://user:{secret}@127.0.0.1:1,127.0.0.1:2"),
+            "redis+cluster://127.0.0.1:1,127.0.0.1:2",
+        ),
+        // Not a scheme the tool takes.
+        (
+            format!("mongodb://admin:{secret}@db.internal:27017/app?authSource=admin"),
+            "mongodb://db.internal:27017",
+        ),
+        // Refused while its options are read, before any connection.
+        (
+            format!("postgres://admin:{secret}@db.internal:notaport/app?password={secret}"),
+            "postgres://db.internal:notaport",
+        ),
+        (
+            format!("mysql://root:{secret}@db.internal:notaport/app"),
+            "mysql://db.internal:notaport",
+        ),
+        // A SQLite URL names a file, not a server: its path is shown, not its query.
+        (
+            format!("sqlite://no-such-dir/charges.db?password={secret}"),
+            "sqlite://no-such-dir/charges.db",
+        ),
+        // Not a URL at all: none of it is shown.
+        (format!("{secret}@db.internal"), "not a `scheme://…` URL"),
+    ];
+    for (url, shown) in cases {
+        let (code, _, said) = admin(&url, &["get", "--scope", "a", "--key", "k"]);
+        assert_eq!(code, 1, "{url}: {said}");
+        assert!(!said.contains(secret), "{url} printed its secret: {said}");
+        assert!(said.contains(shown), "{url}: expected `{shown}` in: {said}");
+    }
+}
