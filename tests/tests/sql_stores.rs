@@ -1452,3 +1452,135 @@ async fn mysql_sweeper_batches_fit_the_servers_packet() {
     assert_eq!(left, 0);
     mysql_drop(&pool, &table).await;
 }
+
+/// Issue 49 (1): one instance's pool goes silent after its claim (a proxy freezes every
+/// connection open then; new ones pass), while its handler runs three leases. Its heartbeat
+/// must keep the lease (each renewal bounded, the silent connection closed, the next renewal
+/// on a fresh connection), so the other instance, retrying every quarter lease, gets 409 for
+/// the whole run and then the stored response: never a take-over, never a second run.
+/// Before the fix the renewal waited on the frozen connection and the retry took the record
+/// over one lease after the claim.
+async fn frozen_pool_keeps_its_lease(
+    frozen: Arc<dyn Store>,
+    direct: Arc<dyn Store>,
+    proxy: &idempotent_tests::stall::StallingProxy,
+) {
+    let lease = Duration::from_secs(2);
+    let policy = Policy {
+        lease,
+        ..Policy::default()
+    };
+    let a = Engine::builder_from_arc(frozen)
+        .lease(lease)
+        .build()
+        .unwrap();
+    let b = Engine::builder_from_arc(direct)
+        .lease(lease)
+        .build()
+        .unwrap();
+    let key = unique_key("frozen-pool");
+    let Begin::Claimed(mut execution) = a.begin(request(&key), &policy).await else {
+        panic!("the first request claims")
+    };
+    proxy.freeze_open();
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(1));
+    let first = tokio::spawn(async move {
+        let response = execution
+            .run(async {
+                tokio::time::sleep(lease * 3).await;
+                StoredResponse::new(201, "first")
+            })
+            .await
+            .unwrap();
+        execution.finish(response.into()).await
+    });
+    let started = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(lease / 4).await;
+        let at = started.elapsed();
+        match b.begin(request(&key), &policy).await {
+            Begin::InProgress { .. } => {
+                assert!(
+                    at < Duration::from_secs(60),
+                    "still in progress after {at:?}"
+                );
+            }
+            Begin::Replay(StoredOutcome::Response(r)) => {
+                assert_eq!(r.body, b"first");
+                assert!(at >= lease * 3, "replayed before the handler ended: {at:?}");
+                break;
+            }
+            Begin::Claimed(execution) => {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                execution.release().await;
+                panic!(
+                    "the retry took the record over at {at:?}: the lease lapsed under a live handler"
+                );
+            }
+            other => panic!("at {at:?}: {other:?}"),
+        }
+    }
+    assert!(matches!(first.await.unwrap(), Recorded::Stored));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(
+        proxy.stalled() >= 1,
+        "no connection was frozen: the test proves nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_a_pool_gone_silent_keeps_its_lease() {
+    use idempotent_tests::stall::StallingProxy;
+    let table = unique_table("silent");
+    let pool = pg_pool(4).await;
+    let direct = pg_store(pool.clone(), &table).await;
+    let proxy = StallingProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let url = database_url().replace("127.0.0.1:5432", &proxy.addr().to_string());
+    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
+    let frozen = PostgresStore::builder(
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .connect(&url)
+            .await
+            .unwrap(),
+    )
+    .schema("idempotent_test")
+    .table(&table)
+    .build()
+    .unwrap();
+    frozen_pool_keeps_its_lease(Arc::new(frozen), Arc::new(direct), &proxy).await;
+    pg_drop(&pool, &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_a_pool_gone_silent_keeps_its_lease() {
+    use idempotent_tests::stall::StallingProxy;
+    let table = unique_table("silent");
+    let pool = mysql_pool(4).await;
+    let direct = mysql_store(pool.clone(), &table).await;
+    let proxy = StallingProxy::start("127.0.0.1:3306".parse().unwrap()).await;
+    let url = mysql_url().replace("127.0.0.1:3306", &proxy.addr().to_string());
+    assert_ne!(url, mysql_url(), "MYSQL_URL must name 127.0.0.1:3306");
+    let frozen = MySqlStore::builder(
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .connect(&url)
+            .await
+            .unwrap(),
+    )
+    .table(&table)
+    .build()
+    .unwrap();
+    frozen_pool_keeps_its_lease(Arc::new(frozen), Arc::new(direct), &proxy).await;
+    mysql_drop(&pool, &table).await;
+}

@@ -477,7 +477,9 @@ async fn heartbeat(
     let half = lease / 2;
     tokio::time::sleep(first_after).await;
     loop {
-        match observe::timed("extend", store.extend(&key, token, lease)).await {
+        // Bounded (`Store::renew`): a silent connection costs an eighth of the lease, then the
+        // store tries another, within seven sixteenths of the lease.
+        match observe::timed("extend", store.renew(&key, token, lease)).await {
             Ok(_) => tokio::time::sleep(half).await,
             // Someone took over (`complete` will report the stale lease), or the outcome was
             // stored while this renewal was on its way: stop.
@@ -488,10 +490,11 @@ async fn heartbeat(
                 );
                 return;
             }
-            // A passing store error: try again sooner, the lease still has half to run.
+            // A passing store error: try again soon. A renewal that waited out its whole
+            // bound leaves a sixteenth of the lease; one that failed at once, more.
             Err(error) => {
                 tracing::warn!(route, error = %error, "idempotency: heartbeat failed; retrying");
-                tokio::time::sleep(half / 4).await;
+                tokio::time::sleep(lease / 32).await;
             }
         }
     }

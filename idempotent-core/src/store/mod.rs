@@ -6,6 +6,7 @@ pub(crate) mod memory;
 pub(crate) mod record;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+pub(crate) mod renew;
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
@@ -23,6 +24,7 @@ pub use self::redis::{RedisSetupError, RedisStore, RedisStoreBuilder};
 pub use fence::{Lease, LeaseToken};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse, retry_after_secs};
+pub use renew::RenewalTimedOut;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 #[cfg_attr(
     docsrs,
@@ -195,6 +197,30 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> Result<std::time::SystemTime, StoreError>;
 
+    /// What an execution's heartbeat calls: [`extend`](Store::extend), bounded so that one
+    /// silent connection cannot let a live lease run out. The default gives a first attempt
+    /// an eighth of the lease and, if it had no answer or failed as unavailable, a second one
+    /// within seven sixteenths of the lease in all ([`RenewalTimedOut`] past that).
+    ///
+    /// An implementation that keeps connections should make the second attempt use another
+    /// one: an `extend` whose future is dropped before its answer came marks its connection
+    /// as not to be used again (the SQL stores close it and run the next renewal on a
+    /// freshly opened connection). Override this only to bound renewals another way (the
+    /// Redis store does, replacing its connection); wrappers that forward to another store
+    /// should forward this too.
+    ///
+    /// # Errors
+    /// As [`extend`](Store::extend), and [`StoreError::Unavailable`] when neither attempt
+    /// answered in time.
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<std::time::SystemTime, StoreError> {
+        renew::bounded(self, key, token, lease).await
+    }
+
     /// Deletes at most `batch` expired records; returns how many it deleted.
     ///
     /// # Errors
@@ -260,6 +286,14 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         lease: Duration,
     ) -> Result<std::time::SystemTime, StoreError> {
         (**self).extend(key, token, lease).await
+    }
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<std::time::SystemTime, StoreError> {
+        (**self).renew(key, token, lease).await
     }
     async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
         (**self).purge_expired(batch).await

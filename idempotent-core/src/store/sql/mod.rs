@@ -87,14 +87,21 @@ macro_rules! sql_store_common {
                     let mut conflicts = 0;
                     loop {
                         self.sent.bump();
-                        let until: Result<Option<i64>, _> = sqlx::query_scalar(q(&self.sql.extend))
-                            .bind(key.scope.as_str())
-                            .bind(key.key.as_str())
-                            .bind(token.as_uuid())
-                            .bind(millis(lease))
-                            .fetch_optional(&self.pool)
-                            .await
-                            .map_err(db_error);
+                        // On a pooled connection, or a fresh one after a write was abandoned
+                        // (`FencedConns`).
+                        let until: Result<Option<i64>, _> = self
+                            .fenced
+                            .run(&self.pool, async |conn| {
+                                sqlx::query_scalar(q(&self.sql.extend))
+                                    .bind(key.scope.as_str())
+                                    .bind(key.key.as_str())
+                                    .bind(token.as_uuid())
+                                    .bind(millis(lease))
+                                    .fetch_optional(&mut *conn)
+                                    .await
+                                    .map_err(db_error)
+                            })
+                            .await;
                         match until {
                             Err(e)
                                 if $crate::store::sql::again_after_conflict(&e, &mut conflicts)
@@ -250,8 +257,13 @@ macro_rules! sql_store_common {
                     outcome: &StoredOutcome,
                     ttl: Duration,
                 ) -> Result<(), StoreError> {
-                    let mut conn = self.conn().await?;
-                    self.complete_on(&mut conn, key, token, outcome, ttl).await
+                    // On a pooled connection, or a fresh one after a write was abandoned
+                    // (`FencedConns`).
+                    self.fenced
+                        .run(&self.pool, async |conn| {
+                            self.complete_on(conn, key, token, outcome, ttl).await
+                        })
+                        .await
                 }
 
                 async fn release(
@@ -262,13 +274,18 @@ macro_rules! sql_store_common {
                     let mut conflicts = 0;
                     loop {
                         self.sent.bump();
-                        let done = sqlx::query(q(&self.sql.release))
-                            .bind(key.scope.as_str())
-                            .bind(key.key.as_str())
-                            .bind(token.as_uuid())
-                            .execute(&self.pool)
-                            .await
-                            .map_err(db_error);
+                        let done = self
+                            .fenced
+                            .run(&self.pool, async |conn| {
+                                sqlx::query(q(&self.sql.release))
+                                    .bind(key.scope.as_str())
+                                    .bind(key.key.as_str())
+                                    .bind(token.as_uuid())
+                                    .execute(&mut *conn)
+                                    .await
+                                    .map_err(db_error)
+                            })
+                            .await;
                         match done {
                             Err(e)
                                 if $crate::store::sql::again_after_conflict(&e, &mut conflicts)
@@ -387,6 +404,125 @@ impl Counter {
     }
     pub(crate) fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The connections a SQL store's fenced writes (lease renewals, completes, releases) run
+/// on: a pooled one, unless the write before was abandoned (its future dropped before the
+/// database answered: the engine's bound on it ran out, see [`crate::store::renew`]) or could
+/// not reach the database; then the next one opens a connection of its own, outside the pool,
+/// so a pool whose connections went silent (a half-open TCP connection keeps its place in the
+/// pool) or are all busy (long transactional handlers) cannot hold up a renewal, or the
+/// complete that a retry waits for. An abandoned write's pooled connection is closed, never
+/// returned to the pool, and its place in the pool given back.
+#[derive(Debug)]
+pub(crate) struct FencedConns {
+    /// Set by a write that was abandoned or did not reach the database.
+    fresh_next: std::sync::atomic::AtomicBool,
+    /// Whether a connection opened with the pool's options reaches the same database (not an
+    /// in-memory SQLite database, which lives in its pool's connection).
+    fresh_reaches_pool: bool,
+}
+
+impl FencedConns {
+    /// FencedConns on a pool where a new connection reaches the same database (or, with
+    /// `false`, always on the pool).
+    pub(crate) fn new(fresh_reaches_pool: bool) -> Self {
+        FencedConns {
+            fresh_next: std::sync::atomic::AtomicBool::new(false),
+            fresh_reaches_pool,
+        }
+    }
+
+    /// Runs `work` (one fenced write) on a connection of `pool`, or on a fresh one (see the
+    /// type).
+    pub(crate) async fn run<DB: sqlx::Database, T>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        work: impl AsyncFnOnce(&mut DB::Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut held = FencedConnection::<DB> {
+            conns: self,
+            conn: None,
+            answered: false,
+        };
+        let fresh = self.fresh_reaches_pool && self.fresh_next.swap(false, Ordering::Relaxed);
+        let conn = if fresh {
+            let options = pool.connect_options();
+            let conn = <DB::Connection as sqlx::Connection>::connect_with(&options)
+                .await
+                .map_err(db_error)?;
+            &mut **held.conn.insert(Either::Fresh(conn))
+        } else {
+            let conn = pool.acquire().await.map_err(db_error)?;
+            &mut **held.conn.insert(Either::Pooled(conn))
+        };
+        let out = work(conn).await;
+        held.answered = match &out {
+            Ok(_) | Err(StoreError::StaleLease | StoreError::Corrupt(_)) => true,
+            Err(StoreError::Unavailable(source)) => source
+                .downcast_ref::<sqlx::Error>()
+                .is_some_and(|e| e.as_database_error().is_some()),
+            Err(_) => false,
+        };
+        out
+    }
+}
+
+/// A fenced write's connection, pooled or opened for it.
+enum Either<DB: sqlx::Database> {
+    Pooled(sqlx::pool::PoolConnection<DB>),
+    Fresh(DB::Connection),
+}
+
+impl<DB: sqlx::Database> std::ops::Deref for Either<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &DB::Connection {
+        match self {
+            Either::Pooled(c) => c,
+            Either::Fresh(c) => c,
+        }
+    }
+}
+
+impl<DB: sqlx::Database> std::ops::DerefMut for Either<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        match self {
+            Either::Pooled(c) => c,
+            Either::Fresh(c) => c,
+        }
+    }
+}
+
+/// Settles a fenced write's connection when the write ends, answered or abandoned.
+struct FencedConnection<'a, DB: sqlx::Database> {
+    conns: &'a FencedConns,
+    conn: Option<Either<DB>>,
+    /// The database answered (a row, a refusal, an error of its own): the connection works.
+    answered: bool,
+}
+
+impl<DB: sqlx::Database> Drop for FencedConnection<'_, DB> {
+    fn drop(&mut self) {
+        if !self.answered {
+            // Abandoned (dropped before an answer) or the connection failed: the next write
+            // opens a connection of its own, and this one is closed (dropping a connection
+            // closes its socket; detached, its place in the pool is given back).
+            self.conns.fresh_next.store(true, Ordering::Relaxed);
+            if let Some(Either::Pooled(conn)) = self.conn.take() {
+                drop(conn.detach());
+            }
+            return;
+        }
+        if let Some(Either::Fresh(conn)) = self.conn.take() {
+            // Closed politely, in the background; a pooled one goes back to its pool.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    let close = sqlx::Connection::close(conn);
+                    let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
+                });
+            }
+        }
     }
 }
 

@@ -98,6 +98,8 @@ pub struct MySqlStore {
     pub(crate) sent: Arc<Counter>,
     /// Set once a session of the pool was found to autocommit (see `check_autocommit`).
     autocommit_checked: Arc<std::sync::atomic::AtomicBool>,
+    /// The connections fenced writes (renewals, completes, releases) run on.
+    pub(crate) fenced: Arc<super::FencedConns>,
 }
 
 /// Builds a [`MySqlStore`].
@@ -126,6 +128,7 @@ impl MySqlStoreBuilder {
             sql: Arc::new(Statements::new(&table)),
             sent: Arc::default(),
             autocommit_checked: Arc::default(),
+            fenced: Arc::new(super::FencedConns::new(true)),
         })
     }
 }
@@ -508,13 +511,18 @@ impl MySqlStore {
     ) -> Result<SystemTime, StoreError> {
         let mut conflicts = 0;
         loop {
-            let mut conn = self.conn().await?;
+            // On a pooled connection, or a fresh one after a write was abandoned
+            // (`FencedConns`).
             let extended = self
-                .short_tx(
-                    &mut conn,
-                    async |tx| self.extend_in(tx, key, token, lease).await,
-                    Result::is_ok,
-                )
+                .fenced
+                .run(&self.pool, async |conn| {
+                    self.short_tx(
+                        conn,
+                        async |tx| self.extend_in(tx, key, token, lease).await,
+                        Result::is_ok,
+                    )
+                    .await
+                })
                 .await;
             match extended {
                 Err(e) if super::again_after_conflict(&e, &mut conflicts).await => {}

@@ -48,6 +48,8 @@ pub struct PostgresStore {
     pub(crate) functions_ready: Arc<std::sync::atomic::AtomicBool>,
     /// Whether the server's encoding is UTF8, learnt with `functions_ready`.
     pub(crate) server_utf8: Arc<std::sync::atomic::AtomicBool>,
+    /// The connections fenced writes (renewals, completes, releases) run on.
+    pub(crate) fenced: Arc<super::FencedConns>,
 }
 
 /// Builds a [`PostgresStore`].
@@ -87,6 +89,7 @@ impl PostgresStoreBuilder {
             pin_isolation: Arc::default(),
             functions_ready: Arc::default(),
             server_utf8: Arc::default(),
+            fenced: Arc::new(super::FencedConns::new(true)),
         })
     }
 }

@@ -50,6 +50,8 @@ pub struct SqliteStore {
     pub(crate) sent: Arc<Counter>,
     /// Transactional executions' turns at the write lock, if queued (see [`WriteQueue`]).
     pub(crate) writes: WriteQueue,
+    /// The connections fenced writes (renewals, completes, releases) run on.
+    pub(crate) fenced: Arc<super::FencedConns>,
 }
 
 /// The order in which this process's transactional executions take SQLite's one write lock,
@@ -156,10 +158,15 @@ impl SqliteStoreBuilder {
     pub fn build(self) -> Result<SqliteStore, SetupError> {
         let table = identifier(&self.table)?;
         let now = self.clock.as_deref().unwrap_or(NOW);
+        // A new connection reaches the pool's database only when that is a file (an
+        // in-memory database lives in its pool's connection, or in a shared cache whose
+        // locking differs).
+        let file = self.pool.connect_options().get_filename().is_file();
         Ok(SqliteStore {
             pool: self.pool,
             sql: Arc::new(Statements::new(&table, now)),
             sent: Arc::default(),
+            fenced: Arc::new(super::FencedConns::new(file)),
             writes: WriteQueue(
                 self.queue
                     .map(|wait| (Arc::new(tokio::sync::Semaphore::new(1)), wait)),
