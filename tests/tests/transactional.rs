@@ -1912,3 +1912,134 @@ async fn mysql_transactions_leave_their_sessions_clean() {
     assert_eq!(db.rows().await, 2);
     mysql_cleanup(&db, &store).await;
 }
+
+/// Issue 49 (1): on the two-commit path, the claim commits and then BEGIN goes on a pooled
+/// connection that has gone silent. BEGIN must neither let the lease run out before the
+/// handler starts nor hold the request for ever: it runs under the execution (whose heartbeat
+/// keeps the lease) and is tried again on another connection after an eighth of the lease.
+/// The other instance, retrying every quarter lease, gets 409 for the whole run, then the
+/// replay. Before the fix BEGIN waited on the silent connection with no heartbeat, and the
+/// retry took the record over one lease after the claim.
+async fn silent_begin_keeps_the_lease<DB: TxDatabase>(
+    owner: Engine,
+    retrier: Engine,
+    proxy: &idempotent_tests::stall::StallingProxy,
+    begin_bytes: &[u8],
+) {
+    let lease = Duration::from_secs(2);
+    let p = policy(lease);
+    let two = options(CommitPath::Two);
+    let key = unique_key("silent-begin");
+    proxy.arm_on(begin_bytes);
+    let first = {
+        let (key, p) = (key.clone(), p);
+        tokio::spawn(async move {
+            let mut execution = claimed::<DB>(&owner, request(&key, "a"), &p, &two).await;
+            let tx = execution.transaction().unwrap();
+            execution
+                .run(async move {
+                    tokio::time::sleep(lease * 3).await;
+                    drop(tx);
+                })
+                .await
+                .unwrap();
+            execution
+                .finish(StoredResponse::new(201, "first").into())
+                .await
+        })
+    };
+    let started = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(lease / 4).await;
+        let at = started.elapsed();
+        match retrier
+            .begin_transactional::<DB>(request(&key, "a"), &p, &two)
+            .await
+        {
+            TxBegin::Respond(Begin::InProgress { .. }) => {
+                assert!(at < Duration::from_secs(60), "in progress after {at:?}");
+            }
+            TxBegin::Respond(Begin::Replay(StoredOutcome::Response(r))) => {
+                assert_eq!(r.body, b"first");
+                break;
+            }
+            TxBegin::Run(execution) => {
+                execution.abort().await;
+                panic!(
+                    "the retry took the record over at {at:?}: the lease lapsed before the handler began"
+                );
+            }
+            other => panic!("at {at:?}: {other:?}"),
+        }
+    }
+    assert!(matches!(first.await.unwrap(), TxFinished::Committed));
+    assert_eq!(
+        proxy.stalled(),
+        1,
+        "BEGIN was not stalled: the test proves nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_a_silent_begin_keeps_the_two_commit_lease() {
+    use idempotent_tests::stall::StallingProxy;
+    let (_db, store) = pg_db(pg_pool(2).await).await;
+    let proxy = StallingProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let url = database_url().replace("127.0.0.1:5432", &proxy.addr().to_string());
+    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
+    let owner_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .unwrap();
+    let (schema, table) = store.table().split_once('.').unwrap();
+    let owner = PostgresStore::builder(owner_pool)
+        .schema(schema)
+        .table(table)
+        .build()
+        .unwrap();
+    silent_begin_keeps_the_lease::<sqlx::Postgres>(
+        Engine::new(owner),
+        Engine::new(store.clone()),
+        &proxy,
+        b"BEGIN ISOLATION LEVEL READ COMMITTED\0",
+    )
+    .await;
+    pg_drop(store.pool(), table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_a_silent_begin_keeps_the_two_commit_lease() {
+    use idempotent_tests::stall::StallingProxy;
+    let (db, store) = mysql_db(mysql_pool(2).await).await;
+    let proxy = StallingProxy::start("127.0.0.1:3306".parse().unwrap()).await;
+    let url = mysql_url().replace("127.0.0.1:3306", &proxy.addr().to_string());
+    assert_ne!(url, mysql_url(), "MYSQL_URL must name 127.0.0.1:3306");
+    let owner_pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .unwrap();
+    let owner = MySqlStore::builder(owner_pool)
+        .table(store.table())
+        .build()
+        .unwrap();
+    silent_begin_keeps_the_lease::<sqlx::MySql>(
+        Engine::new(owner),
+        Engine::new(store.clone()),
+        &proxy,
+        b"SET @idempotent_autocommit",
+    )
+    .await;
+    mysql_cleanup(&db, &store).await;
+}

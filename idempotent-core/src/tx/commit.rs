@@ -333,6 +333,30 @@ async fn bounded<DB: TxDatabase, T>(
     }
 }
 
+/// BEGIN for a two-commit execution whose claim committed: a first attempt gets an eighth of
+/// the lease (as a lease renewal's does, `crate::store::renew`); if it had no answer, a
+/// second one (on another connection: the first one's is not given back to the pool before
+/// it answers) within the lease. The caller keeps the lease alive meanwhile.
+async fn begin_bounded<DB: TxDatabase>(
+    store: &DB::Store,
+    lease: Duration,
+) -> Result<Held<DB>, StoreError> {
+    let started = tokio::time::Instant::now();
+    let first = crate::store::renew::first_attempt(lease);
+    if let Ok(begun) = tokio::time::timeout(first, DB::begin_tx(store, None, None)).await {
+        return begun;
+    }
+    tracing::warn!("idempotency: BEGIN had no answer within {first:?}; trying another connection");
+    tokio::time::timeout_at(started + lease, DB::begin_tx(store, None, None))
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::unavailable(NoAnswer {
+                what: "BEGIN",
+                bound: lease,
+            }))
+        })
+}
+
 /// Whether a store error is PostgreSQL's "current transaction is aborted" (SQLSTATE 25P02).
 fn is_aborted(error: &StoreError) -> bool {
     has_sqlstate(error, "25P02")
@@ -485,17 +509,29 @@ impl Engine {
         }
         match options.commit {
             CommitPath::Two => match self.begin_untraced(req, &policy).await {
-                // The heartbeat holds a two-commit claim: no idle limit on the handler.
-                Begin::Claimed(execution) => match DB::begin_tx(&store, None, None).await {
-                    Ok(tx) => {
-                        TxBegin::Run(TxExecution::new(store, tx, Claim::Two(execution), policy))
+                // The heartbeat holds a two-commit claim: no idle limit on the handler. BEGIN
+                // runs under the execution too, so its heartbeat keeps the lease while BEGIN
+                // waits (a silent pooled connection, a pool whose connections are all busy),
+                // and bounded, so it never holds the request for ever.
+                Begin::Claimed(mut execution) => {
+                    let begun = execution
+                        .run(begin_bounded::<DB>(&store, policy.lease))
+                        .await;
+                    match begun {
+                        Ok(Ok(tx)) => {
+                            TxBegin::Run(TxExecution::new(store, tx, Claim::Two(execution), policy))
+                        }
+                        Ok(Err(error)) => {
+                            tracing::error!(route = policy.route, error = %error, "idempotency: BEGIN failed");
+                            execution.release().await;
+                            TxBegin::Respond(Begin::StoreUnavailable(error))
+                        }
+                        Err(panic) => {
+                            execution.release().await;
+                            std::panic::resume_unwind(panic)
+                        }
                     }
-                    Err(error) => {
-                        tracing::error!(route = policy.route, error = %error, "idempotency: BEGIN failed");
-                        execution.release().await;
-                        TxBegin::Respond(Begin::StoreUnavailable(error))
-                    }
-                },
+                }
                 other => TxBegin::Respond(other),
             },
             CommitPath::Single => self.begin_single(store, req, &policy, options).await,
