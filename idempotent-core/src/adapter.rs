@@ -14,8 +14,8 @@ pub use crate::http::reply::{FIRST_EXECUTION, Reply, Step, TxReply};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub use crate::http::reply::{TxStep, begin_transactional, finish_transactional};
 pub use crate::http::request::{
-    FINGERPRINT_INLINE_MAX, RequestHead, check_content_length, check_key, is_safe_method,
-    is_stored_header,
+    FINGERPRINT_INLINE_MAX, RequestHead, check_content_length, check_key, connection_options,
+    is_safe_method, is_stored_header,
 };
 pub use crate::http::route::{Route, RoutePolicy, idempotent_context};
 

@@ -1,6 +1,6 @@
 //! The handler's response: how it is recorded, and a bounded copy of it.
 
-use super::is_stored_header;
+use super::{connection_options, is_stored_header};
 use crate::engine::{Execution, Policy, Recorded};
 use crate::store::record::{StoredOutcome, StoredResponse};
 use std::future::Future;
@@ -225,19 +225,34 @@ pub struct Capture {
 
 impl Capture {
     /// Starts a copy of a response with `status` and `headers` (only the storable ones are
-    /// kept), keeping at most `limit` body bytes.
+    /// kept: see [`is_stored_header`], and never a header the response's `Connection` header
+    /// names, which is hop-by-hop), keeping at most `limit` body bytes.
     pub fn new<'a>(
         status: u16,
         headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
         limit: usize,
     ) -> Self {
+        let mut hop_by_hop: Vec<&'a [u8]> = Vec::new();
+        let mut kept: Vec<(String, Vec<u8>)> = Vec::new();
+        for (name, value) in headers {
+            if name.eq_ignore_ascii_case("connection") {
+                hop_by_hop.extend(connection_options(value));
+            } else if is_stored_header(name) {
+                kept.push((name.to_ascii_lowercase(), value.to_vec()));
+            }
+        }
+        // RFC 9110 §7.6.1: whatever `Connection` names is for this connection only; a replay
+        // goes out on another one.
+        if !hop_by_hop.is_empty() {
+            kept.retain(|(name, _)| {
+                !hop_by_hop
+                    .iter()
+                    .any(|hop| hop.eq_ignore_ascii_case(name.as_bytes()))
+            });
+        }
         Capture {
             status,
-            headers: headers
-                .into_iter()
-                .filter(|(n, _)| is_stored_header(n))
-                .map(|(n, v)| (n.to_ascii_lowercase(), v.to_vec()))
-                .collect(),
+            headers: kept,
             body: Vec::new(),
             limit,
             size: 0,
@@ -312,5 +327,34 @@ mod tests {
         let mut c = Capture::new(204, [], 2);
         assert!(c.push(b"ok"));
         assert!(matches!(c.finish(), StoredOutcome::Response(r) if r.body == b"ok"));
+    }
+
+    #[test]
+    fn headers_named_in_connection_are_not_stored() {
+        // RFC 9110 §7.6.1: the headers a `Connection` header names are hop-by-hop, whatever
+        // their name, in any case, over several `Connection` lines, with empty list elements.
+        let c = Capture::new(
+            201,
+            [
+                ("Connection", &b"X-Hop, keep-alive"[..]),
+                ("x-hop", b"1"),
+                ("x-end", b"2"),
+                ("connection", b" ,\tX-Second ,"),
+                ("X-Second", b"3"),
+                ("keep-alive", b"timeout=5"),
+                ("x-end", b"4"),
+            ],
+            10,
+        );
+        let StoredOutcome::Response(r) = c.finish() else {
+            panic!("oversized")
+        };
+        assert_eq!(
+            r.headers,
+            vec![
+                ("x-end".to_owned(), b"2".to_vec()),
+                ("x-end".to_owned(), b"4".to_vec())
+            ]
+        );
     }
 }

@@ -34,7 +34,8 @@ pub use crate::key::MAX_KEY_LEN;
 pub use crate::problem::PROBLEM_BASE;
 pub use config::{Config, ConfigBuilder};
 pub(crate) use request::{
-    RequestHead, check_content_length, check_key, is_safe_method, is_stored_header,
+    RequestHead, check_content_length, check_key, connection_options, is_safe_method,
+    is_stored_header,
 };
 use std::time::Duration;
 

@@ -18,10 +18,12 @@ pub fn is_safe_method(method: &str) -> bool {
     matches!(method, "GET" | "HEAD" | "OPTIONS")
 }
 
-/// Whether a response header is stored for replays. Hop-by-hop headers, `Date`,
-/// `Content-Length` (replays are framed anew), `Set-Cookie` (a replay must not hand one
-/// caller's session to a retry) and our own `Idempotent-Replayed` are not. `name` is
-/// compared case-insensitively.
+/// Whether a response header is stored for replays, by its name alone. Hop-by-hop headers,
+/// `Date`, `Content-Length` (replays are framed anew), `Set-Cookie` (a replay must not hand
+/// one caller's session to a retry) and our own `Idempotent-Replayed` are not. `name` is
+/// compared case-insensitively. A response may make any other header hop-by-hop by naming it
+/// in its `Connection` header (RFC 9110 §7.6.1): [`connection_options`] reads those names, and
+/// the copy a replay is made from ([`Capture`](crate::__private::Capture)) drops them too.
 ///
 /// ```
 /// use idempotent_core::__private::is_stored_header;
@@ -45,6 +47,22 @@ pub fn is_stored_header(name: &str) -> bool {
         IDEMPOTENT_REPLAYED,
     ];
     !NEVER.iter().any(|n| n.eq_ignore_ascii_case(name))
+}
+
+/// The header names a `Connection` header value lists (RFC 9110 §7.6.1: `Connection: X-Hop,
+/// keep-alive` makes `X-Hop` and `Keep-Alive` hop-by-hop for this response): its
+/// comma-separated elements, without the spaces and tabs around them, empty ones skipped.
+///
+/// ```
+/// use idempotent_core::__private::connection_options;
+/// let names: Vec<&[u8]> = connection_options(b"X-Hop, ,\tkeep-alive ").collect();
+/// assert_eq!(names, [&b"X-Hop"[..], b"keep-alive"]);
+/// ```
+pub fn connection_options(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|&b| b == b',')
+        .map(|element| element.trim_ascii())
+        .filter(|name| !name.is_empty())
 }
 
 /// The checks on the key that need neither the body nor the store, run first: a malformed key

@@ -83,6 +83,18 @@ async fn echo(app: web::Data<App>, body: String) -> String {
     body
 }
 
+/// Names two of its headers in `Connection`: hop-by-hop (RFC 9110 §7.6.1), so never replayed.
+#[idempotent(unscoped)]
+async fn hop(app: web::Data<App>) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    HttpResponse::Created()
+        .insert_header(("connection", "X-Hop, x-other"))
+        .insert_header(("x-hop", "1"))
+        .insert_header(("x-other", "2"))
+        .insert_header(("x-end", "3"))
+        .body("hop")
+}
+
 #[idempotent(unscoped, max_response = "16")]
 async fn big() -> String {
     "x".repeat(100)
@@ -251,6 +263,7 @@ fn routes(cfg: &mut web::ServiceConfig) {
         .service(web::scope("/v2").route("/orders/{order}/refund", web::post().to(refund_order)))
         .route("/echo", web::post().to(echo))
         .route("/big", web::post().to(big))
+        .route("/hop", web::post().to(hop))
         .route("/optional", web::post().to(optional))
         .route("/stream/ok", web::post().to(stream_ok))
         .route("/stream/big", web::post().to(stream_big))

@@ -110,6 +110,28 @@ async fn echo(State(app): State<App>, body: String) -> String {
     body
 }
 
+/// Names two of its headers in `Connection`: hop-by-hop (RFC 9110 §7.6.1), so never replayed.
+#[idempotent(unscoped)]
+async fn hop(
+    State(app): State<App>,
+) -> (
+    StatusCode,
+    AppendHeaders<[(&'static str, &'static str); 4]>,
+    &'static str,
+) {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    (
+        StatusCode::CREATED,
+        AppendHeaders([
+            ("connection", "X-Hop, x-other"),
+            ("x-hop", "1"),
+            ("x-other", "2"),
+            ("x-end", "3"),
+        ]),
+        "hop",
+    )
+}
+
 #[idempotent(unscoped, max_response = "16")]
 async fn big() -> String {
     "x".repeat(100)
@@ -258,6 +280,7 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .nest("/v2", nested)
         .route("/echo", post(echo))
         .route("/big", post(big))
+        .route("/hop", post(hop))
         .route("/optional", post(optional))
         .route("/stream/ok", post(stream_ok))
         .route("/stream/big", post(stream_big))

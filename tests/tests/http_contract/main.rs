@@ -1510,6 +1510,30 @@ async fn drain_waits_for_executions_whose_client_left(fw: Fw) {
     assert_eq!(s.runs(), 1);
 }
 
+/// Headers a response names in its `Connection` header are hop-by-hop (RFC 9110 §7.6.1), as
+/// `Connection` itself is: never stored, so a replay carries none of them, while its
+/// end-to-end headers are replayed.
+async fn headers_named_in_connection_are_never_replayed(fw: Fw) {
+    let s = serve(fw, config(MemoryStore::new())).await;
+    let key = key();
+    let first = s.post("/hop", "", Some(&key), "{}").send().await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.headers()["idempotent-replayed"], "false");
+    let replay = s.post("/hop", "", Some(&key), "{}").send().await.unwrap();
+    assert_eq!(replay.status(), 201);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.headers()["x-end"], "3", "{:?}", replay.headers());
+    for hop in ["connection", "x-hop", "x-other"] {
+        assert!(
+            replay.headers().get(hop).is_none(),
+            "{hop} was replayed: {:?}",
+            replay.headers()
+        );
+    }
+    assert_eq!(replay.text().await.unwrap(), "hop");
+    assert_eq!(s.runs(), 1);
+}
+
 /// Stamps out each test for both frameworks: `on_axum::name` and `on_actix::name`, each
 /// with its optional attributes (the PostgreSQL switch).
 macro_rules! on_both {
@@ -1571,6 +1595,7 @@ on_both!(
     transactional_routes_on_mysql,
     failing_store_answers_503_and_never_runs_the_handler,
     a_full_store_answers_503_and_never_runs_the_handler,
+    headers_named_in_connection_are_never_replayed,
     problems_carry_no_internals,
     compressed_bodies_are_fingerprinted_decoded,
     oversized_responses_optional_keys_and_request_limits,
