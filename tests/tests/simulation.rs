@@ -30,6 +30,12 @@
 //! the simulated clock, jumps included, to the millisecond; its operations run to completion on
 //! a helper thread while the simulated world waits (so no simulated time passes during one).
 //!
+//! The silent-connection arm adds hangs: a renewal, complete or release that never answers
+//! (before it applies, or after), as on a pooled connection that went silent. The engine must
+//! give up on it within its bound and try again (the store's next call goes on another
+//! connection: here, a write of the same lease after a hang does not hang), so a running
+//! owner still keeps its lease: a hang never excuses a lease that ran out.
+//!
 //! Environment: `SIM_SEED=n` runs seed n alone (printing its log); `SIM_SEEDS=n` sets how
 //! many seeds each arm runs (default 5,000 on memory, 1,000 on SQLite) from `SIM_SEED_BASE`
 //! (default 0), within `SIM_BUDGET_SECS` of wall time per arm (default 20).
@@ -77,7 +83,16 @@ enum Arm {
     Memory,
     #[cfg(feature = "sqlite")]
     Sqlite,
+    /// The memory store, with writes after the claim that can hang (silent connections).
+    Silent,
 }
+
+/// The longest delay before and after a store operation in the silent-connection arm: a
+/// renewal whose first attempt hangs is tried again an eighth of a lease later, so it lands
+/// within the lease only while two delays and five eighths of a lease fit in one.
+const SILENT_MAX_DELAY_MS: u64 = 300;
+const _: () =
+    assert!(2 * SILENT_MAX_DELAY_MS + LEASE.as_millis() as u64 * 5 / 8 < LEASE.as_millis() as u64);
 
 /// Fault rates, drawn once per seed so some seeds are calm and some are storms.
 #[derive(Debug, Clone, Copy)]
@@ -92,6 +107,9 @@ struct Faults {
     crash: f64,
     /// Per store operation: the store's clock jumps forward past a lease.
     jump: f64,
+    /// Per extend, complete or release: it never answers (before it applies or after),
+    /// unless the write of the same lease before it hung.
+    hang: f64,
 }
 
 /// What the world saw, for the invariants and for the report.
@@ -128,11 +146,20 @@ struct Log {
     errors: u32,
     jumps: u32,
     live_takeovers: u32,
+    /// Writes that never answered (the silent-connection arm).
+    hangs: u32,
+    /// Leases whose last write was abandoned (the engine gave up on it): their next write
+    /// goes on another connection, and does not hang.
+    hung: HashSet<LeaseToken>,
+    /// When the first event happened (simulated time), for the events' times.
+    origin: Option<tokio::time::Instant>,
 }
 
 impl Log {
     fn event(&mut self, e: String) {
-        self.events.push(e);
+        let origin = *self.origin.get_or_insert_with(tokio::time::Instant::now);
+        let ms = origin.elapsed().as_millis();
+        self.events.push(format!("[{ms:>6} ms] {e}"));
     }
     fn violation(&mut self, v: String) {
         self.events.push(format!("VIOLATION {v}"));
@@ -307,6 +334,26 @@ impl SimStore {
         Ok(())
     }
 
+    /// A write of `token`'s lease may hang here, never answering (its future is dropped by
+    /// the engine's bound on it), unless the write of that lease before it was abandoned: a
+    /// store gives the next write another connection ([`Write`]).
+    async fn hang(&self, op: &str, key: usize, token: LeaseToken, applied: bool) {
+        {
+            let mut log = self.world.log();
+            if log.hung.remove(&token) || !self.world.chance(self.world.faults.hang) {
+                return;
+            }
+            log.hangs += 1;
+            let when = if applied {
+                "after it applied"
+            } else {
+                "before it applied"
+            };
+            log.event(format!("{op} k{key}: hangs {when}"));
+        }
+        std::future::pending::<()>().await;
+    }
+
     /// The faults after an operation applied: a delay, maybe a lost answer.
     async fn after<T>(
         &self,
@@ -461,53 +508,17 @@ impl Store for SimStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let k = key_index(key);
-        self.before("complete", Some(k)).await?;
-        let (inner, key, stored) = (Arc::clone(&self.inner), key.clone(), outcome.clone());
-        let out = self
-            .runner
-            .run(async move { inner.complete(&key, token, &stored, ttl).await })
-            .await;
-        if matches!(out, Err(StoreError::StaleLease)) {
-            self.refused(k, token);
-        }
-        if out.is_ok() {
-            self.landed("complete", k, token);
-            let response = response_of(outcome);
-            let mut log = self.world.log();
-            if !log.produced.contains(&response) {
-                log.violation(format!(
-                    "k{k}: the stored response is not what the handler answered: {response:?}"
-                ));
-            }
-            if let std::collections::hash_map::Entry::Vacant(first) = log.stored.entry(k) {
-                first.insert(response);
-            } else {
-                log.violation(format!("a second response was stored for k{k}"));
-            }
-        }
-        self.after("complete", k, out).await
+        let write = Write::start(&self.world, token);
+        let out = self.complete_op(key, token, outcome, ttl).await;
+        write.answered();
+        out
     }
 
     async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
-        let k = key_index(key);
-        self.before("release", Some(k)).await?;
-        let (inner, key) = (Arc::clone(&self.inner), key.clone());
-        let out = self
-            .runner
-            .run(async move { inner.release(&key, token).await })
-            .await;
-        if matches!(out, Err(StoreError::StaleLease)) {
-            self.refused(k, token);
-        }
-        if out.is_ok() {
-            self.landed("release", k, token);
-            let mut log = self.world.log();
-            if log.stored.contains_key(&k) {
-                log.violation(format!("a stored response was released for k{k}"));
-            }
-        }
-        self.after("release", k, out).await
+        let write = Write::start(&self.world, token);
+        let out = self.release_op(key, token).await;
+        write.answered();
+        out
     }
 
     async fn extend(
@@ -516,29 +527,9 @@ impl Store for SimStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
-        let k = key_index(key);
-        if let Err(e) = self.before("extend", Some(k)).await {
-            self.excuse(token);
-            return Err(e);
-        }
-        let (inner, key) = (Arc::clone(&self.inner), key.clone());
-        let out = self
-            .runner
-            .run(async move { inner.extend(&key, token, lease).await })
-            .await;
-        match &out {
-            Ok(_) => {
-                self.landed("extend", k, token);
-                self.renewed(token, lease);
-            }
-            Err(StoreError::StaleLease) => self.refused(k, token),
-            Err(_) => {}
-        }
-        let out = self.after("extend", k, out).await;
-        if out.is_err() {
-            // The engine saw a failed extend: its lease may run out before the next.
-            self.excuse(token);
-        }
+        let write = Write::start(&self.world, token);
+        let out = self.extend_op(key, token, lease).await;
+        write.answered();
         out
     }
 
@@ -562,6 +553,148 @@ impl Store for SimStore {
         self.runner
             .run(async move { inner.delete(&key, force).await })
             .await
+    }
+}
+
+/// A write of a lease (renewal, complete, release) on its way: dropped before it answered
+/// (the engine gave up on it), it marks its lease, whose next write then goes through, as the
+/// store's next write after an abandoned one goes on another connection.
+struct Write<'a> {
+    world: &'a World,
+    token: LeaseToken,
+    answered: bool,
+}
+
+impl<'a> Write<'a> {
+    fn start(world: &'a World, token: LeaseToken) -> Self {
+        Write {
+            world,
+            token,
+            answered: false,
+        }
+    }
+    fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Write<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.world.log().hung.insert(self.token);
+        }
+    }
+}
+
+/// The faulty operations behind the store's writes (see [`Write`]).
+impl SimStore {
+    async fn complete_op(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let k = key_index(key);
+        self.before("complete", Some(k)).await?;
+        let applied = self.world.faults.hang > 0.0 && self.world.chance(0.5);
+        if !applied {
+            self.hang("complete", k, token, false).await;
+        }
+        let (inner, key, stored) = (Arc::clone(&self.inner), key.clone(), outcome.clone());
+        let out = self
+            .runner
+            .run(async move { inner.complete(&key, token, &stored, ttl).await })
+            .await;
+        if matches!(out, Err(StoreError::StaleLease)) {
+            self.refused(k, token);
+        }
+        if out.is_ok() {
+            self.landed("complete", k, token);
+            let response = response_of(outcome);
+            let mut log = self.world.log();
+            if !log.produced.contains(&response) {
+                log.violation(format!(
+                    "k{k}: the stored response is not what the handler answered: {response:?}"
+                ));
+            }
+            if let std::collections::hash_map::Entry::Vacant(first) = log.stored.entry(k) {
+                first.insert(response);
+            } else {
+                log.violation(format!("a second response was stored for k{k}"));
+            }
+        }
+        if applied {
+            self.hang("complete", k, token, true).await;
+        }
+        self.after("complete", k, out).await
+    }
+
+    async fn release_op(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
+        let k = key_index(key);
+        self.before("release", Some(k)).await?;
+        let applied = self.world.faults.hang > 0.0 && self.world.chance(0.5);
+        if !applied {
+            self.hang("release", k, token, false).await;
+        }
+        let (inner, key) = (Arc::clone(&self.inner), key.clone());
+        let out = self
+            .runner
+            .run(async move { inner.release(&key, token).await })
+            .await;
+        if matches!(out, Err(StoreError::StaleLease)) {
+            self.refused(k, token);
+        }
+        if out.is_ok() {
+            self.landed("release", k, token);
+            let mut log = self.world.log();
+            if log.stored.contains_key(&k) {
+                log.violation(format!("a stored response was released for k{k}"));
+            }
+        }
+        if applied {
+            self.hang("release", k, token, true).await;
+        }
+        self.after("release", k, out).await
+    }
+
+    async fn extend_op(
+        &self,
+        key: &RecordKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        let k = key_index(key);
+        if let Err(e) = self.before("extend", Some(k)).await {
+            self.excuse(token);
+            return Err(e);
+        }
+        let applied = self.world.faults.hang > 0.0 && self.world.chance(0.5);
+        if !applied {
+            self.hang("extend", k, token, false).await;
+        }
+        let (inner, key) = (Arc::clone(&self.inner), key.clone());
+        let out = self
+            .runner
+            .run(async move { inner.extend(&key, token, lease).await })
+            .await;
+        match &out {
+            Ok(_) => {
+                self.landed("extend", k, token);
+                self.renewed(token, lease);
+            }
+            Err(StoreError::StaleLease) => self.refused(k, token),
+            Err(_) => {}
+        }
+        if applied {
+            self.hang("extend", k, token, true).await;
+        }
+        let out = self.after("extend", k, out).await;
+        if out.is_err() {
+            // The engine saw a failed extend: its lease may run out before the next.
+            self.excuse(token);
+        }
+        out
     }
 }
 
@@ -959,14 +1092,15 @@ struct Outcome {
 /// Runs one seed to its end.
 async fn world(seed: u64, arm: Arm) -> Outcome {
     let mut rng = StdRng::seed_from_u64(seed);
-    let calm = rng.random_bool(0.2);
-    let faults = if calm {
+    let calm = arm != Arm::Silent && rng.random_bool(0.2);
+    let mut faults = if calm {
         Faults {
             max_delay_ms: 50,
             error: 0.0,
             lost: 0.0,
             crash: 0.0,
             jump: 0.0,
+            hang: 0.0,
         }
     } else {
         Faults {
@@ -975,8 +1109,13 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
             lost: rng.random_range(0.0..0.2),
             crash: rng.random_range(0.0..0.1),
             jump: rng.random_range(0.0..0.05),
+            hang: 0.0,
         }
     };
+    if arm == Arm::Silent {
+        faults.max_delay_ms = faults.max_delay_ms.min(SILENT_MAX_DELAY_MS);
+        faults.hang = rng.random_range(0.05..0.4);
+    }
     let origin = tokio::time::Instant::now();
     let world = Arc::new(World {
         rng: Mutex::new(rng),
@@ -988,7 +1127,7 @@ async fn world(seed: u64, arm: Arm) -> Outcome {
         jumped: Mutex::new(Duration::ZERO),
     });
     let store = Arc::new(match arm {
-        Arm::Memory => SimStore {
+        Arm::Memory | Arm::Silent => SimStore {
             inner: Arc::new(
                 MemoryStore::builder()
                     .clock(Arc::new(SimClock(Arc::clone(&clock))))
@@ -1179,6 +1318,7 @@ fn run_arm(arm: Arm, default_seeds: u64) {
                 Arm::Memory => "memory",
                 #[cfg(feature = "sqlite")]
                 Arm::Sqlite => "sqlite",
+                Arm::Silent => "silent",
             }
         );
         totals.executions += log.executions;
@@ -1190,10 +1330,11 @@ fn run_arm(arm: Arm, default_seeds: u64) {
         totals.jumps += log.jumps;
         totals.live_takeovers += log.live_takeovers;
         totals.refused += log.refused;
+        totals.hangs += log.hangs;
         ran += 1;
     }
     eprintln!(
-        "{arm:?}: seeds {base}..{}, {ran} run in {:.1?}: {} executions, {} replays ({} through the HTTP driver), {} crashes, {} lost answers, {} failed operations, {} clock jumps, {} take-overs of a running execution, {} stale writes refused",
+        "{arm:?}: seeds {base}..{}, {ran} run in {:.1?}: {} executions, {} replays ({} through the HTTP driver), {} crashes, {} lost answers, {} failed operations, {} clock jumps, {} take-overs of a running execution, {} stale writes refused, {} writes that never answered",
         base + ran,
         started.elapsed(),
         totals.executions,
@@ -1204,7 +1345,8 @@ fn run_arm(arm: Arm, default_seeds: u64) {
         totals.errors,
         totals.jumps,
         totals.live_takeovers,
-        totals.refused
+        totals.refused,
+        totals.hangs
     );
     // The faults happened: a simulation that never reaches them checks nothing.
     assert!(ran >= 50, "only {ran} seeds ran within the budget");
@@ -1217,6 +1359,10 @@ fn run_arm(arm: Arm, default_seeds: u64) {
     assert!(
         totals.jumps > 0 && totals.live_takeovers > 0,
         "no take-over of a running execution was reached"
+    );
+    assert!(
+        arm != Arm::Silent || totals.hangs > 0,
+        "no write ever hung in the silent-connection arm"
     );
 }
 
@@ -1231,12 +1377,22 @@ fn sqlite_store_under_simulation() {
     run_arm(Arm::Sqlite, 1_000);
 }
 
+/// Renewals, completes and releases that never answer (issue 49): the engine's bound on each
+/// renewal attempt, and its second attempt on another connection, keep a running owner's
+/// lease. Before renewals were bounded, a hung renewal held the heartbeat for good and the
+/// lease ran out under a live handler.
+#[test]
+fn silent_connections_under_simulation() {
+    run_arm(Arm::Silent, 5_000);
+}
+
 #[test]
 fn a_seed_replays_the_same_run() {
     let arms = [
         Arm::Memory,
         #[cfg(feature = "sqlite")]
         Arm::Sqlite,
+        Arm::Silent,
     ];
     for arm in arms {
         for seed in [3, 17, 101, 31] {
