@@ -82,7 +82,8 @@ struct Which {
     /// The record of an `unscoped` route (instead of `--scope`).
     #[arg(long, conflicts_with = "scope")]
     unscoped: bool,
-    /// The idempotency key, as the client sent it.
+    /// The idempotency key, as the client sent it (with `--function`: the message id, byte for
+    /// byte).
     #[arg(long)]
     key: String,
     /// The record of the idempotent function of this name (its `name = "…"`), called by
@@ -102,7 +103,12 @@ impl Which {
                 .map_err(|e| format!("--function: {e}"))?,
             None => scope,
         };
-        let key = IdempotencyKey::parse(self.key.as_bytes()).map_err(|e| format!("--key: {e}"))?;
+        // A function's key is its message id as it is (opaque); a route's is a header's value.
+        let key = match &self.function {
+            Some(_) => IdempotencyKey::opaque(self.key.as_str()),
+            None => IdempotencyKey::parse(self.key.as_bytes()),
+        }
+        .map_err(|e| format!("--key: {e}"))?;
         Ok(RecordKey::new(scope, key))
     }
 }
@@ -374,5 +380,52 @@ async fn main() -> ExitCode {
             eprintln!("idempotent-admin: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn which(function: Option<&str>, key: &str) -> Which {
+        Which {
+            scope: Some("acct_1".into()),
+            unscoped: false,
+            key: key.into(),
+            function: function.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn a_functions_key_is_taken_as_it_is() {
+        let key = |w: Which| w.record_key().map(|k| k.key.as_str().to_owned());
+        assert_eq!(key(which(Some("book"), " m1")), Ok(" m1".into()));
+        assert_eq!(key(which(Some("book"), "\"m1\"")), Ok("\"m1\"".into()));
+        // A route's key is read as the header was.
+        assert_eq!(key(which(None, "\"m1\"")), Ok("m1".into()));
+    }
+
+    #[test]
+    fn urls_lose_their_credentials() {
+        for (url, shown) in [
+            (
+                "postgres://app:s3cret@db.internal:5432/app?sslmode=require",
+                Some("postgres://db.internal:5432"),
+            ),
+            (
+                "redis+cluster://:pw@10.0.0.1:7000,u:pw@10.0.0.2:7000",
+                Some("redis+cluster://10.0.0.1:7000,10.0.0.2:7000"),
+            ),
+            ("mysql://root@[::1]:3306/app", Some("mysql://[::1]:3306")),
+            ("sqlite://charges.db?mode=ro", Some("sqlite://charges.db")),
+            ("sqlite:charges.db", Some("sqlite:charges.db")),
+            ("user:pw@host", None),
+            ("no url", None),
+        ] {
+            assert_eq!(redacted(url).as_deref(), shown, "{url}");
+        }
+        let url = "postgres://app:p%40ss-word@db/app?password=other-secret";
+        let said = scrubbed(format!("failed: {url}, p@ss-word, other-secret"), url);
+        assert_eq!(said, "failed: postgres://db, ***, ***");
     }
 }

@@ -1,14 +1,20 @@
-//! The `Idempotency-Key` header value.
+//! Idempotency keys: the `Idempotency-Key` header value, and the opaque keys of idempotent
+//! functions (message ids).
 
 use std::fmt;
 
-/// Longest key accepted, in characters (after unquoting).
+/// Longest key accepted: 255 characters for a header's key (after unquoting; visible ASCII,
+/// so also 255 bytes), 255 bytes for an opaque one ([`IdempotencyKey::opaque`]).
 pub const MAX_KEY_LEN: usize = 255;
 
-/// A validated idempotency key: 1–255 visible ASCII characters.
+/// A validated idempotency key, made one of two ways:
 ///
-/// Parses both the IETF draft's form, an RFC 8941 sf-string (`"8e03978e-…"`), and the bare
-/// form Stripe accepts (`8e03978e-…`). Both forms of the same text are the same key.
+/// - **from an `Idempotency-Key` header** ([`IdempotencyKey::parse`]): 1–255 visible ASCII
+///   characters. Parses both the IETF draft's form, an RFC 8941 sf-string (`"8e03978e-…"`),
+///   and the bare form Stripe accepts (`8e03978e-…`). Both forms of the same text are the
+///   same key;
+/// - **as opaque text** ([`IdempotencyKey::opaque`]), for idempotent functions: a message id
+///   is the key byte for byte, with no trimming or unquoting, since it never was a header.
 ///
 /// ```
 /// use idempotent_core::IdempotencyKey;
@@ -17,6 +23,10 @@ pub const MAX_KEY_LEN: usize = 255;
 /// let bare = IdempotencyKey::parse(b"order-42")?;
 /// assert_eq!(quoted, bare);
 /// assert_eq!(bare.as_str(), "order-42");
+/// // A message id is its own text: these are three keys.
+/// assert_ne!(IdempotencyKey::opaque(" order-42")?, bare);
+/// assert_ne!(IdempotencyKey::opaque(r#""order-42""#)?, bare);
+/// assert_eq!(IdempotencyKey::opaque("order-42")?, bare);
 /// # Ok::<(), idempotent_core::KeyError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,14 +45,22 @@ pub enum KeyError {
         /// How many header lines were present.
         count: usize,
     },
-    /// The key is empty (or only whitespace, or `""`).
+    /// The key is empty (a header's: or only whitespace, or `""`).
     #[error("the idempotency key is empty")]
     Empty,
-    /// The key is longer than [`MAX_KEY_LEN`] characters.
-    #[error("the idempotency key is {len} characters long; at most {MAX_KEY_LEN} are allowed")]
+    /// The key is longer than [`MAX_KEY_LEN`] bytes (a header's key is ASCII: as many
+    /// characters).
+    #[error("the idempotency key is {len} bytes long; at most {MAX_KEY_LEN} are allowed")]
     TooLong {
-        /// Length of the key after unquoting.
+        /// Length of the key in bytes (a header's: after unquoting).
         len: usize,
+    },
+    /// An opaque key ([`IdempotencyKey::opaque`]) holds a NUL character, which SQL stores
+    /// cannot hold (PostgreSQL's `text` refuses it).
+    #[error("the idempotency key holds a NUL character (at byte {position})")]
+    Nul {
+        /// Its position in the key, in bytes from 0.
+        position: usize,
     },
     /// The key holds a byte that is not visible ASCII (`0x21..=0x7E`).
     #[error(
@@ -79,6 +97,37 @@ impl IdempotencyKey {
         } else {
             Self::validate(value.to_vec())
         }
+    }
+
+    /// An opaque key: `value` as it is, byte for byte, for keys that never were an HTTP header
+    /// (an idempotent function's message id, [`CallKey`](crate::call::CallKey)). Nothing is
+    /// trimmed or unquoted: `m1`, ` m1` and `"m1"` are three keys. Any text is a key except
+    /// an empty one, one longer than [`MAX_KEY_LEN`] bytes (the stores' bound) and one holding
+    /// NUL (which SQL stores cannot hold).
+    ///
+    /// ```
+    /// use idempotent_core::{IdempotencyKey, KeyError};
+    /// assert_eq!(IdempotencyKey::opaque(" évé 1\t")?.as_str(), " évé 1\t");
+    /// assert_eq!(IdempotencyKey::opaque(""), Err(KeyError::Empty));
+    /// assert_eq!(IdempotencyKey::opaque("é".repeat(128)), Err(KeyError::TooLong { len: 256 }));
+    /// assert_eq!(IdempotencyKey::opaque("m\01"), Err(KeyError::Nul { position: 1 }));
+    /// # Ok::<(), KeyError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`KeyError::Empty`], [`KeyError::TooLong`] or [`KeyError::Nul`].
+    pub fn opaque(value: impl Into<String>) -> Result<Self, KeyError> {
+        let value = value.into();
+        if value.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if value.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong { len: value.len() });
+        }
+        if let Some(position) = value.bytes().position(|b| b == 0) {
+            return Err(KeyError::Nul { position });
+        }
+        Ok(IdempotencyKey(value))
     }
 
     /// Parses the key from all `Idempotency-Key` header lines of a request.
@@ -130,12 +179,14 @@ impl IdempotencyKey {
             })
     }
 
-    /// The key's text (unquoted).
+    /// The key's text (a header's: unquoted).
     pub fn as_str(&self) -> &str {
         &self.0
     }
 
-    /// The key as an RFC 8941 sf-string, as the IETF draft sends it.
+    /// The key as an RFC 8941 sf-string, as the IETF draft sends it. Only a key parsed from a
+    /// header is sure to be one a header can carry; an [opaque](IdempotencyKey::opaque) key
+    /// may hold characters no sf-string may.
     ///
     /// ```
     /// # use idempotent_core::IdempotencyKey;

@@ -210,7 +210,7 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | argument | meaning | default |
 /// |---|---|---|
 /// | `name = "book_payment"` | **the identity of the function's records**: see below | required |
-/// | `key_from = "param"` / `"param.field"` | the key: a parameter (or a field of one) whose value is text, an integer or a UUID (a message id) | required |
+/// | `key_from = "param"` / `"param.field"` | the key: a parameter (or a field of one) whose value is text, an integer or a UUID (a message id), taken as it is (no trimming, no unquoting: it is no header; 1 to 255 bytes, no NUL) | required |
 /// | `scope = "param"` / `"param.field"` | the caller, as for handlers | required, or `unscoped` |
 /// | `unscoped` | every caller shares one namespace | |
 /// | `ttl = "7d"`, `lease = "30s"` | as for handlers | the runner's (24 h, 30 s) |

@@ -30,7 +30,7 @@ fn call(name: &'static str, msg: &PaymentEvent) -> Call {
     Call::new(
         name,
         Scope::new(&msg.tenant).unwrap(),
-        IdempotencyKey::parse(msg.id.as_bytes()).unwrap(),
+        IdempotencyKey::opaque(msg.id.as_str()).unwrap(),
         msg,
     )
     .unwrap()
@@ -397,6 +397,80 @@ async fn the_attribute_runs_once(f: &impl Fixture) {
     assert!(matches!(out, Err(CallError::InvalidKey(_))), "{out:?}");
 }
 
+/// A function's key is its message id as it is, byte for byte: no trimming, no unquoting (it
+/// is no `Idempotency-Key` header). `m1`, ` m1`, `m1 ` and `"m1"` are four messages, each run
+/// once and each replayed its own output; ids with spaces, tabs or non-ASCII text are keys
+/// too. Refused: an empty id, one over 255 bytes, one holding NUL (no SQL store keeps it).
+async fn message_ids_are_opaque_keys(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let runs = AtomicUsize::new(0);
+    let m1 = format!("m1-{}", uuid::Uuid::new_v4().simple());
+    let ids = [
+        m1.clone(),
+        format!(" {m1}"),
+        format!("{m1} "),
+        format!("\"{m1}\""),
+        format!("{m1}\t"),
+        format!("é {m1}"),
+        format!("{m1}{}", "é".repeat(100)),
+    ];
+    for delivery in 0..2 {
+        for (amount, id) in (0..).zip(&ids) {
+            let msg = PaymentEvent {
+                id: id.clone(),
+                tenant: "tenant_1".into(),
+                amount,
+            };
+            let out = book_with_the_attribute(&calls, &msg, &runs).await;
+            assert!(
+                matches!(out, Ok(Receipt { booked, .. }) if booked == amount),
+                "delivery {delivery} of {id:?}: {out:?}"
+            );
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        ids.len(),
+        "each message ran once"
+    );
+    let calls = &calls;
+    let refused = |id: String| {
+        let msg = PaymentEvent {
+            id,
+            tenant: "tenant_1".into(),
+            amount: 1,
+        };
+        async move { book_with_the_attribute(calls, &msg, &AtomicUsize::new(0)).await }
+    };
+    let out = refused(String::new()).await;
+    assert!(
+        matches!(
+            out,
+            Err(CallError::InvalidKey(idempotent_core::KeyError::Empty))
+        ),
+        "{out:?}"
+    );
+    // 256 bytes (128 two-byte characters); 255 bytes is a key.
+    let out = refused("é".repeat(128)).await;
+    assert!(
+        matches!(
+            out,
+            Err(CallError::InvalidKey(idempotent_core::KeyError::TooLong {
+                len: 256
+            }))
+        ),
+        "{out:?}"
+    );
+    let longest = format!("{}k", "é".repeat(127));
+    assert_eq!(longest.len(), 255);
+    assert!(refused(longest).await.is_ok());
+    let out = refused("m\0".into()).await;
+    assert!(
+        matches!(&out, Err(CallError::InvalidKey(e)) if e.to_string().contains("NUL")),
+        "{out:?}"
+    );
+}
+
 /// The attribute with a derived-key context, stored final errors and a wait.
 #[idempotent_core::idempotent(
     name = "settle_with_the_attribute",
@@ -600,6 +674,7 @@ on_every_store!(
     derived_keys,
     unstorable_outputs_never_run_twice,
     the_attribute_runs_once,
+    message_ids_are_opaque_keys,
     the_attribute_stores_final_errors_and_derives,
     the_name_is_the_identity_not_the_module_path,
 );
@@ -820,7 +895,7 @@ fn call_names_are_validated() {
         Call::new(
             name,
             Scope::new(&msg.tenant).unwrap(),
-            IdempotencyKey::parse(msg.id.as_bytes()).unwrap(),
+            IdempotencyKey::opaque(msg.id.as_str()).unwrap(),
             &msg,
         )
     };

@@ -17,7 +17,7 @@
 //! let mut booked = 0;
 //! for _delivery in 0..3 {
 //!     // The message id is the key, the tenant the scope, the message the fingerprint.
-//!     let call = Call::new("book_payment", Scope::new(&msg.tenant)?, IdempotencyKey::parse(msg.id.as_bytes())?, &msg)?;
+//!     let call = Call::new("book_payment", Scope::new(&msg.tenant)?, IdempotencyKey::opaque(msg.id.as_str())?, &msg)?;
 //!     let receipt: Result<String, CallError<std::io::Error>> = calls
 //!         .run(call, || async {
 //!             booked += 1;
@@ -130,6 +130,9 @@ pub struct Call {
 impl Call {
     /// A call of the function `name` by `scope` under `key`; `args` (any `Serialize` value:
     /// the message, or a tuple of the arguments that identify the work) is fingerprinted.
+    /// Make a message id's key with [`IdempotencyKey::opaque`] (the id as it is), not
+    /// [`IdempotencyKey::parse`], which reads a header's value (trims it, unquotes an
+    /// sf-string) and refuses text a header cannot carry.
     ///
     /// **`name` is the identity of the function's records**: the record's scope is `scope`
     /// within `name`, and the name is part of the fingerprint and of every derived key. So
@@ -324,8 +327,8 @@ pub enum CallError<E> {
     /// since it was stored); the function did not run.
     #[error("the stored output does not decode: {0}")]
     Decode(serde_json::Error),
-    /// The key given to the call is not a valid idempotency key (empty, longer than 255
-    /// characters, not visible ASCII); nothing ran.
+    /// The key given to the call is not a valid key (empty, longer than 255 bytes, holding
+    /// NUL: see [`IdempotencyKey::opaque`]); nothing ran.
     #[error("invalid key: {0}")]
     InvalidKey(KeyError),
     /// The scope given to the call is not a valid scope; nothing ran.
@@ -762,23 +765,28 @@ fn replay<T: DeserializeOwned, E>(
 }
 
 /// A value that can be a call's idempotency key (a message id): text, integers, UUIDs.
+///
+/// The key is **opaque** ([`IdempotencyKey::opaque`]): the text as it is, byte for byte.
+/// A message id is no `Idempotency-Key` header, so nothing is trimmed or unquoted: ids `m1`,
+/// ` m1` and `"m1"` are three messages, each run once. Integers are their decimal text, UUIDs
+/// their hyphenated lower-case text.
 pub trait CallKey {
     /// The key.
     ///
     /// # Errors
-    /// When it is not a valid key (empty, over 255 characters, not visible ASCII).
+    /// When it is not a valid key: empty, over 255 bytes, or holding NUL.
     fn to_key(&self) -> Result<IdempotencyKey, KeyError>;
 }
 
 impl CallKey for str {
     fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
-        IdempotencyKey::parse(self.as_bytes())
+        IdempotencyKey::opaque(self)
     }
 }
 
 impl CallKey for String {
     fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
-        self.as_str().to_key()
+        IdempotencyKey::opaque(self.as_str())
     }
 }
 
@@ -790,7 +798,7 @@ impl<T: CallKey + ?Sized> CallKey for &T {
 
 impl CallKey for uuid::Uuid {
     fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
-        self.hyphenated().to_string().to_key()
+        IdempotencyKey::opaque(self.hyphenated().to_string())
     }
 }
 
@@ -798,7 +806,7 @@ macro_rules! integer_keys {
     ($($t:ty),*) => {$(
         impl CallKey for $t {
             fn to_key(&self) -> Result<IdempotencyKey, KeyError> {
-                self.to_string().to_key()
+                IdempotencyKey::opaque(self.to_string())
             }
         }
     )*};
