@@ -19,6 +19,12 @@
 //!   renewed its lease (its claim or its last heartbeat), on the model's own clock, so a
 //!   take-over can be checked against the lease the protocol promises, not against what the
 //!   store recorded.
+//! - **silent renewal**: a renewal whose first attempt never answers (a pooled connection gone
+//!   silent) while the handler runs on. The engine gives that attempt an eighth of the lease
+//!   and sends a second one on another connection, which lands within seven sixteenths of the
+//!   lease, so before the lease ends ([`Store::renew`](idempotent_core::Store::renew)): the
+//!   step renews the lease like a heartbeat. (With [`SeededBug::UnboundedRenewal`] the
+//!   heartbeat waits on that attempt for ever, renews nothing more, and the handler runs on.)
 //! - **write**: the handler's side effect. Plain mode: it happens there and then. Transactional
 //!   mode: it is staged in the server's transaction and commits only with the record.
 //! - **finish**: the handler's outcome is stored (complete, fenced by the token) or releases
@@ -40,7 +46,8 @@
 //! # Invariants (checked on every reachable state)
 //! [`STORED_NEVER_CHANGES`], [`REPLAY_EQUALS_STORED`], [`FENCED_WRITES_NEVER_LAND`],
 //! [`NO_CLAIM_AFTER_STORED`], [`TAKEOVER_ONLY_AFTER_A_LEASE`], [`COMMITS_AT_MOST_ONCE`]
-//! (transactional modes), [`OVERLAP_ONLY_AFTER_LOST_LEASE`], and [`RUNS_NEVER_OVERLAP`]: the
+//! (transactional modes), [`OVERLAP_ONLY_AFTER_LOST_LEASE`],
+//! [`NO_LEASE_LOST_TO_A_SILENT_RENEWAL`], and [`RUNS_NEVER_OVERLAP`]: the
 //! last one fails, by design, in one way only, an owner frozen past its lease whose lease is
 //! taken over (plain, two commits) or whose transaction the database ends (single commit) while
 //! it still runs or has yet to start (documented in SECURITY.md); in the transactional modes
@@ -67,6 +74,10 @@ pub const COMMITS_AT_MOST_ONCE: &str = "the business write commits at most once"
 /// Two executions of the key never run at the same time, and none starts once a response is
 /// stored.
 pub const RUNS_NEVER_OVERLAP: &str = "executions never overlap";
+/// An owner whose renewal went unanswered never loses its lease for it: the engine gives up
+/// on that attempt and renews on another connection while the lease still runs.
+pub const NO_LEASE_LOST_TO_A_SILENT_RENEWAL: &str =
+    "no lease is lost to a renewal that never answered";
 /// Reachable (a `sometimes` property): a client gets a replay.
 pub const SOME_REPLAY: &str = "a client gets a replay";
 /// Reachable in plain and two-commit mode: a claim takes over a record.
@@ -104,6 +115,9 @@ pub enum SeededBug {
     /// One server's `claim` takes over a finished record as if it had expired (a ttl read
     /// wrong on that server).
     TakeOverDone,
+    /// A renewal waits for its answer with no bound (the heartbeat before issue 49): one that
+    /// never answers holds the heartbeat for good while the handler runs on.
+    UnboundedRenewal,
 }
 
 /// The model's bounds and variant.
@@ -179,6 +193,9 @@ pub enum Server {
         /// It lost its lease while it held it: taken over, or (single commit) its transaction
         /// ended by the database, so its commit will fail.
         lost: bool,
+        /// Its heartbeat waits for a renewal, sent while its lease still ran, that will never
+        /// answer (only with [`SeededBug::UnboundedRenewal`]).
+        stuck: bool,
     },
 }
 
@@ -231,6 +248,8 @@ pub struct State {
     pub replayed: bool,
     /// Ghost: a claim took over a record (after a crash, a lost answer or a freeze).
     pub took_over: bool,
+    /// Ghost: an owner whose heartbeat waited on a silent renewal lost its lease.
+    pub lost_to_silent_renewal: bool,
 }
 
 /// One step.
@@ -252,6 +271,9 @@ pub enum Action {
     Start(u8),
     /// `server`'s heartbeat extends its lease (fenced).
     Heartbeat(u8),
+    /// `server`'s heartbeat sends a renewal that never answers (a silent connection): the
+    /// engine gives up on it and renews on another connection, fenced, before the lease ends.
+    SilentRenewal(u8),
     /// `server`'s handler does its write (plain: the side effect; transactional: staged).
     Write(u8),
     /// `server`'s handler finishes: its outcome is stored (`store`) or releases the key.
@@ -344,6 +366,7 @@ impl ProtocolModel {
             wrote: false,
             renewed: s.now,
             lost: false,
+            stuck: false,
         };
     }
 
@@ -356,12 +379,16 @@ impl ProtocolModel {
                 token: held,
                 renewed,
                 lost,
+                stuck,
                 ..
             } = server
                 && *held == token
             {
                 if now < *renewed + self.lease {
                     s.lost_too_early = true;
+                }
+                if *stuck {
+                    s.lost_to_silent_renewal = true;
                 }
                 *lost = true;
             }
@@ -474,6 +501,7 @@ impl Model for ProtocolModel {
             late_start_holding_lease: false,
             replayed: false,
             took_over: false,
+            lost_to_silent_renewal: false,
         }]
     }
 
@@ -505,6 +533,7 @@ impl Model for ProtocolModel {
                 started,
                 wrote,
                 lost,
+                stuck,
                 ..
             } = *server
             else {
@@ -524,8 +553,9 @@ impl Model for ProtocolModel {
                 actions.push(Action::Start(srv));
                 continue;
             }
-            if self.mode != Mode::SingleCommit {
+            if self.mode != Mode::SingleCommit && !stuck {
                 actions.push(Action::Heartbeat(srv));
+                actions.push(Action::SilentRenewal(srv));
             }
             if !wrote {
                 actions.push(Action::Write(srv));
@@ -558,7 +588,19 @@ impl Model for ProtocolModel {
                     }
                 }
             }
-            Action::Heartbeat(server) => {
+            Action::SilentRenewal(server) if self.bug == Some(SeededBug::UnboundedRenewal) => {
+                // Stuck while its lease still ran: from here on the lease runs out with the
+                // handler alive. (Sent after the lease ran out, it changes nothing: that owner
+                // is a frozen one already.)
+                let now = s.now;
+                if let Server::Running { stuck, renewed, .. } = &mut s.servers[server as usize]
+                    && now < *renewed + self.lease
+                {
+                    *stuck = true;
+                }
+            }
+            // Bounded: the first attempt is given up on, the second lands, as a heartbeat.
+            Action::Heartbeat(server) | Action::SilentRenewal(server) => {
                 let now = s.now;
                 if let Server::Running { token, .. } = s.servers[server as usize]
                     && self.fence_holds(&s, token, false)
@@ -629,6 +671,9 @@ impl Model for ProtocolModel {
             }),
             Property::always(OVERLAP_ONLY_AFTER_LOST_LEASE, |_: &Self, s: &State| {
                 (running(s) <= 1 || any_lost(s)) && !s.late_start_holding_lease
+            }),
+            Property::always(NO_LEASE_LOST_TO_A_SILENT_RENEWAL, |_: &Self, s: &State| {
+                !s.lost_to_silent_renewal
             }),
         ];
         properties.push(Property::sometimes(SOME_REPLAY, |_: &Self, s: &State| {

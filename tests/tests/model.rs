@@ -5,9 +5,9 @@
 
 use idempotent_tests::model::{
     Action, COMMITS_AT_MOST_ONCE, FENCED_WRITES_NEVER_LAND, Mode, NO_CLAIM_AFTER_STORED,
-    OVERLAP_ONLY_AFTER_LOST_LEASE, ProtocolModel, REPLAY_EQUALS_STORED, RUNS_NEVER_OVERLAP,
-    SOME_REPLAY, SOME_TAKEOVER, STORED_NEVER_CHANGES, SeededBug, Server, State,
-    TAKEOVER_ONLY_AFTER_A_LEASE, any_lost, representative, running,
+    NO_LEASE_LOST_TO_A_SILENT_RENEWAL, OVERLAP_ONLY_AFTER_LOST_LEASE, ProtocolModel,
+    REPLAY_EQUALS_STORED, RUNS_NEVER_OVERLAP, SOME_REPLAY, SOME_TAKEOVER, STORED_NEVER_CHANGES,
+    SeededBug, Server, State, TAKEOVER_ONLY_AFTER_A_LEASE, any_lost, representative, running,
 };
 use stateright::{Checker, HasDiscoveries, Model, Path};
 
@@ -52,13 +52,14 @@ fn checked_safe(mode: Mode) -> impl Checker<ProtocolModel> {
 }
 
 /// The invariants that hold in every mode.
-const SAFE: [&str; 6] = [
+const SAFE: [&str; 7] = [
     STORED_NEVER_CHANGES,
     REPLAY_EQUALS_STORED,
     FENCED_WRITES_NEVER_LAND,
     NO_CLAIM_AFTER_STORED,
     TAKEOVER_ONLY_AFTER_A_LEASE,
     OVERLAP_ONLY_AFTER_LOST_LEASE,
+    NO_LEASE_LOST_TO_A_SILENT_RENEWAL,
 ];
 
 /// The path up to its first state where `broken` holds: the steps, and that state.
@@ -221,6 +222,16 @@ fn seeded_bugs_are_found() {
             SeededBug::SkipFenceOnRelease,
             Mode::Plain,
             OVERLAP_ONLY_AFTER_LOST_LEASE,
+        ),
+        (
+            SeededBug::UnboundedRenewal,
+            Mode::Plain,
+            NO_LEASE_LOST_TO_A_SILENT_RENEWAL,
+        ),
+        (
+            SeededBug::UnboundedRenewal,
+            Mode::TwoCommits,
+            NO_LEASE_LOST_TO_A_SILENT_RENEWAL,
         ),
     ];
     for (bug, mode, property) in cases {
