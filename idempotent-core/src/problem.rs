@@ -202,6 +202,20 @@ impl Problem {
         )
     }
 
+    /// 503: the handler was still running when its lease ended, on a database where its open
+    /// transaction holds up every other writer (SQLite): it was stopped, its writes rolled
+    /// back and the key released, so a retry runs it again.
+    pub fn handler_timed_out() -> Self {
+        let mut p = Self::new(
+            "idempotency-handler-timed-out",
+            503,
+            "Handler stopped",
+            "the request was not completed within its lease, so everything it wrote was rolled back and nothing was stored; retry with the same key".into(),
+        );
+        p.retry_after = Some(1);
+        p
+    }
+
     /// The JSON body.
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(&self.details).unwrap_or_else(|_| b"{}".to_vec())

@@ -2043,3 +2043,156 @@ async fn mysql_a_silent_begin_keeps_the_two_commit_lease() {
     .await;
     mysql_cleanup(&db, &store).await;
 }
+
+/// Issue 49 (2): on SQLite a long two-commit handler must not hold the file's one write lock
+/// while it works, or every other execution's lease renewal waits on it, fails, and a retry
+/// takes a live owner's key over. A plain-mode owner (lease 1 s) runs five leases beside a
+/// two-commit handler (its route's lease 10 s) that works four and a half seconds before it
+/// writes; a retrier asks for the owner's key every quarter lease and must get 409 until the
+/// owner stores, then the replay.
+/// Before the fix the two-commit transaction began `BEGIN IMMEDIATE`, took the lock at once,
+/// and the retrier took the owner's key over while it still ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_long_two_commit_handler_leaves_other_leases_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, store) = sqlite_db(&dir).await;
+    let lease = Duration::from_secs(1);
+    let p = policy(lease);
+    let owner_key = unique_key("owner");
+    let Begin::Claimed(mut owner) = db.engine.begin(request(&owner_key, "a"), &p).await else {
+        panic!("the owner claims")
+    };
+    let owner = tokio::spawn(async move {
+        owner.run(tokio::time::sleep(lease * 5)).await.unwrap();
+        owner.finish(StoredResponse::new(201, "owner").into()).await
+    });
+    let long = {
+        let engine = db.engine.clone();
+        let business = db.business.clone();
+        let key = unique_key("long");
+        let long_lease = policy(Duration::from_secs(10));
+        tokio::spawn(async move {
+            let two = options(CommitPath::Two);
+            let mut execution =
+                claimed::<sqlx::Sqlite>(&engine, request(&key, "a"), &long_lease, &two).await;
+            let mut tx = execution.transaction().unwrap();
+            execution
+                .run(async {
+                    // Work first (a call to another service), then write.
+                    tokio::time::sleep(lease * 9 / 2).await;
+                    insert(&mut tx, &business).await;
+                    drop(tx);
+                })
+                .await
+                .unwrap();
+            execution
+                .finish(StoredResponse::new(201, "long").into())
+                .await
+        })
+    };
+    // The owner's lease as the database has it, read every 50 ms while the owner runs
+    // (reads never wait for the write lock): it must never have run out.
+    let watcher = {
+        let (store, key) = (store.clone(), owner_key.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                match store.get(&key).await.unwrap().map(|r| r.state) {
+                    Some(RecordState::InProgress { locked_until, .. }) => {
+                        let now = std::time::SystemTime::now();
+                        assert!(
+                            locked_until > now,
+                            "the owner's lease ran out while it ran, {:?} ago",
+                            now.duration_since(locked_until).unwrap_or_default()
+                        );
+                    }
+                    _ => return,
+                }
+            }
+        })
+    };
+    let retrier = Engine::new(store.clone());
+    let started = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(lease / 4).await;
+        let at = started.elapsed();
+        match retrier.begin(request(&owner_key, "a"), &p).await {
+            Begin::InProgress { .. } => assert!(at < Duration::from_secs(30), "{at:?}"),
+            Begin::Replay(StoredOutcome::Response(r)) => {
+                assert_eq!(r.body, b"owner");
+                break;
+            }
+            Begin::Claimed(execution) => {
+                execution.release().await;
+                panic!("the retry took a live owner's key over at {at:?}");
+            }
+            other => panic!("at {at:?}: {other:?}"),
+        }
+    }
+    assert!(matches!(owner.await.unwrap(), Recorded::Stored));
+    assert!(matches!(long.await.unwrap(), TxFinished::Committed));
+    watcher.await.unwrap();
+}
+
+/// Issue 49 (2): SQLite has no idle limit, so a transactional handler that hangs holding the
+/// write lock is stopped at the end of its lease and rolled back (its claim with it, on the
+/// single-commit path), so the file's other writers go on and a retry runs it again. Before
+/// the fix it held the lock for as long as it hung: every write on the file waited its busy
+/// timeout and failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_hung_transactional_handler_is_rolled_back_after_its_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, store) = sqlite_db(&dir).await;
+    let lease = Duration::from_secs(1);
+    let p = policy(lease);
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        let key = unique_key("hung");
+        let before = db.rows().await;
+        let mut execution =
+            claimed::<sqlx::Sqlite>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
+        let mut tx = execution.transaction().unwrap();
+        let business = db.business.clone();
+        let started = std::time::Instant::now();
+        let ran = tokio::time::timeout(
+            lease * 4,
+            execution.run(async move {
+                insert(&mut tx, &business).await;
+                std::future::pending::<()>().await;
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{commit:?}: the hung handler was never stopped"));
+        let took = started.elapsed();
+        assert!(
+            matches!(ran, Err(Halted::OverLease(b)) if b == lease),
+            "{ran:?}"
+        );
+        assert!(
+            took >= lease && took < lease * 3,
+            "{commit:?}: stopped after {took:?}"
+        );
+        execution.abort().await;
+        assert_eq!(
+            db.rows().await,
+            before,
+            "{commit:?}: its write was not rolled back"
+        );
+        // The file is free: a claim on another key goes through at once.
+        let other = unique_key("other");
+        let writer = std::time::Instant::now();
+        let Begin::Claimed(e) = db.engine.begin(request(&other, "a"), &p).await else {
+            panic!("{commit:?}: another key could not be claimed")
+        };
+        e.release().await;
+        assert!(
+            writer.elapsed() < Duration::from_secs(1),
+            "{commit:?}: {:?}",
+            writer.elapsed()
+        );
+        // And the key is free: a retry runs again.
+        let retry =
+            claimed::<sqlx::Sqlite>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
+        retry.abort().await;
+    }
+    drop(store);
+}

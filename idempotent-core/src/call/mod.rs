@@ -521,7 +521,7 @@ impl Calls {
 mod transactional {
     use super::*;
     use crate::tx::{
-        DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, Transaction, TxBegin, TxDatabase, TxFinished,
+        DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, Halted, Transaction, TxBegin, TxDatabase, TxFinished,
         TxOptions,
     };
 
@@ -612,9 +612,14 @@ mod transactional {
                 };
                 let result = match execution.run(async move { f(tx).await }).await {
                     Ok(result) => result,
-                    Err(panic) => {
+                    Err(Halted::Panicked(panic)) => {
                         execution.abort().await;
                         std::panic::resume_unwind(panic)
+                    }
+                    Err(Halted::OverLease(bound)) => {
+                        execution.abort().await;
+                        let stopped = crate::tx::commit::OverLease(bound);
+                        return Err(CallError::Store(StoreError::unavailable(stopped)));
                     }
                 };
                 // An error that is not stored: a status the policy releases, so the writes

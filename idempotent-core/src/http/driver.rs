@@ -550,7 +550,7 @@ mod transactional {
     use crate::key::{IdempotencyKey, KeyError};
     use crate::problem::Problem;
     use crate::scope::{Scope, ScopeError};
-    use crate::tx::{Transaction, TxDatabase, TxOptions};
+    use crate::tx::{Halted, Transaction, TxDatabase, TxOptions};
     use bytes::Bytes;
     use std::future::Future;
     use std::marker::PhantomData;
@@ -624,7 +624,11 @@ mod transactional {
                     execution.abort().await;
                     return G::reply(Reply::problem(&Problem::response_failed()));
                 }
-                Err(panic) => {
+                Err(Halted::OverLease(_)) => {
+                    execution.abort().await;
+                    return G::reply(Reply::problem(&Problem::handler_timed_out()));
+                }
+                Err(Halted::Panicked(panic)) => {
                     execution.abort().await;
                     std::panic::resume_unwind(panic)
                 }

@@ -55,6 +55,24 @@ pub enum TxFinished {
     Escaped,
 }
 
+/// Why [`TxExecution::run`] did not return the handler's output.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Halted {
+    /// The handler panicked: call [`TxExecution::abort`], then resume the panic with this
+    /// payload (`std::panic::resume_unwind`).
+    Panicked(PanicPayload),
+    /// The handler was still running after this bound (its lease, on SQLite) and was
+    /// stopped: call [`TxExecution::abort`], which rolls its writes back and releases the
+    /// key, and answer that nothing was done (HTTP: 503).
+    OverLease(Duration),
+}
+
+/// A handler stopped at its bound ([`Halted::OverLease`]), as an error.
+#[derive(Debug, thiserror::Error)]
+#[error("the handler's transaction was still open after {0:?}; it was stopped and rolled back")]
+pub(crate) struct OverLease(pub(crate) Duration);
+
 enum Claim {
     /// No record (a safe method, or no key where it is optional): commit iff storable.
     /// Counted towards [`Engine::drain`] all the same (it commits at its end).
@@ -124,13 +142,38 @@ impl<DB: TxDatabase> TxExecution<DB> {
     /// two-commit claim's lease alive; a panic is caught and returned (then call
     /// [`TxExecution::abort`] and resume it).
     ///
+    /// On a database with no idle limit of its own ([`TxDatabase::run_bound`]: SQLite, whose
+    /// open write transaction holds up every writer on the file, other executions' lease
+    /// renewals included), `fut` is given the route's lease and dropped if it runs longer:
+    /// then call [`TxExecution::abort`], which rolls its writes back.
+    ///
     /// # Errors
-    /// The panic's payload, if `fut` panicked.
-    pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, PanicPayload> {
+    /// [`Halted::Panicked`] with the panic's payload, if `fut` panicked;
+    /// [`Halted::OverLease`] if it was stopped at its bound.
+    pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, Halted> {
         let fut = fut.instrument(self.span.clone());
-        match &mut self.claim {
+        let bound = DB::run_bound(self.policy.lease);
+        let fut = async move {
+            match bound {
+                Some(bound) => tokio::time::timeout(bound, fut).await.map_err(|_| bound),
+                None => Ok(fut.await),
+            }
+        };
+        let ran = match &mut self.claim {
             Claim::Two(execution) => execution.run(fut).await,
             Claim::None { .. } | Claim::Single { .. } => AssertUnwindSafe(fut).catch_unwind().await,
+        };
+        match ran {
+            Ok(Ok(out)) => Ok(out),
+            Ok(Err(bound)) => {
+                tracing::error!(
+                    route = self.policy.route,
+                    "idempotency: the handler's {} transaction was still open after its lease ({bound:?}), holding up every writer on the database; it is stopped and rolled back, and a retry runs again",
+                    DB::LABEL
+                );
+                Err(Halted::OverLease(bound))
+            }
+            Err(panic) => Err(Halted::Panicked(panic)),
         }
     }
 

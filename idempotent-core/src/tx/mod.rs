@@ -18,10 +18,15 @@
 //!   transaction holds the database's single write lock (`BEGIN IMMEDIATE`), so duplicates and
 //!   every other writer wait for it (the busy timeout; a store built with
 //!   `queue_transactions` has its own transactional executions take it in arrival order).
+//!   SQLite has no idle limit, so there the library stops a handler still running at the end
+//!   of its lease and rolls it back ([`Halted::OverLease`]; HTTP: 503).
 //! - **two commits**: the claim commits alone (duplicates see it and get 409 at once) → BEGIN
 //!   → handler → complete, fenced by the lease token, in the handler's transaction → COMMIT.
 //!   For handlers that must not hold the claim row's lock (or the advisory lock) for long; a
-//!   crash leaves the claim, whose lease expires.
+//!   crash leaves the claim, whose lease expires. On SQLite this transaction is deferred: it
+//!   takes the file's write lock at its first write, not at BEGIN, so a handler that works
+//!   before it writes leaves the file to other writers meanwhile (it is still stopped at the
+//!   end of its lease).
 //!
 //! A replay costs one read-only statement on either path (the record is read before any
 //! transaction begins).
@@ -97,7 +102,7 @@ pub struct TxOptions {
 }
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-mod commit;
+pub(crate) mod commit;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod held;
 #[cfg(feature = "mysql")]
@@ -110,7 +115,7 @@ mod sqlite;
 mod transaction;
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub use commit::{TxBegin, TxExecution, TxFinished};
+pub use commit::{Halted, TxBegin, TxExecution, TxFinished};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 #[doc(hidden)]
 pub use held::Held;

@@ -19,26 +19,46 @@ impl TxDatabase for sqlx::Sqlite {
     /// A claim inside a transaction takes SQLite's one write lock: replays must not.
     const ALWAYS_READ_FIRST: bool = true;
 
-    /// `BEGIN IMMEDIATE`: the write lock from the start, so a read followed by a write
-    /// inside the transaction never fails on a snapshot another writer moved. With the
-    /// store's queue ([`queue_transactions`](crate::store::SqliteStoreBuilder::queue_transactions)),
-    /// waits first for its turn, in arrival order, then for the lock itself up to the busy
-    /// timeout, which any writer outside the queue may hold.
+    /// Single commit (`idle` given): `BEGIN IMMEDIATE`, the write lock from the start: the
+    /// claim inside the transaction writes first, and a read followed by a write then never
+    /// fails on a snapshot another writer moved. With the store's queue
+    /// ([`queue_transactions`](crate::store::SqliteStoreBuilder::queue_transactions)), waits
+    /// first for its turn, in arrival order, then for the lock itself up to the busy timeout,
+    /// which any writer outside the queue may hold.
+    ///
+    /// Two commits, and a transaction with no record (`idle` not given): a deferred `BEGIN`,
+    /// which takes the write lock only at the transaction's first write (the handler's, or the
+    /// complete at its end), so a handler that works before it writes does not hold up every
+    /// other writer on the file, other executions' lease renewals included, while it works.
+    /// Such a transaction takes the lock in SQLite's busy handler, like any writer outside the
+    /// queue. A handler that reads, then writes after another connection committed meanwhile,
+    /// gets `SQLITE_BUSY` (its snapshot is stale) at that write: write first, or use single
+    /// commit, where that read and write must be one snapshot.
     async fn begin_tx(
         store: &SqliteStore,
-        _idle: Option<Duration>,
+        idle: Option<Duration>,
         conn: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
     ) -> Result<Held<sqlx::Sqlite>, StoreError> {
         let conn = match conn {
             Some(conn) => conn,
             None => store.pool.acquire().await.map_err(db_error)?,
         };
+        let immediate = idle.is_some();
         // The connection before the turn, always: a turn's holder then never waits for a
         // connection that a request waiting for the turn holds (one that ran the read does).
-        let turn = store.writes.turn().await;
+        let turn = if immediate {
+            store.writes.turn().await
+        } else {
+            None
+        };
+        let begin = if immediate {
+            "BEGIN IMMEDIATE"
+        } else {
+            "BEGIN"
+        };
         // What `Pool::begin_with` does, on a connection already held. (A failed BEGIN
         // leaves no transaction open.)
-        let mut tx = Held::begin(conn, "BEGIN IMMEDIATE".into_sql_str())
+        let mut tx = Held::begin(conn, begin.into_sql_str())
             .await
             .map_err(|(e, _)| db_error(e))?;
         tx.turn = turn;
@@ -100,5 +120,11 @@ impl TxDatabase for sqlx::Sqlite {
 
     fn finish_bound(_lease: Duration) -> Option<Duration> {
         None
+    }
+
+    /// The lease: SQLite has no idle limit, and an open write transaction holds up every
+    /// writer on the file.
+    fn run_bound(lease: Duration) -> Option<Duration> {
+        Some(lease)
     }
 }

@@ -226,4 +226,15 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
     /// lease; `None`: no bound (SQLite: a local file, whose busy timeout bounds waits).
     #[doc(hidden)]
     fn finish_bound(lease: Duration) -> Option<Duration>;
+
+    /// How long a handler's transaction may stay open, given the route's lease; `None`: no
+    /// bound of the library's (PostgreSQL and MySQL end an idle single-commit transaction at
+    /// the lease themselves, and a two-commit one is held by its heartbeat). SQLite has no
+    /// idle limit, and its open write transaction holds up every writer on the file, other
+    /// executions' lease renewals included: its handlers get the lease.
+    #[doc(hidden)]
+    fn run_bound(lease: Duration) -> Option<Duration> {
+        let _ = lease;
+        None
+    }
 }
