@@ -12,7 +12,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tracing::Instrument;
@@ -50,6 +50,8 @@ struct Inner {
     policy: Policy,
     heartbeat: Heartbeat,
     finished: bool,
+    /// A streamed response's progress, watched by the heartbeat ([`Execution::watch`]).
+    progress: Option<Arc<Progress>>,
 }
 
 impl std::fmt::Debug for Execution {
@@ -82,6 +84,7 @@ impl Execution {
                 policy,
                 heartbeat: Heartbeat::default(),
                 finished: false,
+                progress: None,
             }),
         }
     }
@@ -150,6 +153,19 @@ impl Execution {
         self.start_heartbeat(first_after);
     }
 
+    /// Starts the heartbeat now (as [`Execution::keep_alive`]) watching `progress`: a response
+    /// body on its way to a client that may stop reading. When it has not moved for a whole
+    /// lease (nothing sent: the client stopped reading, so the server stopped polling the
+    /// body; or the body produced nothing), the heartbeat stops renewing and settles the
+    /// record itself with the "not stored" marker ([`StoredOutcome::Oversized`], a 410 on
+    /// retry), as the body would after a lease of silence if it were polled. The write that
+    /// finishes this execution later ([`Execution::finish`], [`Execution::release`]) then
+    /// writes nothing and reports what the heartbeat did.
+    pub(crate) fn watch(&mut self, progress: Arc<Progress>) {
+        self.inner.progress = Some(progress);
+        self.keep_alive();
+    }
+
     /// When the first extension is due: half a lease after the claim was sent.
     fn first_extension(&self) -> tokio::time::Instant {
         self.inner.claimed_at + self.inner.policy.lease / 2
@@ -164,6 +180,7 @@ impl Execution {
             self.inner.token,
             &self.inner.policy,
             first_after,
+            self.inner.progress.as_ref(),
         );
     }
 
@@ -222,6 +239,16 @@ impl Execution {
     /// Stores `outcome` (`Some`) or releases the key (`None`), fenced, retried within the
     /// lease; a final failure is logged and leaves the record in progress until its lease ends.
     async fn write(&mut self, outcome: Option<&StoredOutcome>) -> Recorded {
+        if let Some(progress) = &self.inner.progress
+            && let Some(stored) = progress.finishing().await
+        {
+            // The heartbeat settled the record after a lease of silence.
+            return if stored {
+                Recorded::Stored
+            } else {
+                Recorded::Failed(StoreError::StaleLease)
+            };
+        }
         let first = self.first_extension();
         let Inner {
             slot,
@@ -230,6 +257,7 @@ impl Execution {
             policy,
             heartbeat,
             finished,
+            progress,
             ..
         } = &mut *self.inner;
         let store = &slot.engine.store;
@@ -275,6 +303,7 @@ impl Execution {
                     *token,
                     policy,
                     Duration::ZERO,
+                    progress.as_ref(),
                 );
             }
             Poll::Pending
@@ -345,6 +374,10 @@ impl Drop for Execution {
 }
 
 /// Starts an execution's heartbeat task, unless it runs already or the execution finished.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the parts of an execution the task copies, borrowed apart"
+)]
 fn start_heartbeat(
     state: &mut Heartbeat,
     finished: bool,
@@ -353,6 +386,7 @@ fn start_heartbeat(
     token: LeaseToken,
     policy: &Policy,
     first_after: Duration,
+    progress: Option<&Arc<Progress>>,
 ) {
     if state.task.is_some() || finished {
         return;
@@ -362,11 +396,114 @@ fn start_heartbeat(
         Arc::clone(store),
         key.clone(),
         token,
-        policy.lease,
+        *policy,
         first_after,
-        policy.route,
+        progress.cloned(),
     ));
     state.task = Some(AbortOnDrop(task));
+}
+
+/// A streamed response's progress on its way to the client, shared by the recorder that
+/// feeds it ([`Progress::moved`]) and the execution's heartbeat, which settles the record
+/// when nothing has moved for a lease ([`Execution::watch`]). It also decides which of the
+/// two writes the record: the recorder, or the heartbeat after a lease of silence.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    since: tokio::time::Instant,
+    /// When something last moved, in ms since `since`.
+    moved_ms: AtomicU64,
+    /// Body bytes sent so far.
+    size: AtomicU64,
+    status: u16,
+    /// [`RECORDING`], [`SETTLING`], [`FINISHING`], [`SETTLED`] or [`SETTLE_FAILED`].
+    state: AtomicU8,
+    settled: tokio::sync::Notify,
+}
+
+/// The recorder may still write; the heartbeat may settle.
+const RECORDING: u8 = 0;
+/// The heartbeat is writing the marker.
+const SETTLING: u8 = 1;
+/// The recorder writes (finish or release); the heartbeat only renews.
+const FINISHING: u8 = 2;
+/// The heartbeat stored the marker.
+const SETTLED: u8 = 3;
+/// The heartbeat's marker was refused by the fence: the record was taken over.
+const SETTLE_FAILED: u8 = 4;
+
+impl Progress {
+    /// The progress of a response with `status`, nothing sent yet.
+    pub(crate) fn new(status: u16) -> Arc<Self> {
+        Arc::new(Progress {
+            since: tokio::time::Instant::now(),
+            moved_ms: AtomicU64::new(0),
+            size: AtomicU64::new(0),
+            status,
+            state: AtomicU8::new(RECORDING),
+            settled: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// `bytes` more went out (or were read, for a client that left): the body moves.
+    pub(crate) fn moved(&self, bytes: usize) {
+        self.size.fetch_add(bytes as u64, Ordering::Relaxed);
+        let ms = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.moved_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Whether the heartbeat settled the record (the recorder has nothing more to record).
+    pub(crate) fn is_settled(&self) -> bool {
+        matches!(self.state.load(Ordering::Acquire), SETTLED | SETTLE_FAILED)
+    }
+
+    /// How long nothing has moved.
+    fn silent_for(&self) -> Duration {
+        let moved = Duration::from_millis(self.moved_ms.load(Ordering::Relaxed));
+        self.since.elapsed().saturating_sub(moved)
+    }
+
+    /// The recorder is about to write: `None` when it may (from now on the heartbeat only
+    /// renews), `Some(stored)` when the heartbeat settled the record (after its write, if it
+    /// was on its way).
+    async fn finishing(&self) -> Option<bool> {
+        loop {
+            let notified = self.settled.notified();
+            match self.state.compare_exchange(
+                RECORDING,
+                FINISHING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) | Err(FINISHING) => return None,
+                Err(SETTLED) => return Some(true),
+                Err(SETTLE_FAILED) => return Some(false),
+                // The heartbeat's write is on its way: its answer, then look again.
+                Err(_) => notified.await,
+            }
+        }
+    }
+
+    /// The heartbeat takes the write, if the recorder has not.
+    fn try_settle(&self) -> bool {
+        self.state
+            .compare_exchange(RECORDING, SETTLING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The heartbeat's write ended in `state` ([`RECORDING`] again when it failed and may be
+    /// tried again).
+    fn settle_ended(&self, state: u8) {
+        self.state.store(state, Ordering::Release);
+        self.settled.notify_waiters();
+    }
+
+    /// The marker the heartbeat stores.
+    fn marker(&self) -> StoredOutcome {
+        StoredOutcome::Oversized {
+            status: self.status,
+            size: self.size.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// Runs a fenced store write, retrying transient failures with exponential backoff for at
@@ -470,17 +607,57 @@ async fn heartbeat(
     store: Arc<dyn Store>,
     key: RecordKey,
     token: LeaseToken,
-    lease: Duration,
+    policy: Policy,
     first_after: Duration,
-    route: &'static str,
+    progress: Option<Arc<Progress>>,
 ) {
+    let (lease, route) = (policy.lease, policy.route);
     let half = lease / 2;
     tokio::time::sleep(first_after).await;
     loop {
+        // A streamed body that has not moved for a lease: settle instead of renewing.
+        if let Some(progress) = &progress
+            && progress.silent_for() >= lease
+            && progress.try_settle()
+        {
+            let marker = progress.marker();
+            let bound = write_bound(lease);
+            let write = store.complete(&key, token, &marker, policy.ttl);
+            match tokio::time::timeout(bound, write).await {
+                Ok(Ok(())) => {
+                    tracing::warn!(
+                        route,
+                        "idempotency: a streamed response did not move for a lease (its client stopped reading, or it produced nothing); stored as not replayable"
+                    );
+                    progress.settle_ended(SETTLED);
+                    return;
+                }
+                Ok(Err(StoreError::StaleLease)) => {
+                    progress.settle_ended(SETTLE_FAILED);
+                    return;
+                }
+                // Not stored: the recorder may still finish; renew, and try again next time.
+                Ok(Err(error)) => {
+                    tracing::warn!(route, error = %error, "idempotency: storing a silent stream's marker failed; retrying");
+                    progress.settle_ended(RECORDING);
+                }
+                Err(_) => progress.settle_ended(RECORDING),
+            }
+        }
         // Bounded (`Store::renew`): a silent connection costs an eighth of the lease, then the
         // store tries another, within seven sixteenths of the lease.
         match observe::timed("extend", store.renew(&key, token, lease)).await {
-            Ok(_) => tokio::time::sleep(half).await,
+            // The next renewal in half a lease, or sooner when a watched body's lease of
+            // silence ends first.
+            Ok(_) => {
+                let wake = match &progress {
+                    Some(p) if p.state.load(Ordering::Acquire) == RECORDING => half
+                        .min(lease.saturating_sub(p.silent_for()))
+                        .max(Duration::from_millis(10)),
+                    _ => half,
+                };
+                tokio::time::sleep(wake).await;
+            }
             // Someone took over (`complete` will report the stale lease), or the outcome was
             // stored while this renewal was on its way: stop.
             Err(StoreError::StaleLease) => {

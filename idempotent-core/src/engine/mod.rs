@@ -18,6 +18,7 @@ pub(crate) use flight::{AutoSweep, InFlight};
     allow(unused_imports)
 )]
 pub(crate) use lease::NoAnswer;
+pub(crate) use lease::Progress;
 #[cfg_attr(
     not(any(feature = "postgres", feature = "mysql")),
     allow(unused_imports)

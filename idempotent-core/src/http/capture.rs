@@ -1,7 +1,7 @@
 //! The handler's response: how it is recorded, and a bounded copy of it.
 
 use super::{connection_options, is_stored_header};
-use crate::engine::{Execution, Policy, Recorded};
+use crate::engine::{Execution, Policy, Progress, Recorded};
 use crate::store::record::{StoredOutcome, StoredResponse};
 use std::future::Future;
 use std::pin::Pin;
@@ -65,13 +65,20 @@ impl ResponsePlan {
 ///   is stored (retries get 410) and the rest goes through uncopied. A slow stream that keeps
 ///   producing is recorded to its end; an idle or endless one (server-sent events waiting for
 ///   an event) never holds its key in progress for longer than a lease of silence, whether or
-///   not the framework notices a client that left meanwhile.
+///   not the framework notices a client that left meanwhile;
+/// - its client stops reading while staying connected: the server stops polling the body
+///   once its socket buffers are full, so nothing above runs; the execution's heartbeat
+///   watches the body's progress instead and, after a lease in which nothing was sent, stops
+///   renewing and stores the oversized marker itself ([`Recorder::is_settled`]; then the
+///   rest goes through uncopied).
 #[derive(Debug)]
 pub struct Recorder {
     capture: Capture,
     execution: Execution,
     /// When recording gives up if nothing more arrives (streamed bodies only).
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The body's progress, which the heartbeat watches (streamed bodies only).
+    progress: Option<std::sync::Arc<Progress>>,
 }
 
 impl Recorder {
@@ -81,6 +88,7 @@ impl Recorder {
             capture,
             execution,
             deadline: None,
+            progress: None,
         }
     }
 
@@ -88,13 +96,22 @@ impl Recorder {
     /// kept alive by its own task from now on, since a client that stops reading for a while
     /// stops the body being polled.
     pub fn streaming(mut execution: Execution, capture: Capture) -> Self {
-        execution.keep_alive();
+        let progress = Progress::new(capture.status());
+        execution.watch(std::sync::Arc::clone(&progress));
         let deadline = Box::pin(tokio::time::sleep(execution.policy().lease));
         Recorder {
             capture,
             execution,
             deadline: Some(deadline),
+            progress: Some(progress),
         }
+    }
+
+    /// Whether the execution's heartbeat stored the oversized marker because the body did not
+    /// move for a lease (a client that stopped reading): then call [`Recorder::over_limit`]
+    /// (which writes nothing more) and let the rest through uncopied.
+    pub fn is_settled(&self) -> bool {
+        self.progress.as_ref().is_some_and(|p| p.is_settled())
     }
 
     /// Ready once a streamed body has produced nothing for a whole lease: then call
@@ -125,6 +142,9 @@ impl Recorder {
         if let Some(deadline) = self.deadline.as_mut() {
             let lease = self.execution.policy().lease;
             deadline.as_mut().reset(tokio::time::Instant::now() + lease);
+        }
+        if let Some(progress) = &self.progress {
+            progress.moved(chunk.len());
         }
         self.capture.push(chunk)
     }
@@ -167,10 +187,15 @@ impl Recorder {
         use futures_util::StreamExt;
         let deadline = tokio::time::Instant::now() + self.execution.policy().lease;
         let capture = &mut self.capture;
+        let progress = self.progress.as_deref();
         let read = async {
             let mut rest = std::pin::pin!(rest);
             while let Some(chunk) = rest.next().await {
-                if !capture.push(chunk?.as_ref()) {
+                let chunk = chunk?;
+                if let Some(progress) = progress {
+                    progress.moved(chunk.as_ref().len());
+                }
+                if !capture.push(chunk.as_ref()) {
                     break;
                 }
             }

@@ -466,7 +466,8 @@ impl Tee {
                     return Poll::Ready(None);
                 }
                 TeeState::Recording(recorder) => {
-                    if recorder.poll_expired(cx).is_ready() {
+                    // Silent for a lease (polled, or seen by the heartbeat while unpolled).
+                    if recorder.is_settled() || recorder.poll_expired(cx).is_ready() {
                         // Still streaming a lease later: not replayable; the rest goes through.
                         if let Some(recorder) = self.take() {
                             spawn(recorder.over_limit());

@@ -187,6 +187,21 @@ async fn stream_endless(app: web::Data<App>) -> HttpResponse {
         ))
 }
 
+/// An endless stream that is always ready, in chunks of the size the body names: it fills
+/// every buffer between it and a client that stops reading (short lease).
+#[idempotent(unscoped, lease = "500ms")]
+async fn stream_flood(app: web::Data<App>, size: String) -> HttpResponse {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    let chunk = Bytes::from(vec![b'x'; size.trim().parse().unwrap_or(16)]);
+    let chunks = futures_util::stream::repeat(chunk);
+    HttpResponse::Ok()
+        .content_type("text/plain")
+        .streaming(futures_util::StreamExt::map(
+            chunks,
+            Ok::<_, std::io::Error>,
+        ))
+}
+
 /// Its ttl is shorter than the lease the misconfiguration test configures.
 #[idempotent(unscoped, ttl = "1m")]
 async fn short_ttl(app: web::Data<App>) -> HttpResponse {
@@ -271,6 +286,7 @@ fn routes(cfg: &mut web::ServiceConfig) {
         .route("/stream/fails-late", web::post().to(stream_fails_late))
         .route("/stream/gate", web::post().to(stream_gate))
         .route("/stream/endless", web::post().to(stream_endless))
+        .route("/stream/flood", web::post().to(stream_flood))
         .route("/short-ttl", web::post().to(short_ttl))
         .route("/tx/sqlite", web::post().to(tx_sqlite))
         .route("/tx/postgres", web::post().to(tx_postgres))
@@ -309,4 +325,29 @@ pub(crate) fn serve(config: Config, app: &App, wired: bool) -> SocketAddr {
     });
     ready.recv().unwrap();
     addr
+}
+
+/// Serves the routes, with the middleware, on a Unix socket at `path`.
+pub(crate) fn serve_unix(config: Config, app: &App, path: &std::path::Path) {
+    let idempotency = Idempotency::from(config);
+    let (app, path) = (app.clone(), path.to_owned());
+    let (started, ready) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        actix_rt::System::new().block_on(async move {
+            let server = HttpServer::new(move || {
+                actix_web::App::new()
+                    .wrap(idempotency.middleware())
+                    .app_data(web::Data::new(app.clone()))
+                    .configure(routes)
+            })
+            .workers(1)
+            .disable_signals()
+            .bind_uds(path)
+            .unwrap()
+            .run();
+            started.send(()).unwrap();
+            server.await.unwrap();
+        });
+    });
+    ready.recv().unwrap();
 }

@@ -220,6 +220,19 @@ async fn stream_endless(State(app): State<App>) -> Streamed {
     )))
 }
 
+/// An endless stream that is always ready, in chunks of the size the body names: it fills
+/// every buffer between it and a client that stops reading (short lease).
+#[idempotent(unscoped, lease = "500ms")]
+async fn stream_flood(State(app): State<App>, size: String) -> Streamed {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    let chunk = bytes::Bytes::from(vec![b'x'; size.trim().parse().unwrap_or(16)]);
+    let chunks = futures_util::stream::repeat(chunk);
+    streamed(Body::from_stream(futures_util::StreamExt::map(
+        chunks,
+        Ok::<_, std::io::Error>,
+    )))
+}
+
 /// Its ttl is shorter than the lease the tests' configuration sets for the misconfiguration
 /// test: the route must answer 500, never panic or run unprotected.
 #[idempotent(unscoped, ttl = "1m")]
@@ -283,6 +296,7 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/hop", post(hop))
         .route("/optional", post(optional))
         .route("/stream/ok", post(stream_ok))
+        .route("/stream/flood", post(stream_flood))
         .route("/stream/big", post(stream_big))
         .route("/stream/fails-early", post(stream_fails_early))
         .route("/stream/fails-late", post(stream_fails_late))
@@ -314,4 +328,11 @@ pub(crate) async fn serve(config: Config, app: &App, wired: bool) -> SocketAddr 
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     addr
+}
+
+/// Serves the routes, with the middleware, on a Unix socket at `path`.
+pub(crate) async fn serve_unix(config: Config, app: &App, path: &std::path::Path) {
+    let router = router(app, &Idempotency::from(config));
+    let listener = tokio::net::UnixListener::bind(path).unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
 }

@@ -1339,6 +1339,127 @@ async fn an_endless_stream_whose_client_left_is_bounded(fw: Fw) {
     assert_eq!(drained.still_running, 0);
 }
 
+/// Issue 49 (3): a client that reads a streamed response's head and then stops reading, while
+/// staying connected, must not hold its key in progress for as long as its connection lives.
+/// Once the buffers between them are full the server stops polling the body, so the body's
+/// own lease of silence is never checked; the execution's heartbeat sees that nothing has
+/// moved for a lease and stores the "not stored" marker, and a retry gets 410. On TCP and on
+/// a Unix socket, in small and large chunks. Before the fix the heartbeat kept renewing and
+/// every retry got 409 for as long as the connection stayed open.
+async fn a_client_that_stops_reading_never_holds_its_key(fw: Fw) {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("idempotent.sock");
+    let tcp = serve(fw, config(MemoryStore::new())).await;
+    let app = App::default();
+    match fw {
+        Fw::Axum => axum_app::serve_unix(config(MemoryStore::new()), &app, &socket).await,
+        Fw::Actix => actix_app::serve_unix(config(MemoryStore::new()), &app, &socket),
+    }
+    for unix in [false, true] {
+        for size in [16_usize, 65_536] {
+            let k = key();
+            let request = format!(
+                "POST /stream/flood HTTP/1.1\r\nhost: x\r\nidempotency-key: {k}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{size}",
+                size.to_string().len()
+            );
+            let connect = || async {
+                if unix {
+                    Conn::Unix(tokio::net::UnixStream::connect(&socket).await.unwrap())
+                } else {
+                    Conn::Tcp(tokio::net::TcpStream::connect(tcp.addr).await.unwrap())
+                }
+            };
+            // The client that stops reading after the head (and staying connected).
+            let mut stalled = connect().await;
+            stalled.write_all(request.as_bytes()).await.unwrap();
+            let mut head = Vec::new();
+            let mut buf = [0_u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = stalled.read(&mut buf).await.unwrap();
+                assert!(n > 0, "closed before the head");
+                head.extend_from_slice(&buf[..n]);
+            }
+            assert!(
+                head.starts_with(b"HTTP/1.1 200"),
+                "{}",
+                String::from_utf8_lossy(&head)
+            );
+            // Retries: 409 while the stream is recorded, then 410 (not stored, never again run).
+            let started = std::time::Instant::now();
+            let answer = loop {
+                let mut retry = connect().await;
+                retry.write_all(request.as_bytes()).await.unwrap();
+                let answer = retry.read_answer().await;
+                if !answer.starts_with("HTTP/1.1 409") {
+                    break answer;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "unix {unix}, chunks of {size}: still in progress after {:?} (20 leases)",
+                    started.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            assert!(
+                answer.starts_with("HTTP/1.1 410"),
+                "unix {unix}, {size}: {answer}"
+            );
+            assert!(
+                answer.contains("idempotency-response-not-stored"),
+                "{answer}"
+            );
+            drop(stalled);
+        }
+    }
+    assert_eq!(
+        tcp.runs() + app.runs.load(Ordering::SeqCst),
+        4,
+        "one run per key"
+    );
+}
+
+/// A client connection on TCP or a Unix socket.
+enum Conn {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl Conn {
+    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Conn::Tcp(c) => c.write_all(bytes).await,
+            Conn::Unix(c) => c.write_all(bytes).await,
+        }
+    }
+    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Conn::Tcp(c) => c.read(buf).await,
+            Conn::Unix(c) => c.read(buf).await,
+        }
+    }
+    /// A whole answer with a `content-length` (a problem), as text.
+    async fn read_answer(&mut self) -> String {
+        let mut out = Vec::new();
+        let mut buf = [0_u8; 4096];
+        loop {
+            let n = self.read(&mut buf).await.unwrap();
+            out.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&out).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n")
+                && let Some(len) = head.lines().find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(str::to_owned)
+                })
+                && body.len() >= len.trim().parse::<usize>().unwrap()
+            {
+                return text;
+            }
+            assert!(n > 0, "closed mid-answer: {text}");
+        }
+    }
+}
+
 /// A body that cannot be read is a 400, not a 413; a client that disconnects mid-upload
 /// causes no claim and no handler run.
 async fn unreadable_bodies_are_400_and_claim_nothing(fw: Fw) {
@@ -1605,6 +1726,7 @@ on_both!(
     client_gone_during_the_claim_still_runs_the_handler,
     client_gone_mid_handler_by_half_close_or_reset,
     an_endless_stream_whose_client_left_is_bounded,
+    a_client_that_stops_reading_never_holds_its_key,
     unreadable_bodies_are_400_and_claim_nothing,
     configuration_errors_never_panic,
     failed_completes_are_retried_then_hold_the_key,
