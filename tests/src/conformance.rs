@@ -49,6 +49,7 @@ async fn claim(
             fingerprint,
             lease,
             ttl,
+            max_stored: 0,
         })
         .await
         .expect("claim")
@@ -523,6 +524,7 @@ pub async fn concurrent_claims_one_winner(f: &impl Fixture) {
                         fingerprint: &fp("a"),
                         lease: Duration::from_secs(60),
                         ttl: TTL,
+                        max_stored: 0,
                     })
                     .await
             })

@@ -47,6 +47,7 @@ async fn capacity_is_enforced_and_expired_records_make_room() {
                 fingerprint: &fp,
                 lease: short,
                 ttl: short,
+                max_stored: 0,
             })
             .await
             .unwrap();
@@ -59,6 +60,7 @@ async fn capacity_is_enforced_and_expired_records_make_room() {
         fingerprint: &fp,
         lease: short,
         ttl: short,
+        max_stored: 0,
     };
     assert!(matches!(
         store.claim(req).await,
@@ -70,6 +72,7 @@ async fn capacity_is_enforced_and_expired_records_make_room() {
         fingerprint: &fp,
         lease: short,
         ttl: short,
+        max_stored: 0,
     };
     assert!(matches!(
         store.claim(again).await,
@@ -100,6 +103,7 @@ async fn capacity_holds_under_concurrent_claims() {
                     fingerprint: &fp,
                     lease: Duration::from_secs(60),
                     ttl: Duration::from_secs(60),
+                    max_stored: 0,
                 };
                 store.claim(req).await
             })
@@ -140,6 +144,7 @@ async fn one_scope_cannot_fill_the_store_for_everyone() {
                     fingerprint: &fp,
                     lease: short,
                     ttl: short,
+                    max_stored: 0,
                 })
                 .await
         }
@@ -235,6 +240,7 @@ async fn function_scopes_are_shared_when_built_not_when_spelled_so() {
                     fingerprint: &fp,
                     lease,
                     ttl: lease,
+                    max_stored: 0,
                 })
                 .await,
         );
@@ -285,6 +291,7 @@ async fn leases_are_measured_on_a_monotonic_clock() {
         fingerprint: &fp,
         lease,
         ttl,
+        max_stored: 0,
     };
     let ClaimOutcome::Claimed(first) = store.claim(req).await.unwrap() else {
         panic!("not claimed");
@@ -353,12 +360,25 @@ async fn leases_are_measured_on_a_monotonic_clock() {
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
 
-/// Claims `k` and, if claimed, completes it with a `size`-byte body; returns what the claim
-/// answered.
+/// The route limit the byte-budget tests' claims reserve (their responses are 200 KiB).
+const LIMIT: u64 = 256 * KIB;
+
+/// Claims `k` reserving [`LIMIT`] and, if claimed, completes it with a body of `size`.
 async fn claim_and_store(
     store: &idempotent_core::MemoryStore,
     k: &idempotent_core::store::RecordKey,
     size: u64,
+) -> Result<idempotent_core::store::ClaimOutcome, idempotent_core::StoreError> {
+    claim_and_store_within(store, k, size, LIMIT).await
+}
+
+/// Claims `k` reserving `limit` (the route's `max_response`) and, if claimed, completes it
+/// with a body of `size`.
+async fn claim_and_store_within(
+    store: &idempotent_core::MemoryStore,
+    k: &idempotent_core::store::RecordKey,
+    size: u64,
+    limit: u64,
 ) -> Result<idempotent_core::store::ClaimOutcome, idempotent_core::StoreError> {
     use idempotent_core::store::*;
     let fp = idempotent_tests::conformance::fp("a");
@@ -369,6 +389,7 @@ async fn claim_and_store(
             fingerprint: &fp,
             lease: short,
             ttl: short,
+            max_stored: limit,
         })
         .await?;
     if let ClaimOutcome::Claimed(lease) = &out {
@@ -397,6 +418,7 @@ async fn replayed_size(
             fingerprint: &fp,
             lease: short,
             ttl: short,
+            max_stored: 0,
         })
         .await
         .unwrap()
@@ -407,11 +429,12 @@ async fn replayed_size(
     }
 }
 
-/// One caller storing large responses fills its own byte budget and no more: the response
-/// that takes it past the budget is still stored and replayed (never the "not stored"
-/// marker), and from then on its new claims are refused with `ScopeByteCapacity` (answered as
-/// the count bound is) while its bytes are over, while another caller goes on. Deleted,
-/// released and expired records give their bytes back.
+/// One caller storing large responses fills its own byte budget and no more: each claim
+/// reserves the route's limit when it is admitted, so the claim that would let the scope's
+/// records store past the budget is refused with `ScopeByteCapacity` (answered as the count
+/// bound is), and every admitted claim's response is stored and replayed (never the "not
+/// stored" marker), while another caller goes on. Deleted, released and expired records give
+/// their bytes back.
 #[tokio::test]
 async fn one_scope_cannot_fill_the_store_with_bytes() {
     use idempotent_core::{clock::*, engine::*, store::*, *};
@@ -446,17 +469,21 @@ async fn one_scope_cannot_fill_the_store_with_bytes() {
         ),
         "{error:?}"
     );
-    // Five responses fit, the sixth took the scope past its budget (its claim was admitted
-    // under it) and was stored all the same, the seventh claim was refused.
-    assert_eq!(at, 6, "refused at claim {at}");
-    for i in 0..6 {
+    // Four 200 KiB responses are stored; the fifth claim would reserve 256 KiB more, past the
+    // budget: refused. The scope never holds more than its budget.
+    assert_eq!(at, 4, "refused at claim {at}");
+    for i in 0..4 {
         assert_eq!(
             replayed_size(&store, &key(&greedy, &format!("k{i}"))).await,
             Some(200 * 1024),
             "k{i}"
         );
     }
-    assert!(store.bytes() > MIB && store.bytes() < MIB + 200 * KIB + KIB);
+    assert!(
+        store.bytes() > 4 * 200 * KIB && store.bytes() <= MIB,
+        "{}",
+        store.bytes()
+    );
     // Another caller is not held up.
     let other = Scope::new("other").unwrap();
     assert!(matches!(
@@ -498,6 +525,7 @@ async fn one_scope_cannot_fill_the_store_with_bytes() {
         fingerprint: &fp,
         lease: short,
         ttl: short,
+        max_stored: LIMIT,
     };
     let ClaimOutcome::Claimed(held) = store.claim(req).await.unwrap() else {
         panic!("not claimed");
@@ -534,9 +562,9 @@ async fn one_scope_cannot_fill_the_store_with_bytes() {
     );
 }
 
-/// The total byte budget: callers together fill it (the response that takes it past the
-/// budget is stored and replayed), and then every new claim is refused with `ByteCapacity`
-/// until records go.
+/// The total byte budget: callers together fill it, each claim reserving the route's limit,
+/// and then every new claim is refused with `ByteCapacity` until records go; the store never
+/// holds more than its budget.
 #[tokio::test]
 async fn the_total_byte_budget_holds() {
     use idempotent_core::{store::*, *};
@@ -568,9 +596,9 @@ async fn the_total_byte_budget_holds() {
         matches!(error, StoreError::ByteCapacity { max_bytes: MIB }),
         "{error:?}"
     );
-    assert_eq!(at, 6, "refused at claim {at}");
-    assert_eq!(replayed_size(&store, &key(5)).await, Some(200 * 1024));
-    assert!(store.bytes() > MIB && store.bytes() < MIB + 200 * KIB + KIB);
+    assert_eq!(at, 4, "refused at claim {at}");
+    assert_eq!(replayed_size(&store, &key(3)).await, Some(200 * 1024));
+    assert!(store.bytes() <= MIB, "{}", store.bytes());
     store.delete(&key(0), false).await.unwrap();
     assert!(matches!(
         claim_and_store(&store, &key(7), 100 * KIB).await,
@@ -580,9 +608,10 @@ async fn the_total_byte_budget_holds() {
 }
 
 /// Concurrent claims and completes: every claim admitted stores its response (never the
-/// marker), claims are admitted only while the bytes charged are under the budget (so the
-/// overshoot is the responses of executions already in flight), once over every new claim is
-/// refused, and the bytes charged add up: deleting every record gives back every byte.
+/// marker), each claim reserves its limit when admitted, so no more are admitted than the
+/// budget holds and the store never goes past it (issue 49: claims were admitted against
+/// their bare size, so all of them were, and their responses took the store far past its
+/// budget); the bytes charged add up: deleting every record gives back every byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn byte_budget_holds_under_concurrent_completes() {
     use idempotent_core::store::*;
@@ -595,7 +624,8 @@ async fn byte_budget_holds_under_concurrent_completes() {
             tokio::spawn(async move {
                 let key = idempotent_tests::conformance::unique_key(&format!("b{i}"));
                 barrier.wait().await;
-                let out = claim_and_store(&store, &key, 100 * KIB).await;
+                let out = claim_and_store_within(&store, &key, 100 * KIB, 100 * KIB).await;
+                assert!(store.bytes() <= MIB, "{} bytes charged", store.bytes());
                 match out {
                     Ok(ClaimOutcome::Claimed(_)) => {
                         let replayed = replayed_size(&store, &key).await;
@@ -612,28 +642,64 @@ async fn byte_budget_holds_under_concurrent_completes() {
     for t in tasks {
         stored.extend(t.await.unwrap());
     }
-    // About 100 KiB per record: ten fit under the budget, so at least ten were admitted.
-    assert!(stored.len() >= 10, "{} stored", stored.len());
-    if store.bytes() > MIB {
-        let out = claim_and_store(&store, &idempotent_tests::conformance::unique_key("c"), 0).await;
-        assert!(
-            matches!(out, Err(StoreError::ByteCapacity { max_bytes: MIB })),
-            "{out:?}"
-        );
-    }
+    // About 100 KiB per record: ten fit under the budget, and no more.
+    assert_eq!(stored.len(), 10, "{} admitted", stored.len());
+    assert!(store.bytes() <= MIB, "{}", store.bytes());
     for key in &stored {
         store.delete(key, false).await.unwrap();
     }
     assert_eq!((store.len(), store.bytes()), (0, 0));
 }
 
-/// Other callers' volume never costs a caller its response: caller A fills most of the total
-/// budget while caller B's execution runs; B's response, completing past the budget, is
-/// stored and replayed (never the 410 marker: markers are only for responses over the
-/// route's `max_response`). While the store is over its budget every new claim is refused
-/// (anyone's: answered 503 as at the count bound), and giving back a little (an in-progress
-/// claim released) does not end that while the bytes are still over; once A's records are
-/// deleted, claims work again.
+/// Issue 49 (4): one caller's 300 concurrent requests for 1 MiB responses (the default
+/// `max_response`) cannot take the store past its budgets: at most its own budget's worth
+/// of claims is admitted (the rest are refused for the scope's budget, 503), so the store
+/// stays far under its total and every other caller's new keys go on. Before, every claim
+/// was admitted against its bare size and their responses took the store past its 256 MiB
+/// total, refusing everyone's new keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_callers_concurrent_claims_stay_within_its_budget() {
+    use idempotent_core::store::*;
+    use idempotent_core::*;
+    const TASKS: usize = 300;
+    let store = MemoryStore::new();
+    let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
+    let greedy = Scope::new("greedy").unwrap();
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|i| {
+            let (store, barrier, greedy) = (store.clone(), barrier.clone(), greedy.clone());
+            tokio::spawn(async move {
+                let key = RecordKey::new(greedy, format!("k{i}").parse().unwrap());
+                barrier.wait().await;
+                match claim_and_store_within(&store, &key, MIB, MIB).await {
+                    Ok(ClaimOutcome::Claimed(_)) => true,
+                    Err(StoreError::ScopeByteCapacity { .. }) => false,
+                    other => panic!("{other:?}"),
+                }
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += usize::from(t.await.unwrap());
+    }
+    // The scope's budget is 32 MiB: 31 responses of 1 MiB and their records fit.
+    assert_eq!(admitted, 31, "{admitted} admitted");
+    assert!(store.bytes() <= 32 * MIB, "{}", store.bytes());
+    // Everyone else's new keys go on.
+    let other = RecordKey::new(Scope::new("other").unwrap(), "k".parse().unwrap());
+    assert!(matches!(
+        claim_and_store_within(&store, &other, MIB, MIB).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+}
+
+/// Other callers' volume never costs a caller its response: caller B's executions reserved
+/// room for their responses when they were admitted, so caller A filling the store while they
+/// run cannot take it: B's response is stored and replayed (never the 410 marker: markers are
+/// only for responses over the route's `max_response`) and the store never passes its budget.
+/// A's new claims are refused while that room is reserved (answered 503 as at the count
+/// bound) and admitted once B gives a reservation back (a release).
 #[tokio::test]
 async fn other_callers_volume_never_turns_a_response_into_a_marker() {
     use idempotent_core::{store::*, *};
@@ -644,7 +710,7 @@ async fn other_callers_volume_never_turns_a_response_into_a_marker() {
     let fp = idempotent_tests::conformance::fp("a");
     let short = Duration::from_secs(10);
     let key = |scope: &str, k: &str| RecordKey::new(Scope::new(scope).unwrap(), k.parse().unwrap());
-    let claim = |k: RecordKey| {
+    let claim = |k: RecordKey, max_stored: u64| {
         let store = store.clone();
         async move {
             store
@@ -653,26 +719,30 @@ async fn other_callers_volume_never_turns_a_response_into_a_marker() {
                     fingerprint: &fp,
                     lease: short,
                     ttl: short,
+                    max_stored,
                 })
                 .await
         }
     };
-    // B's executions start while there is room.
+    // B's executions start while there is room, each reserving 300 KiB.
     let held = |out: Result<ClaimOutcome, StoreError>| match out {
         Ok(ClaimOutcome::Claimed(lease)) => lease.token,
         other => panic!("{other:?}"),
     };
-    let b1 = held(claim(key("b", "b1")).await);
-    let b2 = held(claim(key("b", "b2")).await);
-    // A fills most of the budget.
-    for i in 0..4 {
-        assert!(matches!(
-            claim_and_store(&store, &key("a", &format!("a{i}")), 200 * KIB).await,
-            Ok(ClaimOutcome::Claimed(_))
-        ));
-    }
-    assert!(store.bytes() < MIB);
-    // B's first execution finishes with 300 KiB: past the total budget, yet stored.
+    let b1 = held(claim(key("b", "b1"), 300 * KIB).await);
+    let b2 = held(claim(key("b", "b2"), 300 * KIB).await);
+    // A fills what is left: one 200 KiB response (its claim reserving 256 KiB), then refused.
+    assert!(matches!(
+        claim_and_store(&store, &key("a", "a0"), 200 * KIB).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    let out = claim_and_store(&store, &key("a", "a1"), 200 * KIB).await;
+    assert!(
+        matches!(out, Err(StoreError::ByteCapacity { max_bytes: MIB })),
+        "{out:?}"
+    );
+    assert!(store.bytes() <= MIB, "{}", store.bytes());
+    // B's first execution finishes with 300 KiB: stored in the room it reserved.
     let response = StoredResponse::new(201, vec![b'x'; 300 * 1024]);
     store
         .complete(&key("b", "b1"), b1, &response.into(), short)
@@ -683,40 +753,18 @@ async fn other_callers_volume_never_turns_a_response_into_a_marker() {
         Some(300 * 1024),
         "B's retry must replay its stored response, not the \"not stored\" marker"
     );
-    let over = store.bytes();
-    assert!(over > MIB, "{over} bytes charged: the response is charged");
-    // While over, nobody's new claim is admitted.
-    for (scope, k) in [("c", "c0"), ("a", "a9"), ("b", "b9")] {
-        let out = claim(key(scope, k)).await;
-        assert!(
-            matches!(out, Err(StoreError::ByteCapacity { max_bytes: MIB })),
-            "{scope}: {out:?}"
-        );
-    }
-    // Releasing B's other claim gives back a few hundred bytes: still over, still refused.
+    assert!(store.bytes() <= MIB, "{}", store.bytes());
+    // Releasing B's other claim gives its reservation back: A's next claim fits.
     store.release(&key("b", "b2"), b2).await.unwrap();
-    assert!(store.bytes() > MIB);
-    let out = claim(key("c", "c0")).await;
-    assert!(
-        matches!(out, Err(StoreError::ByteCapacity { max_bytes: MIB })),
-        "a release that left the store over its budget let a claim in: {out:?}"
-    );
-    // A's records go: room again, and B's response is still there.
-    for i in 0..2 {
-        store
-            .delete(&key("a", &format!("a{i}")), false)
-            .await
-            .unwrap();
-    }
-    assert!(store.bytes() < MIB);
     assert!(matches!(
-        claim_and_store(&store, &key("c", "c0"), KIB).await,
+        claim_and_store(&store, &key("a", "a1"), 200 * KIB).await,
         Ok(ClaimOutcome::Claimed(_))
     ));
     assert_eq!(
         replayed_size(&store, &key("b", "b1")).await,
         Some(300 * 1024)
     );
+    assert!(store.bytes() <= MIB, "{}", store.bytes());
 }
 
 /// The store's tables are rebuilt as they grow, moving each record (and each scope's
@@ -738,6 +786,7 @@ async fn records_stay_found_as_tables_grow_and_churn() {
                 fingerprint: &fp,
                 lease: ttl,
                 ttl,
+                max_stored: 0,
             })
             .await
     };
@@ -799,4 +848,52 @@ async fn records_stay_found_as_tables_grow_and_churn() {
             "a scope's count was lost"
         );
     }
+}
+
+/// Issue 49 (6): a scope's text is held twice (in each record's key, and once in the scope's
+/// usage entry), and both copies are charged: the second with the scope's first record, given
+/// back with its last. Before, the usage entry's copy was not charged, so callers with long
+/// identities held memory no budget counted.
+#[tokio::test]
+async fn both_copies_of_a_scope_are_charged() {
+    use idempotent_core::store::*;
+    use idempotent_core::*;
+    let store = MemoryStore::new();
+    let scope = Scope::new("s".repeat(200)).unwrap();
+    let key = |k: &str| RecordKey::new(scope.clone(), k.parse().unwrap());
+    let record = MemoryStore::RECORD_OVERHEAD + 200 + 2 + 33;
+    let usage = MemoryStore::SCOPE_OVERHEAD + 200;
+    let fp = idempotent_tests::conformance::fp("a");
+    let claim = |k: RecordKey| {
+        let (store, fp) = (store.clone(), fp);
+        async move {
+            let long = Duration::from_secs(60);
+            let req = ClaimRequest {
+                key: &k,
+                fingerprint: &fp,
+                lease: long,
+                ttl: long,
+                max_stored: 0,
+            };
+            assert!(matches!(
+                store.claim(req).await,
+                Ok(ClaimOutcome::Claimed(_))
+            ));
+        }
+    };
+    claim(key("k1")).await;
+    assert_eq!(
+        store.bytes(),
+        record + usage,
+        "one record and the scope's usage"
+    );
+    claim(key("k2")).await;
+    assert_eq!(
+        store.bytes(),
+        2 * record + usage,
+        "the usage is charged once"
+    );
+    store.delete(&key("k1"), true).await.unwrap();
+    store.delete(&key("k2"), true).await.unwrap();
+    assert_eq!(store.bytes(), 0, "given back with the scope's last record");
 }

@@ -52,6 +52,7 @@ async fn one_callers_keys_spread_over_every_primary() {
                 fingerprint: &fp("a"),
                 lease: std::time::Duration::from_secs(60),
                 ttl: std::time::Duration::from_secs(60),
+                max_stored: 0,
             })
             .await
             .unwrap();
@@ -106,6 +107,7 @@ async fn records_expire_in_redis_itself(fixture: Redis) {
             fingerprint: &fp("a"),
             lease,
             ttl,
+            max_stored: 0,
         })
         .await
         .unwrap()
@@ -192,6 +194,7 @@ async fn cluster_with_wait_for_replicas() {
             fingerprint,
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
+            max_stored: 0,
         }
     }
     let fingerprint = fp("a");
@@ -302,6 +305,7 @@ async fn a_key_holding_something_else_is_corrupt() {
                 fingerprint: &fingerprint,
                 lease: Duration::from_secs(5),
                 ttl: Duration::from_secs(5),
+                max_stored: 0,
             })
             .await;
         assert!(

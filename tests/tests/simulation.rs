@@ -416,7 +416,7 @@ impl Store for SimStore {
         self.before("claim", Some(k)).await?;
         let inner = Arc::clone(&self.inner);
         let (key, fingerprint) = (req.key.clone(), *req.fingerprint);
-        let (lease, ttl) = (req.lease, req.ttl);
+        let (lease, ttl, max_stored) = (req.lease, req.ttl, req.max_stored);
         let out = self
             .runner
             .run(async move {
@@ -426,6 +426,7 @@ impl Store for SimStore {
                         fingerprint: &fingerprint,
                         lease,
                         ttl,
+                        max_stored,
                     })
                     .await
             })

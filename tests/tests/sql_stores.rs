@@ -141,6 +141,7 @@ async fn race(
                         fingerprint: &fp("race"),
                         lease: Duration::from_secs(60),
                         ttl: Duration::from_secs(3600),
+                        max_stored: 0,
                     };
                     let seen = match store.claim(req).await.unwrap() {
                         ClaimOutcome::Claimed(lease) => {
@@ -266,6 +267,7 @@ async fn sqlite_instances_migrate_a_new_file_at_once() {
                 fingerprint: &fp("migrated"),
                 lease: Duration::from_secs(60),
                 ttl: Duration::from_secs(3600),
+                max_stored: 0,
             };
             let outcome = store.claim(req).await.unwrap();
             assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
@@ -352,6 +354,7 @@ async fn leases_in_database_time(
         fingerprint: &fp("c"),
         lease,
         ttl: Duration::from_secs(60),
+        max_stored: 0,
     };
     let ClaimOutcome::Claimed(l) = a.claim(req).await.unwrap() else {
         panic!("not claimed")
@@ -417,6 +420,7 @@ async fn postgres_leases_follow_the_database_clock() {
         fingerprint: &fp("c"),
         lease,
         ttl: Duration::from_secs(60),
+        max_stored: 0,
     };
     tokio::time::sleep(lease + Duration::from_millis(300)).await;
     assert!(matches!(
@@ -535,6 +539,7 @@ async fn postgres_killed_connection_mid_claim_is_unavailable_not_a_duplicate() {
                     fingerprint: &fp("k"),
                     lease: Duration::from_secs(30),
                     ttl: Duration::from_secs(60),
+                    max_stored: 0,
                 })
                 .await
         })
@@ -573,6 +578,7 @@ async fn postgres_killed_connection_mid_claim_is_unavailable_not_a_duplicate() {
             fingerprint: &fp("k"),
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
+            max_stored: 0,
         })
         .await
         .unwrap();
@@ -738,6 +744,7 @@ async fn take_over_never_waits_on_a_row_lock<DB>(
         fingerprint: &fp("rt"),
         lease: Duration::from_millis(200),
         ttl: Duration::from_secs(3600),
+        max_stored: 0,
     };
     assert!(matches!(
         store.claim(req).await.unwrap(),
@@ -810,6 +817,7 @@ async fn extend_never_waits_on_a_row_lock<DB>(
         fingerprint: &fp("rt"),
         lease,
         ttl: Duration::from_secs(3600),
+        max_stored: 0,
     };
     let ClaimOutcome::Claimed(claimed) = store.claim(req).await.unwrap() else {
         panic!("not claimed")
@@ -911,6 +919,7 @@ async fn postgres_claim_on_inside_a_callers_transaction() {
         fingerprint: &fp("rt"),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
+        max_stored: 0,
     };
     let serializable = "BEGIN ISOLATION LEVEL SERIALIZABLE";
     // The first claims in its transaction; the second took its snapshot before that commits.
@@ -932,6 +941,7 @@ async fn postgres_claim_on_inside_a_callers_transaction() {
                 fingerprint: &fp("rt"),
                 lease: Duration::from_secs(30),
                 ttl: Duration::from_secs(3600),
+                max_stored: 0,
             };
             let out = store.claim_on(&mut tx2, req).await;
             drop(tx2);
@@ -1161,6 +1171,7 @@ async fn mysql_a_heartbeat_frozen_holding_the_row_lock_is_ended_by_the_server() 
         fingerprint: &fp("rt"),
         lease,
         ttl: Duration::from_secs(3600),
+        max_stored: 0,
     };
     let ClaimOutcome::Claimed(claimed) = store.claim(req).await.unwrap() else {
         panic!("not claimed")
@@ -1247,6 +1258,7 @@ async fn mysql_short_transactions_put_the_idle_limit_back() {
         fingerprint: &fp("rt"),
         lease,
         ttl: Duration::from_secs(3600),
+        max_stored: 0,
     };
     let ClaimOutcome::Claimed(first) = store.claim(req).await.unwrap() else {
         panic!("not claimed")
@@ -1290,6 +1302,7 @@ async fn mysql_sweeper_skips_rows_a_transaction_holds() {
             fingerprint: &fp("s"),
             lease: Duration::from_millis(100),
             ttl: Duration::from_millis(100),
+            max_stored: 0,
         };
         let ClaimOutcome::Claimed(lease) = store.claim(req).await.unwrap() else {
             panic!("not claimed")
@@ -1325,6 +1338,7 @@ async fn mysql_sweeper_skips_rows_a_transaction_holds() {
         fingerprint: &fp("s"),
         lease: Duration::from_secs(10),
         ttl: Duration::from_secs(60),
+        max_stored: 0,
     };
     let claimed = tokio::time::timeout(Duration::from_secs(5), store.claim(req))
         .await
@@ -1378,6 +1392,7 @@ async fn mysql_refuses_sessions_without_autocommit() {
         fingerprint: &fp("a"),
         lease: Duration::from_secs(10),
         ttl: Duration::from_secs(60),
+        max_stored: 0,
     };
     assert!(matches!(
         store.claim(req).await,

@@ -643,6 +643,7 @@ async fn postgres_duplicate_while_the_first_runs_falls_back_cleanly() {
         fingerprint: &req.fingerprint,
         lease: p.lease,
         ttl: p.ttl,
+        max_stored: 0,
     };
     match <sqlx::Postgres as TxDatabase>::claim_first(&other_store, conn, p.lease, claim).await {
         Ok(FirstClaim::Fallback(conn)) => drop(conn),
@@ -1819,6 +1820,7 @@ async fn mysql_transactions_leave_their_sessions_clean() {
         fingerprint: &req.fingerprint,
         lease: p.lease,
         ttl: p.ttl,
+        max_stored: 0,
     };
     let conn = store.pool().acquire().await.unwrap();
     match <sqlx::MySql as TxDatabase>::claim_first(&store, conn, p.lease, claim).await {

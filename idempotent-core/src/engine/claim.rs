@@ -148,6 +148,7 @@ impl Engine {
                 fingerprint: &req.fingerprint,
                 lease: policy.lease,
                 ttl: policy.ttl,
+                max_stored: policy.max_stored as u64,
             })
             .await;
         match claim {

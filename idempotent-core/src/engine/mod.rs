@@ -140,6 +140,11 @@ pub struct Policy {
     /// The route's name for logs (the handler's name under `#[idempotent]`; low cardinality,
     /// never a concrete path).
     pub route: &'static str,
+    /// The most bytes a stored outcome of this route holds (HTTP: the route's `max_response`),
+    /// reserved by stores with byte budgets when they admit a claim
+    /// ([`ClaimRequest::max_stored`](crate::store::ClaimRequest::max_stored)). Default
+    /// [`DEFAULT_MAX_RESPONSE`](crate::http::DEFAULT_MAX_RESPONSE) (1 MiB).
+    pub max_stored: usize,
 }
 
 impl Default for Policy {
@@ -151,6 +156,7 @@ impl Default for Policy {
             key: KeyRequirement::Required,
             fail_open: false,
             route: "",
+            max_stored: crate::http::DEFAULT_MAX_RESPONSE,
         }
     }
 }

@@ -102,6 +102,7 @@ impl Route {
     /// # Errors
     /// [`ConfigError`]: answer with [`Problem::misconfigured`], never run the handler.
     pub fn resolve(&self, config: &Config) -> Result<RoutePolicy, ConfigError> {
+        let max_response = self.max_response.unwrap_or(config.max_response);
         let policy = Policy {
             ttl: self.ttl.unwrap_or(config.ttl),
             lease: self.lease.unwrap_or(config.engine.lease()),
@@ -109,11 +110,12 @@ impl Route {
             key: self.key,
             fail_open: config.fail_open,
             route: self.name,
+            max_stored: max_response,
         };
         match check_ttl_and_lease(policy.ttl, policy.lease) {
             Ok(()) => Ok(RoutePolicy {
                 policy,
-                max_response: self.max_response.unwrap_or(config.max_response),
+                max_response,
             }),
             Err(e) => {
                 if !self.reported.swap(true, Ordering::Relaxed) {

@@ -59,27 +59,30 @@ const MIB: u64 = 1024 * 1024;
 /// byte budget, not `max_entries`, is what bounds a store of small records (about 447,000 of
 /// them). Raise both for a larger process.
 ///
-/// A claim is charged the record without its response, and refused like the count bound
-/// when that does not fit ([`StoreError::ScopeByteCapacity`], [`StoreError::ByteCapacity`];
-/// HTTP: 503 with `Retry-After`); so is a claim taking over an expired record. The
-/// response's size is only known when the handler has run, and by then its bytes are in
-/// memory: **`complete` stores every response and charges it, even past a budget**. Neither
-/// budget ever turns a response into the "not stored" marker (that marker, a 410 on retry, is
-/// only for a response over the route's `max_response`), so other callers' volume never costs
-/// a caller a replayable response; refusing the complete instead would leave the record to
-/// its lease and let a retry run the handler again. While the bytes charged are over a
-/// budget, that budget refuses every new claim: the total, everyone's; a scope's, that
-/// caller's. That is read from the bytes charged, never remembered: it ends as soon as
-/// records released, deleted or purged bring the bytes back under the budget, and not before.
+/// A claim is charged its record and the most its outcome may store, the route's
+/// `max_response` ([`ClaimRequest::max_stored`]), reserved when the claim is admitted, and
+/// refused like the count bound when that does not fit ([`StoreError::ScopeByteCapacity`],
+/// [`StoreError::ByteCapacity`]; HTTP: 503 with `Retry-After`); so is a claim taking over an
+/// expired record. `complete` settles the reservation: the record is then charged the
+/// response it stored (the rest given back), and `release` gives it all back. So claims in
+/// flight can never together store past a budget: 300 concurrent requests of one caller for
+/// 1 MiB responses are admitted only as far as its 32 MiB go (31 of them), whatever they
+/// answer, and the store never holds more than its budget. Neither budget ever turns a
+/// response into the "not stored" marker (that marker, a 410 on retry, is only for a
+/// response over the route's `max_response`): a response always fits in the room its claim
+/// reserved.
 ///
-/// The overshoot is bounded by the executions in flight when a budget was reached: each was
-/// admitted while its budgets were under, and stores at most its route's `max_response`
-/// (default 1 MiB; a larger response is stored as the marker). So the store holds at most
-/// `max_bytes` + (executions in flight) × `max_response`, and a scope at most
-/// `max_bytes_per_scope` + (its executions in flight) × `max_response`; those responses were
-/// held in memory by their executions anyway, and the store keeps them for their ttl instead.
-/// A response larger than a whole budget is stored too, and that budget then refuses claims
-/// until its record goes: keep `max_bytes_per_scope` well above the routes' `max_response`.
+/// A response larger than its reservation (its headers, which `max_response` does not count;
+/// or a caller of the store that reserved less than it stores) is stored and charged all the
+/// same, even past a budget, since its bytes are in memory already and refusing the complete
+/// would let a retry run the handler again; while the bytes charged are over a budget, that
+/// budget refuses every new claim. A reservation larger than a whole budget (a route whose
+/// `max_response` exceeds `max_bytes_per_scope`) is refused at every claim: keep
+/// `max_bytes_per_scope` well above the routes' `max_response`.
+///
+/// A scope's text is held twice: in each of its records' keys, charged with each record, and
+/// once in its usage entry, charged with its first record ([`MemoryStore::SCOPE_OVERHEAD`]
+/// and the text) and given back with its last.
 ///
 /// # Time
 /// Leases and expiry are measured on a monotonic clock ([`Clock::instant`]), so a wall clock
@@ -359,6 +362,12 @@ impl MemoryStore {
     /// the map slot, the boxed entry and allocator rounding (see "Byte budgets").
     pub const RECORD_OVERHEAD: u64 = 272;
 
+    /// Bytes charged per scope that holds records, on top of its text: its usage entry (the
+    /// scope's hash, a copy of the scope and its counts, 48 bytes) and allocator rounding. A
+    /// scope's text is kept twice, in each record's key and once in its usage; both are
+    /// charged, the first with each record and the second with the scope's first record.
+    pub const SCOPE_OVERHEAD: u64 = 64;
+
     /// A store with the defaults (1,000,000 records, 100,000 per scope, 256 MiB, 32 MiB per
     /// scope, system clock).
     pub fn new() -> Self {
@@ -421,7 +430,7 @@ impl MemoryStore {
 
     /// What the record `entry` of `key` is charged.
     fn charge(key: &RecordKey, entry: &Entry) -> u64 {
-        Self::base_charge(key) + entry.response_bytes()
+        Self::base_charge(key) + entry.outcome_bytes()
     }
 
     /// Counts a new record of `charge` bytes for `key`: in the store, and in its scope unless
@@ -458,17 +467,29 @@ impl MemoryStore {
             return Ok(());
         }
         let mut usages = self.scope_usage(scope);
-        // Looked up by reference: the scope is cloned only for its first record.
-        let (records, held) = usages
-            .get()
-            .map_or((0, 0), |usage| (usage.records, usage.bytes));
+        // Looked up by reference: the scope is cloned only for its first record, and that
+        // copy (the usage's own) is charged with it, to the store and the scope alike.
+        let (records, held, own) = usages.get().map_or_else(
+            || (0, 0, Self::usage_charge(scope)),
+            |usage| (usage.records, usage.bytes, 0),
+        );
         let refused = if records >= inner.max_per_scope {
             Some(Refused::ScopeFull)
         } else if held
             .checked_add(bytes)
+            .and_then(|b| b.checked_add(own))
             .is_none_or(|b| b > inner.max_bytes_per_scope)
         {
             Some(Refused::ScopeBytesFull)
+        } else if own > 0
+            && inner
+                .bytes
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                    b.checked_add(own).filter(|&total| total <= max)
+                })
+                .is_err()
+        {
+            Some(Refused::BytesFull)
         } else {
             None
         };
@@ -482,7 +503,10 @@ impl MemoryStore {
                 usage.bytes += bytes;
                 usage.records += 1;
             }
-            None => usages.insert_new(Usage { records: 1, bytes }),
+            None => usages.insert_new(Usage {
+                records: 1,
+                bytes: bytes + own,
+            }),
         }
         Ok(())
     }
@@ -539,10 +563,18 @@ impl MemoryStore {
             if gone {
                 usage.records = usage.records.saturating_sub(1);
                 if usage.records == 0 {
+                    // What is left is the usage's own copy of the scope: given back with it.
+                    inner.bytes.fetch_sub(usage.bytes, Ordering::AcqRel);
                     usages.remove();
                 }
             }
         }
+    }
+
+    /// What a scope's usage entry is charged, while the scope holds records: its slot and
+    /// its own copy of the scope (the records' keys hold theirs).
+    fn usage_charge(scope: &Scope) -> u64 {
+        Self::SCOPE_OVERHEAD + scope.as_str().len() as u64
     }
 
     /// Gives back everything the removed record `entry` of `key` was charged.
@@ -587,20 +619,15 @@ impl MemoryStore {
             && of_scope.saturating_add(bytes) <= self.inner.max_bytes_per_scope
     }
 
-    /// Packs `outcome` for the record of `key`, charging its response (see
-    /// [`charge_response`](Self::charge_response)).
-    fn pack_charged(
-        &self,
-        key: &RecordKey,
-        scope_hash: u64,
-        counted: bool,
-        outcome: &StoredOutcome,
-    ) -> Packed {
-        let packed = Packed::pack(outcome);
-        if let Packed::Response(bytes) = &packed {
-            self.charge_response(&key.scope, scope_hash, counted, bytes.len() as u64);
+    /// A record's outcome charged `new` bytes instead of `old` (a reservation settled by the
+    /// response stored, or replaced by a take-over's): the difference is given back, or
+    /// charged whatever the budgets (see [`charge_response`](Self::charge_response)).
+    fn settle(&self, scope: &Scope, scope_hash: u64, counted: bool, old: u64, new: u64) {
+        if new > old {
+            self.charge_response(scope, scope_hash, counted, new - old);
+        } else if old > new {
+            self.shrink(scope, counted, old - new, false);
         }
-        packed
     }
 
     /// Purges expired records to make room, unless that ran less than a second ago (by the
@@ -666,6 +693,7 @@ impl MemoryStore {
                 state: EntryState::InProgress {
                     token,
                     locked_until,
+                    reserved: req.max_stored,
                 },
                 created_at: now.wall,
                 expires_at: later(now.mono, req.lease.saturating_add(req.ttl)),
@@ -682,7 +710,10 @@ impl MemoryStore {
         match map.get_mut(key) {
             None => {
                 let counted = !req.key.scope.is_shared();
-                self.admit(req.key, Self::base_charge(req.key), counted)?;
+                // The record and what its outcome may store, reserved now: claims in flight
+                // can never together store past a budget.
+                let charge = Self::base_charge(req.key).saturating_add(req.max_stored);
+                self.admit(req.key, charge, counted)?;
                 let (lease, record) = fresh(expired, counted);
                 map.insert_new(key, Box::new(record));
                 Ok(ClaimOutcome::Claimed(lease))
@@ -702,11 +733,21 @@ impl MemoryStore {
                         retry_after: locked_until.saturating_duration_since(now.mono),
                     })
                 }
-                EntryState::InProgress { .. } => {
-                    // Lease ran out, same fingerprint: take over with a new token.
+                EntryState::InProgress { reserved, .. } => {
+                    // Lease ran out, same fingerprint: take over with a new token, and the
+                    // new claim's reservation in place of the old one's.
+                    let (old, new) = (*reserved, req.max_stored);
                     let (lease, mut record) = fresh(true, rec.counted);
                     record.created_at = rec.created_at;
+                    let counted = rec.counted;
                     **rec = record;
+                    self.settle(
+                        &req.key.scope,
+                        self.scope_hash(&req.key.scope),
+                        counted,
+                        old,
+                        new,
+                    );
                     Ok(ClaimOutcome::Claimed(lease))
                 }
             },
@@ -773,6 +814,9 @@ enum EntryState {
     InProgress {
         token: LeaseToken,
         locked_until: Instant,
+        /// The bytes reserved for its outcome ([`ClaimRequest::max_stored`]), charged while
+        /// it runs and settled when it completes.
+        reserved: u64,
     },
     Done {
         outcome: Packed,
@@ -789,14 +833,12 @@ impl Entry {
         })
     }
 
-    /// The bytes of its packed response (0 in progress, or for the marker).
-    fn response_bytes(&self) -> u64 {
+    /// The bytes its outcome is charged: those reserved while in progress, its packed
+    /// response once done (0 for the marker).
+    fn outcome_bytes(&self) -> u64 {
         match &self.state {
-            EntryState::Done {
-                outcome: Packed::Response(bytes),
-                ..
-            } => bytes.len() as u64,
-            _ => 0,
+            EntryState::InProgress { reserved, .. } => *reserved,
+            EntryState::Done { outcome, .. } => outcome.bytes(),
         }
     }
 
@@ -810,6 +852,7 @@ impl Entry {
                 EntryState::InProgress {
                     token,
                     locked_until,
+                    ..
                 } => RecordState::InProgress {
                     token: *token,
                     locked_until: now.wall_of(*locked_until),
@@ -854,6 +897,14 @@ impl Packed {
                 status: *status,
                 size: *size,
             },
+        }
+    }
+
+    /// The bytes it holds on the heap (0 for the marker).
+    fn bytes(&self) -> u64 {
+        match self {
+            Packed::Response(bytes) => bytes.len() as u64,
+            Packed::Oversized { .. } => 0,
         }
     }
 
@@ -939,8 +990,18 @@ impl Store for MemoryStore {
         }
         self.fenced(key, token, |map, hashed, now| {
             if let Some(rec) = map.get_mut(hashed) {
+                let reserved = rec.outcome_bytes();
+                let packed = Packed::pack(outcome);
+                // The reservation becomes the response's bytes.
+                self.settle(
+                    &key.scope,
+                    scope_hash,
+                    rec.counted,
+                    reserved,
+                    packed.bytes(),
+                );
                 rec.state = EntryState::Done {
-                    outcome: self.pack_charged(key, scope_hash, rec.counted, outcome),
+                    outcome: packed,
                     completed_at: now.wall,
                 };
                 rec.expires_at = rec.expires_at.max(later(now.mono, ttl));
@@ -965,10 +1026,9 @@ impl Store for MemoryStore {
         self.fenced(key, token, |map, hashed, now| {
             let until = later(now.mono, lease);
             if let Some(rec) = map.get_mut(hashed) {
-                rec.state = EntryState::InProgress {
-                    token,
-                    locked_until: until,
-                };
+                if let EntryState::InProgress { locked_until, .. } = &mut rec.state {
+                    *locked_until = until;
+                }
                 rec.expires_at = rec.expires_at.max(until);
             }
             now.wall_of(until)
@@ -1040,6 +1100,7 @@ mod tests {
                 fingerprint: &fingerprint,
                 lease: ttl,
                 ttl,
+                max_stored: 0,
             };
             assert!(matches!(
                 store.claim(req).await,

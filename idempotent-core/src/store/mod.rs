@@ -56,6 +56,12 @@ pub struct ClaimRequest<'a> {
     pub lease: Duration,
     /// How long the record lives (a floor): a claim after that is a new request.
     pub ttl: Duration,
+    /// The most bytes the claim's outcome may hold when stored: the route's response limit
+    /// (HTTP `max_response`; a larger body is stored as the "not stored" marker). Stores with
+    /// byte budgets (memory, Redis) reserve it against them when they admit the claim and
+    /// settle at `complete` (charging what was stored) or `release` (giving it back), so
+    /// concurrent claims cannot together store past a budget. `0` reserves nothing.
+    pub max_stored: u64,
 }
 
 /// What a claim found.

@@ -634,6 +634,7 @@ impl Engine {
             fingerprint: &req.fingerprint,
             lease: policy.lease,
             ttl: policy.ttl,
+            max_stored: policy.max_stored as u64,
         };
         let unavailable = |what: &str, error: StoreError| {
             tracing::error!(route = policy.route, error = %error, "idempotency: {what} failed");

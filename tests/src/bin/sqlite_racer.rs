@@ -49,6 +49,7 @@ async fn main() {
                         fingerprint: &fp,
                         lease: Duration::from_secs(60),
                         ttl: Duration::from_secs(3600),
+                        max_stored: 0,
                     };
                     match store.claim(req).await {
                         Ok(ClaimOutcome::Claimed(lease)) => {
