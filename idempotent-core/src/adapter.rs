@@ -26,9 +26,15 @@ pub mod driver {
 
 /// Function mode's runtime.
 pub mod call {
-    pub use crate::call::{CallError, Calls, Function};
+    pub use crate::call::{CallError, Calls, Function, Input};
     pub use crate::scope::ScopeValue;
     pub use ::core::time::Duration;
+
+    /// An input of the function, for its fingerprint (type-checks it against [`Input`], so a
+    /// parameter that is not `Serialize` gets `Input`'s message, at the parameter).
+    pub fn input<T: Input>(value: &T) -> &dyn Input {
+        value
+    }
 
     /// The scope of a parameter (type-checks it against [`ScopeValue`]).
     pub fn scope_of<T: ScopeValue + ?Sized>(

@@ -132,6 +132,68 @@ where
 }"#,
         ),
         (
+            // Lint levels stay on the bindings; `#[cfg]`-gated parameters make one copy of the
+            // function per combination; the transaction and the context keep theirs too.
+            "actix_parameter_attributes",
+            Entry::Actix,
+            r#"unscoped"#,
+            r#"async fn h(
+    #[allow(unused_variables)] q: Q,
+    #[cfg(feature = "a")] a: A,
+    #[cfg(feature = "b")]
+    #[cfg(unix)]
+    #[allow(unused_variables)]
+    b: B,
+    #[allow(unused_mut)] mut tx: Transaction<Sqlite>,
+    #[allow(unused_variables)] idem: Idempotent,
+) -> HttpResponse {
+    q
+}"#,
+        ),
+        (
+            "axum_parameter_attributes",
+            Entry::Axum,
+            r#"unscoped"#,
+            r#"async fn h(
+    #[cfg(feature = "a")] a: A,
+    #[allow(unused_mut)] mut tx: Transaction<Sqlite>,
+    #[allow(unused_variables)] idem: &Idempotent,
+) {
+}"#,
+        ),
+        (
+            // Fifteen extractors fit beside the context; sixteen do not.
+            "axum_fifteen_extractors",
+            Entry::Axum,
+            r#"unscoped"#,
+            r#"async fn h(a: A, b: B, c: C, d: D, e: E, f: F, g: G, i: I, j: J, k: K, l: L, m: M, n: N, o: O, p: P) {}"#,
+        ),
+        (
+            "axum_sixteen_extractors",
+            Entry::Axum,
+            r#"unscoped"#,
+            r#"async fn h(a: A, b: B, c: C, d: D, e: E, f: F, g: G, i: I, j: J, k: K, l: L, m: M, n: N, o: O, p: P, q: Q) {}"#,
+        ),
+        (
+            // The transaction and the context take no part in counting extractors.
+            "axum_fifteen_extractors_and_a_transaction",
+            Entry::Axum,
+            r#"unscoped"#,
+            r#"async fn h(a: A, b: B, c: C, d: D, e: E, f: F, g: G, i: I, j: J, k: K, l: L, m: M, n: N, o: O, tx: Transaction<Sqlite>, idem: Idempotent, p: P) {}"#,
+        ),
+        (
+            "actix_five_gated_parameters",
+            Entry::Actix,
+            r#"unscoped"#,
+            r#"async fn h(#[cfg(a)] a: A, #[cfg(b)] b: B, #[cfg(c)] c: C, #[cfg(d)] d: D, #[cfg(e)] e: E) {}"#,
+        ),
+        (
+            "axum_gated_transaction_context_and_skip",
+            Entry::Axum,
+            r#"unscoped"#,
+            r#"async fn h(#[cfg(a)] tx: Transaction<Sqlite>, #[cfg(b)] idem: Idempotent, #[idempotent(skip)] x: X) {}"#,
+        ),
+        (
             "core_function_everything",
             Entry::Core,
             r#"name = "billing.book", key_from = "msg.id", scope = "msg.tenant", ttl = "7d", lease = "30s", wait = "5s", store_errors"#,
@@ -172,6 +234,34 @@ pub async fn book(
     idem: Idempotent,
     tx: Transaction<Sqlite>,
 ) -> Result<u8, E> {
+    Ok(1)
+}"#,
+        ),
+        (
+            // Every input is fingerprinted: the key's parameter, the others in order, the
+            // bindings of a destructured one, a gated one where it exists; not the runner, the
+            // transaction, the context, the scope or what is marked `skip`.
+            "core_function_every_input",
+            Entry::Core,
+            r#"name = "book", key_from = "id", scope = "tenant""#,
+            r#"async fn book(
+    calls: &Calls,
+    id: &str,
+    tenant: &TenantId,
+    Note { text, .. }: Note,
+    #[cfg(feature = "audit")] audit: Audit,
+    #[idempotent(skip)] pool: &PgPool,
+    #[allow(unused_mut)] mut tx: Transaction<Postgres>,
+    amount: i64,
+) -> Result<u8, E> {
+    Ok(1)
+}"#,
+        ),
+        (
+            "core_function_parameter_attribute_errors",
+            Entry::Core,
+            r#"name = "n", key_from = "m", unscoped"#,
+            r#"async fn f(calls: &Calls, m: u64, #[idempotent(skipp)] a: A, #[idempotent] b: B) -> Result<u8, E> {
     Ok(1)
 }"#,
         ),

@@ -82,8 +82,11 @@ use validate::Entry;
 /// `Idempotent` parameters,
 /// sqlx's own `Transaction<'_, DB>`, `commit` or `wait` without a transaction, `scope` together with `unscoped`
 /// or neither, function mode's `name` or `store_errors` without `key_from`, a `ttl` shorter
-/// than a `lease` written next to it, and a function that is not
-/// a free `async fn`. All errors are reported together, next to the unchanged function. A
+/// than a `lease` written next to it, a function that is not
+/// a free `async fn`, more extractors than axum takes beside the hidden context (15: axum's
+/// limit is 16 arguments), a `#[cfg]` on the `Transaction` or `Idempotent` parameter (the
+/// attribute provides them, so they exist in every configuration) and `#[idempotent(skip)]`
+/// on a handler's parameter (a handler's fingerprint is its request, not its parameters). All errors are reported together, next to the unchanged function. A
 /// `ttl` shorter than the *configured* lease can only be seen at run time: the route then
 /// answers 500 and logs its name, once.
 ///
@@ -96,6 +99,10 @@ use validate::Entry;
 /// #[idempotent(scope = "ratio")]
 /// async fn handler(Path(ratio): Path<f64>) {} // error: `f64` cannot be used as an idempotency scope
 /// ```
+///
+/// Attributes on parameters are kept: `#[cfg]` and lint levels (`#[allow(unused_mut)] mut
+/// tx: Transaction<…>`) hold as written, on the transaction and the context too (on the
+/// bindings the expansion makes for them).
 ///
 /// # Handler shapes and other attributes
 /// Any handler axum accepts: `impl IntoResponse`, concrete types, `Result<T, E>` with any
@@ -159,6 +166,12 @@ pub fn idempotent_axum(args: TokenStream, item: TokenStream) -> TokenStream {
 /// `idempotent`: the same attribute, arguments and checks as the Axum entry (see the
 /// `idempotent-axum` docs), generating code that names only `::idempotent_actix::__private`
 /// (or the `crate = "…"` path).
+///
+/// The hidden context is the handler's only extractor there and extracts the handler's own
+/// parameters as one tuple, then binds each with its attributes. A tuple type has no place
+/// for a `#[cfg]`, so a handler with `#[cfg]`-gated parameters is expanded once per
+/// combination of them, each copy under the `#[cfg]` that selects it (at most 4 gated
+/// parameters: 16 copies, of which the compiler keeps one).
 ///
 /// ```
 /// use actix_web::{HttpResponse, post, web};
@@ -229,9 +242,45 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
 /// function's logs and metrics. There is no default: a name taken from the module path
 /// would change silently with a refactor.
 ///
-/// - the fingerprint is the JSON of the parameter `key_from` starts at (the message), with
-///   the name, so a redelivered message with other contents under the same id is
-///   [`CallError::Mismatch`];
+/// - **every input is fingerprinted**, with the name: the JSON of each parameter (the
+///   bindings of a destructured one), in order, so the same key with other arguments is
+///   [`CallError::Mismatch`], never a replay, wherever the key comes from (`key_from = "id"`
+///   with the message in another parameter as much as `key_from = "msg.id"`). Left out: the
+///   runner, the transaction, the `Idempotent` context, the scope's parameter (they name the
+///   record or are made by the runtime) and parameters marked `#[idempotent(skip)]`. A
+///   function with one input is fingerprinted as that value's JSON, with several as an array
+///   of them: adding, removing or reordering inputs changes the fingerprint, so a message
+///   redelivered across such a change is a mismatch until its record expires;
+/// - **an input must be `Serialize`**: a parameter that is no input of the operation (a
+///   connection pool, an HTTP client, a counter) is marked `#[idempotent(skip)]`; otherwise
+///   it is a compile error at that parameter, never a silent omission:
+///
+/// ```compile_fail
+/// use idempotent_core::{call::Calls, idempotent};
+///
+/// struct Pool; // not `Serialize`
+///
+/// #[idempotent(name = "book", key_from = "id", unscoped)]
+/// async fn book(calls: &Calls, id: &str, pool: &Pool) -> Result<(), std::io::Error> {
+///     // error: `&Pool` does not implement `serde::Serialize`, so it cannot be part of the
+///     //        idempotent function's fingerprint
+///     Ok(())
+/// }
+/// ```
+///
+/// ```
+/// use idempotent_core::{call::Calls, idempotent};
+///
+/// struct Pool; // no input of the operation
+///
+/// #[idempotent(name = "book", key_from = "id", unscoped)]
+/// async fn book(calls: &Calls, id: &str, amount: i64, #[idempotent(skip)] pool: &Pool) -> Result<i64, std::io::Error> {
+///     let _ = pool;
+///     Ok(amount) // `id` and `amount` are fingerprinted: the same id with another amount is a mismatch
+/// }
+/// ```
+///
+/// - the key is the message id as it is (no trimming, no unquoting: it is no header);
 /// - `Ok` is stored and returned on redelivery without running the body; `Err` releases the
 ///   key (retryable), unless `store_errors` is written and `E: StoredError` says it is final;
 /// - a parameter `tx: Transaction<DB>` makes it transactional (the record commits with the
@@ -240,8 +289,10 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
 ///
 /// Checked at compile time: `name` is written and valid, `key_from` and `scope` name
 /// parameters (the error lists them), the runner is there, the return type is a `Result`,
-/// and HTTP-only arguments (`key`, `max_response`, `store_server_errors`, `commit`) are
-/// refused.
+/// every input is `Serialize`, parameter attributes are `#[idempotent(skip)]` only, and
+/// HTTP-only arguments (`key`, `max_response`, `store_server_errors`, `commit`) are refused.
+/// Other attributes on parameters (`#[cfg]`, lint levels) are kept; a `#[cfg]`-gated input
+/// is fingerprinted where it exists.
 ///
 /// [`CallError::Mismatch`]: ../idempotent_core/call/enum.CallError.html
 /// [`CallError::InProgress`]: ../idempotent_core/call/enum.CallError.html

@@ -143,6 +143,59 @@ pub(crate) fn result_types(output: &ReturnType) -> Option<(Type, Type)> {
     types.next().is_none().then_some((ok, err))
 }
 
+/// Whether `attr` is the attribute's own parameter attribute, `#[idempotent(…)]`.
+pub(crate) fn is_ours(attr: &syn::Attribute) -> bool {
+    attr.path().is_ident("idempotent")
+}
+
+/// The indices of the parameters marked `#[idempotent(skip)]` (function mode: no input of the
+/// operation, so not fingerprinted), and an error for every other argument written there.
+pub(crate) fn skipped(f: &ItemFn) -> (Vec<usize>, Vec<syn::Error>) {
+    let mut skipped = Vec::new();
+    let mut errors = Vec::new();
+    for (i, arg) in f.sig.inputs.iter().enumerate() {
+        let FnArg::Typed(t) = arg else { continue };
+        for attr in t.attrs.iter().filter(|a| is_ours(a)) {
+            if !matches!(attr.meta, syn::Meta::List(_)) {
+                errors.push(syn::Error::new_spanned(
+                    attr,
+                    "write `#[idempotent(skip)]` on a parameter to leave it out of the fingerprint",
+                ));
+                continue;
+            }
+            let parsed = attr.parse_nested_meta(|meta| {
+                if meta.path.is_ident("skip") {
+                    skipped.push(i);
+                    Ok(())
+                } else {
+                    let name = meta.path.get_ident().map_or_else(
+                        || quote::ToTokens::to_token_stream(&meta.path).to_string(),
+                        ToString::to_string,
+                    );
+                    Err(meta.error(format!(
+                        "unknown parameter argument `{name}`; a parameter takes `#[idempotent(skip)]`, which leaves it out of the fingerprint"
+                    )))
+                }
+            });
+            if let Err(e) = parsed {
+                errors.push(e);
+            }
+        }
+    }
+    (skipped, errors)
+}
+
+/// The function without the attribute's own parameter attributes, which the compiler would
+/// not know.
+pub(crate) fn strip_ours(mut f: ItemFn) -> ItemFn {
+    for arg in &mut f.sig.inputs {
+        if let FnArg::Typed(t) = arg {
+            t.attrs.retain(|a| !is_ours(a));
+        }
+    }
+    f
+}
+
 /// The names bound by the function's parameter patterns, in order, walking tuple-struct,
 /// struct, tuple, reference and typed patterns (`Path(account_id): Path<String>` binds
 /// `account_id`).
@@ -153,13 +206,22 @@ pub(crate) fn bindings(f: &ItemFn) -> Vec<(String, Span)> {
             walk(&t.pat, &mut out);
         }
     }
+    out.into_iter()
+        .map(|ident| (ident.to_string(), ident.span()))
+        .collect()
+}
+
+/// The identifiers one parameter pattern binds, in order (see [`bindings`]).
+pub(crate) fn pattern_bindings(pat: &Pat) -> Vec<syn::Ident> {
+    let mut out = Vec::new();
+    walk(pat, &mut out);
     out
 }
 
-fn walk(pat: &Pat, out: &mut Vec<(String, Span)>) {
+fn walk(pat: &Pat, out: &mut Vec<syn::Ident>) {
     match pat {
         Pat::Ident(i) => {
-            out.push((i.ident.to_string(), i.ident.span()));
+            out.push(i.ident.clone());
             if let Some((_, sub)) = &i.subpat {
                 walk(sub, out);
             }

@@ -98,9 +98,18 @@ pub(crate) struct FunctionPlan {
     /// The indices of the `Idempotent` and `Transaction<DB>` parameters among the inputs.
     pub(crate) context: Option<usize>,
     pub(crate) transaction: Option<usize>,
+    /// What the fingerprint covers, in parameter order.
+    pub(crate) inputs: Vec<Input>,
     /// `T` and `E` of the declared `Result<T, E>`.
     pub(crate) ok: Type,
     pub(crate) err: Type,
+}
+
+/// One binding of a function's parameters that its fingerprint covers, with the `#[cfg]`s of
+/// its parameter (it exists only where they hold).
+pub(crate) struct Input {
+    pub(crate) ident: syn::Ident,
+    pub(crate) cfgs: Vec<syn::Attribute>,
 }
 
 /// Checks the parsed arguments (and the errors their parsing found) against the item: a
@@ -158,6 +167,15 @@ fn handler(
     };
     let mut errors = signature::check(&func);
     errors.append(&mut arg_errors);
+    for arg in &func.sig.inputs {
+        let FnArg::Typed(t) = arg else { continue };
+        for attr in t.attrs.iter().filter(|a| signature::is_ours(a)) {
+            errors.push(syn::Error::new_spanned(
+                attr,
+                "`#[idempotent(skip)]` applies to the parameters of idempotent functions (`key_from = …`); a handler's fingerprint is its request (method, path, query, body), not its parameters",
+            ));
+        }
+    }
     let tx = signature::transaction(&func).unwrap_or_else(|e| {
         errors.push(e);
         None
@@ -180,6 +198,51 @@ fn handler(
         }
     }
     errors.extend(unbound("scope", args.scope.as_ref(), &func));
+    errors.extend(ungated(&func, tx, context));
+    let own: Vec<&syn::PatType> = func
+        .sig
+        .inputs
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| ![tx, context].contains(&Some(*i)))
+        .filter_map(|(_, arg)| match arg {
+            FnArg::Typed(t) => Some(t),
+            FnArg::Receiver(_) => None,
+        })
+        .collect();
+    match framework {
+        // axum's `Handler` takes at most 16 arguments, and the hidden context is one of them:
+        // past that, axum's own error names a trait bound, not the cause.
+        Framework::Axum if own.len() > AXUM_MAX_ARGUMENTS - 1 => {
+            errors.push(syn::Error::new_spanned(
+                own[AXUM_MAX_ARGUMENTS - 1],
+                format!(
+                    "`{}` takes {} extractors; with the hidden context `#[idempotent]` adds, that makes {}, and axum handlers take at most {AXUM_MAX_ARGUMENTS}: group some into one tuple extractor, such as `(a, b): (A, B)`",
+                    func.sig.ident,
+                    own.len(),
+                    own.len() + 1,
+                ),
+            ));
+        }
+        Framework::Actix => {
+            let gated: Vec<&syn::Attribute> = own
+                .iter()
+                .filter_map(|t| t.attrs.iter().find(|a| a.path().is_ident("cfg")))
+                .collect();
+            if let Some(first_over) = gated.get(crate::expand::MAX_GATED_ACTIX_PARAMETERS) {
+                errors.push(syn::Error::new_spanned(
+                    first_over,
+                    format!(
+                        "`{}` gates {} parameters with `#[cfg]`; an Actix handler may gate at most {} (it is expanded once per combination of them)",
+                        func.sig.ident,
+                        gated.len(),
+                        crate::expand::MAX_GATED_ACTIX_PARAMETERS,
+                    ),
+                ));
+            }
+        }
+        Framework::Axum => {}
+    }
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -271,6 +334,9 @@ fn function(
             "a function's commit path is set on its runner (`Calls::commit_path`), not in the attribute",
         ));
     }
+    let (skipped, skip_errors) = signature::skipped(&func);
+    errors.extend(skip_errors);
+    errors.extend(ungated(&func, tx, context));
     errors.extend(unbound("key_from", args.key_from.as_ref(), &func));
     errors.extend(unbound("scope", args.scope.as_ref(), &func));
     let output = signature::result_types(&func.sig.output);
@@ -301,10 +367,46 @@ fn function(
             ),
         ));
     }
+    // Every parameter is an input, except what the runtime provides (the runner, the
+    // transaction, the context), the scope (it names the record, so it need not be
+    // `Serialize`) and what the function marks `#[idempotent(skip)]`. The key's own parameter
+    // stays: it was always fingerprinted, so records made before keep their fingerprints.
+    let scope_binding = args
+        .scope
+        .as_ref()
+        .filter(|(path, _)| path.fields.is_empty())
+        .map(|(path, _)| path.param.as_str());
+    let runner_index = signature::runner(&func);
+    let inputs = func
+        .sig
+        .inputs
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| ![runner_index, tx, context].contains(&Some(*i)) && !skipped.contains(i))
+        .filter_map(|(_, arg)| match arg {
+            FnArg::Typed(t) => Some(t),
+            FnArg::Receiver(_) => None,
+        })
+        .flat_map(|t| {
+            let cfgs: Vec<syn::Attribute> = t
+                .attrs
+                .iter()
+                .filter(|a| a.path().is_ident("cfg"))
+                .cloned()
+                .collect();
+            signature::pattern_bindings(&t.pat)
+                .into_iter()
+                .filter(|ident| Some(ident.to_string().as_str()) != scope_binding)
+                .map(move |ident| Input {
+                    ident,
+                    cfgs: cfgs.clone(),
+                })
+        })
+        .collect();
     match (errors.is_empty(), runner, output, args.key_from, args.name) {
         (true, Some(runner), Some((ok, err)), Some(key_from), Some((name, name_span))) => {
             Ok(FunctionPlan {
-                func,
+                func: signature::strip_ours(func),
                 root,
                 name: syn::LitStr::new(&name, name_span),
                 key_from,
@@ -316,12 +418,37 @@ fn function(
                 runner,
                 context,
                 transaction: tx,
+                inputs,
                 ok,
                 err,
             })
         }
         _ => Err(errors),
     }
+}
+
+/// The most arguments an axum handler takes (axum implements `Handler` for up to 16).
+const AXUM_MAX_ARGUMENTS: usize = 16;
+
+/// The transaction and the context are no parameters the caller or a framework passes: the
+/// attribute takes them out and makes them, so it must know they are there. A `#[cfg]` on one
+/// is refused (lint levels and other attributes are kept, on the binding the runtime makes).
+fn ungated(func: &ItemFn, tx: Option<usize>, context: Option<usize>) -> Vec<syn::Error> {
+    let mut errors = Vec::new();
+    for (index, what) in [(tx, "`Transaction`"), (context, "`Idempotent` context")] {
+        let Some(FnArg::Typed(t)) = index.and_then(|i| func.sig.inputs.iter().nth(i)) else {
+            continue;
+        };
+        for cfg in t.attrs.iter().filter(|a| a.path().is_ident("cfg")) {
+            errors.push(syn::Error::new_spanned(
+                cfg,
+                format!(
+                    "the {what} parameter cannot be gated by `#[cfg]`: `#[idempotent]` provides it, so it must exist in every configuration; gate the whole function instead"
+                ),
+            ));
+        }
+    }
+    errors
 }
 
 /// The one scope check, for `scope` and `key_from`: the path's first segment must be a name

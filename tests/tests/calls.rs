@@ -350,7 +350,7 @@ async fn unstorable_outputs_never_run_twice(f: &impl Fixture) {
 async fn book_with_the_attribute(
     calls: &Calls,
     msg: &PaymentEvent,
-    runs: &AtomicUsize,
+    #[idempotent(skip)] runs: &AtomicUsize,
 ) -> Result<Receipt, BookError> {
     let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
     if msg.amount < 0 {
@@ -471,6 +471,50 @@ async fn message_ids_are_opaque_keys(f: &impl Fixture) {
     );
 }
 
+/// How often `book_by_id` ran for each message id (ids are unique per test).
+static RUNS_BY_ID: std::sync::Mutex<std::collections::BTreeMap<String, usize>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// The key is one parameter and the message's contents are others: every input is part of
+/// the fingerprint, not only the parameter `key_from` starts at.
+#[idempotent_core::idempotent(name = "book_by_id", key_from = "id", scope = "tenant")]
+async fn book_by_id(
+    calls: &Calls,
+    id: &str,
+    tenant: &str,
+    amount: i64,
+    note: Option<String>,
+) -> Result<i64, BookError> {
+    let _ = (tenant, note);
+    *RUNS_BY_ID.lock().unwrap().entry(id.to_owned()).or_default() += 1;
+    Ok(amount)
+}
+
+/// The same id with other contents in another parameter is `Mismatch`, as documented, never
+/// a replay of the first message's output; the same contents replay.
+async fn every_input_is_fingerprinted(f: &impl Fixture) {
+    let calls = calls(f).await;
+    let id = format!("evt_{}", uuid::Uuid::new_v4().simple());
+    let runs = || RUNS_BY_ID.lock().unwrap().get(&id).copied().unwrap_or(0);
+    for _ in 0..2 {
+        assert_eq!(book_by_id(&calls, &id, "t1", 5, None).await.unwrap(), 5);
+    }
+    assert_eq!(runs(), 1);
+    let other_amount = book_by_id(&calls, &id, "t1", 6, None).await;
+    assert!(
+        matches!(other_amount, Err(CallError::Mismatch)),
+        "{other_amount:?}"
+    );
+    let other_note = book_by_id(&calls, &id, "t1", 5, Some("gift".into())).await;
+    assert!(
+        matches!(other_note, Err(CallError::Mismatch)),
+        "{other_note:?}"
+    );
+    // Another caller is another record (the scope), whatever its contents.
+    assert_eq!(book_by_id(&calls, &id, "t2", 6, None).await.unwrap(), 6);
+    assert_eq!(runs(), 2);
+}
+
 /// The attribute with a derived-key context, stored final errors and a wait.
 #[idempotent_core::idempotent(
     name = "settle_with_the_attribute",
@@ -483,7 +527,7 @@ async fn settle_with_the_attribute(
     calls: &Calls,
     idem: &idempotent_core::Idempotent,
     msg: &PaymentEvent,
-    runs: &AtomicUsize,
+    #[idempotent(skip)] runs: &AtomicUsize,
 ) -> Result<String, BookError> {
     runs.fetch_add(1, Ordering::SeqCst);
     if msg.amount < 0 {
@@ -552,8 +596,8 @@ mod before_the_move {
         calls: &Calls,
         idem: &idempotent_core::Idempotent,
         msg: &PaymentEvent,
-        derived: &Mutex<Vec<String>>,
-        fail: bool,
+        #[idempotent(skip)] derived: &Mutex<Vec<String>>,
+        #[idempotent(skip)] fail: bool,
     ) -> Result<String, BookError> {
         super::settle_body(idem, derived, fail)
     }
@@ -569,8 +613,8 @@ mod after_the_move {
         calls: &Calls,
         idem: &idempotent_core::Idempotent,
         msg: &PaymentEvent,
-        derived: &Mutex<Vec<String>>,
-        fail: bool,
+        #[idempotent(skip)] derived: &Mutex<Vec<String>>,
+        #[idempotent(skip)] fail: bool,
     ) -> Result<String, BookError> {
         super::settle_body(idem, derived, fail)
     }
@@ -586,8 +630,8 @@ mod renamed_identity {
         calls: &Calls,
         idem: &idempotent_core::Idempotent,
         msg: &PaymentEvent,
-        derived: &Mutex<Vec<String>>,
-        fail: bool,
+        #[idempotent(skip)] derived: &Mutex<Vec<String>>,
+        #[idempotent(skip)] fail: bool,
     ) -> Result<String, BookError> {
         super::settle_body(idem, derived, fail)
     }
@@ -675,6 +719,7 @@ on_every_store!(
     unstorable_outputs_never_run_twice,
     the_attribute_runs_once,
     message_ids_are_opaque_keys,
+    every_input_is_fingerprinted,
     the_attribute_stores_final_errors_and_derives,
     the_name_is_the_identity_not_the_module_path,
 );

@@ -71,7 +71,8 @@ async fn book_payment(
     calls: &Calls,
     mut tx: Transaction<Postgres>,
     event: &PaymentEvent,
-    work: &Work,
+    // The example's knobs, no input of the booking: left out of the fingerprint.
+    #[idempotent(skip)] work: &Work,
 ) -> Result<Booking, sqlx::Error> {
     let booking: i64 = sqlx::query_scalar(
         "INSERT INTO outbox_example.bookings (event_id, tenant, amount) VALUES ($1, $2, $3) RETURNING id",

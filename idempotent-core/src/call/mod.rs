@@ -52,8 +52,12 @@
 //!
 //! # What is fingerprinted, stored and returned
 //! - **Fingerprint**: SHA-256 over the function's name and the JSON of the arguments given to
-//!   [`Call::new`] (canonicalised, RFC 8785: field order does not matter). The same key with
-//!   other arguments, or for another function, is [`CallError::Mismatch`], never a replay.
+//!   [`Call::new`] (canonicalised, RFC 8785: field order does not matter). The attribute
+//!   gives it every input of the function: each parameter's JSON (one input alone, several
+//!   as an array in parameter order), except the runner, the transaction, the `Idempotent`
+//!   context, the scope's parameter and those marked `#[idempotent(skip)]`; an input that is
+//!   not `Serialize` is a compile error. The same key with other arguments, or for another
+//!   function, is [`CallError::Mismatch`], never a replay.
 //! - **Record**: the engine's stored-response record, so every store (memory, SQLite,
 //!   PostgreSQL) holds it with no new table or migration: `Ok(output)` is status 200 with the
 //!   output's JSON as the body; a stored error is status 422 with the error's JSON.
@@ -154,15 +158,25 @@ impl Call {
         key: IdempotencyKey,
         args: &A,
     ) -> Result<Self, InvalidCall> {
-        check_name(name).map_err(InvalidCall::Name)?;
         let json = serde_json::to_vec(args).map_err(InvalidCall::Encode)?;
+        Self::from_json(name, scope, key, &json)
+    }
+
+    /// [`Call::new`] with the arguments' JSON already written.
+    fn from_json(
+        name: &'static str,
+        scope: Scope,
+        key: IdempotencyKey,
+        json: &[u8],
+    ) -> Result<Self, InvalidCall> {
+        check_name(name).map_err(InvalidCall::Name)?;
         let scope = Scope::function(name, &scope).map_err(InvalidCall::Scope)?;
         let fingerprint = Fingerprint::compute(&FingerprintInput {
             method: METHOD,
             path: name,
             query: None,
             content_type: Some("application/json"),
-            body: &json,
+            body: json,
         });
         Ok(Call {
             name,
@@ -847,19 +861,31 @@ impl Function {
         }
     }
 
-    /// The call of this function by `scope` under `key` with `args` fingerprinted.
+    /// The call of this function by `scope` under `key` with its `inputs` fingerprinted: the
+    /// JSON of the one input, or a JSON array of them in parameter order (`null` for none).
+    /// One input is fingerprinted exactly as [`Call::new`] with that value would be.
     ///
     /// # Errors
     /// [`CallError::InvalidScope`], [`CallError::InvalidKey`], [`CallError::Encode`].
-    pub fn call<K: CallKey + ?Sized, A: Serialize + ?Sized, E>(
+    pub fn call<K: CallKey + ?Sized, E>(
         &self,
         scope: Result<Scope, ScopeError>,
         key: &K,
-        args: &A,
+        inputs: &[&dyn Input],
     ) -> Result<Call, CallError<E>> {
         let scope = scope.map_err(CallError::InvalidScope)?;
         let key = key.to_key().map_err(CallError::InvalidKey)?;
-        let mut call = Call::new(self.name, scope, key, args).map_err(|e| match e {
+        let json = match inputs {
+            [one] => one.json(),
+            [] => Ok(b"null".to_vec()),
+            many => many
+                .iter()
+                .map(|input| input.json())
+                .collect::<Result<Vec<_>, _>>()
+                .map(|parts| [&b"["[..], &parts.join(&b","[..]), b"]"].concat()),
+        }
+        .map_err(CallError::Encode)?;
+        let mut call = Call::from_json(self.name, scope, key, &json).map_err(|e| match e {
             InvalidCall::Encode(e) => CallError::Encode(e),
             InvalidCall::Scope(e) => CallError::InvalidScope(e),
             // The attribute checks its `name` at compile time; kept for completeness.
@@ -869,5 +895,30 @@ impl Function {
         call.lease = self.lease;
         call.concurrent = self.wait.map(Concurrent::Wait);
         Ok(call)
+    }
+}
+
+/// An input of an idempotent function: a parameter the attribute fingerprints (every one but
+/// the runner, the transaction, the `Idempotent` context, the scope and those marked
+/// `#[idempotent(skip)]`). Any `Serialize` value is one. Not a stable API: the expansion
+/// names it.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not implement `serde::Serialize`, so it cannot be part of the idempotent function's fingerprint",
+    label = "this parameter is fingerprinted",
+    note = "an idempotent function fingerprints every parameter (the same key with other arguments is `CallError::Mismatch`) except its runner, its `Transaction`, its `Idempotent` context and its scope",
+    note = "derive `Serialize` for it, or mark a parameter that is no input of the operation (a pool, a client, a counter) `#[idempotent(skip)]`"
+)]
+pub trait Input {
+    /// The value's JSON.
+    ///
+    /// # Errors
+    /// When it does not serialize (a map with non-string keys, a failing `Serialize`).
+    fn json(&self) -> Result<Vec<u8>, serde_json::Error>;
+}
+
+impl<T: Serialize> Input for T {
+    fn json(&self) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec(self)
     }
 }

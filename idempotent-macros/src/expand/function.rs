@@ -4,9 +4,9 @@
 //! redelivery. Its records belong to the required `name`, never to its module path.
 
 use super::{bind_context, hidden, opt_ms, path_expr, scope_expr, split_attrs, take_params};
-use crate::validate::FunctionPlan;
+use crate::validate::{FunctionPlan, Input};
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote};
+use quote::{quote, quote_spanned};
 use syn::ItemFn;
 
 pub(super) fn generate(plan: FunctionPlan) -> TokenStream {
@@ -23,6 +23,7 @@ pub(super) fn generate(plan: FunctionPlan) -> TokenStream {
         runner,
         context,
         transaction,
+        inputs,
         ok,
         err,
     } = plan;
@@ -49,7 +50,11 @@ pub(super) fn generate(plan: FunctionPlan) -> TokenStream {
     let (tx_param, idem_param) = take_params(&mut new_sig, transaction, context);
     new_sig.output = syn::parse_quote!(-> ::core::result::Result<#ok, #p::CallError<#err>>);
     let key_expr = path_expr(&kpath, kspan);
-    let fp_root = format_ident!("{}", kpath.param, span = kspan);
+    // Each input checked against `Input` at its own binding, so a parameter that is not
+    // `Serialize` is reported there; one gated by `#[cfg]` is there only where it exists.
+    let inputs = inputs
+        .iter()
+        .map(|Input { ident, cfgs }| quote_spanned!(ident.span()=> #(#cfgs)* #p::input(&#ident)));
     let scope_expr = scope_expr(&p, scope.as_ref());
     let (make_ctx, bind_ctx) = match &idem_param {
         None => (quote!(), quote!()),
@@ -86,8 +91,8 @@ pub(super) fn generate(plan: FunctionPlan) -> TokenStream {
             } else {
                 quote!(run_tx)
             };
-            let (pat, ty) = (&t.pat, &t.ty);
-            quote!(#runner.#method(#call, move |#pat: #ty| #body).await)
+            let (attrs, pat, ty) = (&t.attrs, &t.pat, &t.ty);
+            quote!(#runner.#method(#call, move |#(#attrs)* #pat: #ty| #body).await)
         }
     };
     quote! {
@@ -95,7 +100,7 @@ pub(super) fn generate(plan: FunctionPlan) -> TokenStream {
         #vis #new_sig {
             #(#inner)*
             static #statik: #p::Function = #p::Function::new(#name, #ttl, #lease, #wait);
-            let #call = match #statik.call::<_, _, #err>(#scope_expr, &#key_expr, &#fp_root) {
+            let #call = match #statik.call::<_, #err>(#scope_expr, &#key_expr, &[#(#inputs),*]) {
                 ::core::result::Result::Ok(#made) => #made,
                 ::core::result::Result::Err(#refused) => return ::core::result::Result::Err(#refused),
             };

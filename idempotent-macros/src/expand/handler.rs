@@ -84,8 +84,10 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
     };
     // Axum: the hidden context is the first extractor (axum runs extractors one by one).
     // Actix polls a handler's extractors together, so there the context is the only one and
-    // runs the handler's own extractors, as one tuple, after its checks.
-    let split = match framework {
+    // runs the handler's own extractors, as one tuple, after its checks. Each variant is one
+    // copy of the function: its `#[cfg]` (none on Axum), signature and the statements that
+    // bind the extracted parameters.
+    let variants: Vec<(TokenStream, syn::Signature, TokenStream)> = match framework {
         Framework::Axum => {
             new_sig
                 .inputs
@@ -106,20 +108,9 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
             {
                 outer.push(syn::parse_quote!(#[allow(clippy::too_many_arguments)]));
             }
-            quote!()
+            vec![(quote!(), new_sig, quote!())]
         }
-        Framework::Actix => {
-            let (pats, tys): (Vec<_>, Vec<_>) = new_sig
-                .inputs
-                .iter()
-                .filter_map(|arg| match arg {
-                    syn::FnArg::Typed(t) => Some((t.pat.clone(), t.ty.clone())),
-                    syn::FnArg::Receiver(_) => None,
-                })
-                .unzip();
-            new_sig.inputs = syn::parse_quote!(#ctx: #p::Context<#required, (#(#tys,)*)>);
-            quote!(let (#ctx, (#(#pats,)*)) = #ctx.split();)
-        }
+        Framework::Actix => actix_variants(&new_sig, &p, &ctx, required),
     };
     let stmts = &block.stmts;
     let body = quote! {
@@ -146,10 +137,10 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
                 None => quote!(::core::option::Option::None),
             };
             let wait = opt_ms(&p, *wait_ms);
-            let (pat, ty) = (&t.pat, &t.ty);
+            let (attrs, pat, ty) = (&t.attrs, &t.pat, &t.ty);
             (
                 quote!(#route_new.transactional(#commit, #wait)),
-                quote!(#p::run_tx(#ctx, &#route, #scope_var, move |#pat: #ty| #body)),
+                quote!(#p::run_tx(#ctx, &#route, #scope_var, move |#(#attrs)* #pat: #ty| #body)),
             )
         }
         // A closure that makes the future: a replay never builds (or moves) it.
@@ -159,17 +150,116 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
         ),
     };
 
-    quote! {
-        #(#outer)*
-        #vis #new_sig {
-            #(#inner)*
-            static #route: #p::Route = #route_new;
-            #split
-            let #scope_var = #scope_expr;
-            #idem_make
-            #call.await
+    let copies = variants.into_iter().map(|(cfg, new_sig, split)| {
+        quote! {
+            #cfg
+            #(#outer)*
+            #vis #new_sig {
+                #(#inner)*
+                static #route: #p::Route = #route_new;
+                #split
+                let #scope_var = #scope_expr;
+                #idem_make
+                #call.await
+            }
         }
-    }
+    });
+    quote!(#(#copies)*)
+}
+
+/// The most parameters of an Actix handler that `#[cfg]` may gate: the function is expanded
+/// once per combination of them (2⁴ = 16 copies, of which the compiler keeps one).
+pub(crate) const MAX_GATED_ACTIX_PARAMETERS: usize = 4;
+
+/// Actix: the handler takes one extractor, the hidden context, which extracts the handler's
+/// own parameters as one tuple; each parameter is then bound by a `let` of its own that
+/// carries its attributes (lint levels, `cfg_attr`). A tuple type has no place for a
+/// parameter's `#[cfg]`, so the function is written once per combination of the gated
+/// parameters, each copy under the `#[cfg]` that selects it.
+fn actix_variants(
+    sig: &syn::Signature,
+    p: &TokenStream,
+    ctx: &syn::Ident,
+    required: bool,
+) -> Vec<(TokenStream, syn::Signature, TokenStream)> {
+    let params: Vec<&syn::PatType> = sig
+        .inputs
+        .iter()
+        .filter_map(|arg| match arg {
+            syn::FnArg::Typed(t) => Some(t),
+            syn::FnArg::Receiver(_) => None,
+        })
+        .collect();
+    // Each gated parameter's condition: all of its `#[cfg]`s.
+    let conditions: Vec<Option<TokenStream>> = params
+        .iter()
+        .map(|t| {
+            let cfgs: Vec<TokenStream> = t
+                .attrs
+                .iter()
+                .filter_map(|a| match &a.meta {
+                    syn::Meta::List(list) if list.path.is_ident("cfg") => Some(list.tokens.clone()),
+                    _ => None,
+                })
+                .collect();
+            match cfgs.as_slice() {
+                [] => None,
+                [one] => Some(one.clone()),
+                several => Some(quote!(all(#(#several),*))),
+            }
+        })
+        .collect();
+    let gated: Vec<usize> = (0..params.len())
+        .filter(|&i| conditions[i].is_some())
+        .collect();
+    let args = hidden("__idempotent_args");
+    // Validation refuses more gated parameters than this; the bound keeps the shift sound.
+    let gated_count = gated.len().min(MAX_GATED_ACTIX_PARAMETERS);
+    (0..1_usize << gated_count)
+        .map(|combination| {
+            let present = |i: usize| {
+                gated
+                    .iter()
+                    .position(|&g| g == i)
+                    .is_none_or(|bit| combination & (1 << bit) != 0)
+            };
+            let kept: Vec<&syn::PatType> = (0..params.len())
+                .filter(|&i| present(i))
+                .map(|i| params[i])
+                .collect();
+            let tys = kept.iter().map(|t| &t.ty);
+            let mut new_sig = sig.clone();
+            new_sig.inputs = syn::parse_quote!(#ctx: #p::Context<#required, (#(#tys,)*)>);
+            let binds = kept.iter().enumerate().map(|(i, t)| {
+                let index = syn::Index::from(i);
+                let attrs = t.attrs.iter().filter(|a| !a.path().is_ident("cfg"));
+                let pat = &t.pat;
+                quote!(#(#attrs)* let #pat = #args.#index;)
+            });
+            let split = quote!(let (#ctx, #args) = #ctx.split(); #(#binds)*);
+            let cfg = if gated.is_empty() {
+                quote!()
+            } else {
+                let each: Vec<TokenStream> = gated
+                    .iter()
+                    .enumerate()
+                    .map(|(bit, &i)| {
+                        let condition = &conditions[i];
+                        if combination & (1 << bit) != 0 {
+                            quote!(#condition)
+                        } else {
+                            quote!(not(#condition))
+                        }
+                    })
+                    .collect();
+                match each.as_slice() {
+                    [one] => quote!(#[cfg(#one)]),
+                    all => quote!(#[cfg(all(#(#all),*))]),
+                }
+            };
+            (cfg, new_sig, split)
+        })
+        .collect()
 }
 
 /// Clippy's default limit on a function's arguments (`too_many_arguments`).

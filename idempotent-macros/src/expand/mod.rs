@@ -6,6 +6,8 @@
 mod function;
 mod handler;
 
+pub(crate) use handler::MAX_GATED_ACTIX_PARAMETERS;
+
 use crate::args::{self, ScopePath};
 use crate::validate::{self, Entry, Plan};
 use proc_macro2::{Span, TokenStream};
@@ -22,8 +24,19 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream, entry: Entry) -> Toke
     }
 }
 
-/// The item unchanged, then every error.
+/// The item unchanged, then every error. Only the attribute's own parameter attributes
+/// (`#[idempotent(skip)]`) are taken off, which the compiler would report again.
 fn with_errors(item: TokenStream, errors: Vec<syn::Error>) -> TokenStream {
+    let item = match syn::parse2::<syn::ItemFn>(item.clone()) {
+        Ok(f) if f.sig.inputs.iter().any(|arg| {
+            matches!(arg, FnArg::Typed(t) if t.attrs.iter().any(crate::signature::is_ours))
+        }) =>
+        {
+            let f = crate::signature::strip_ours(f);
+            quote!(#f)
+        }
+        _ => item,
+    };
     let errors = errors.into_iter().map(|e| e.to_compile_error());
     quote!(#item #(#errors)*)
 }
@@ -98,15 +111,16 @@ fn take_params(
 }
 
 /// `let idem: Idempotent = var;` (or `&var` for `idem: &Idempotent`): binds the made context
-/// to the handler's or function's own parameter, at the top of its body.
+/// to the handler's or function's own parameter, at the top of its body, with the
+/// parameter's attributes.
 fn bind_context(param: &PatType, var: &syn::Ident) -> TokenStream {
-    let (pat, ty) = (&param.pat, &param.ty);
+    let (attrs, pat, ty) = (&param.attrs, &param.pat, &param.ty);
     let value = if matches!(&**ty, Type::Reference(_)) {
         quote!(&#var)
     } else {
         quote!(#var)
     };
-    quote!(let #pat: #ty = #value;)
+    quote!(#(#attrs)* let #pat: #ty = #value;)
 }
 
 #[cfg(test)]
@@ -194,7 +208,7 @@ mod tests {
             "{actix}"
         );
         assert!(
-            actix.contains("let (__idempotent_ctx , (Account (account) , mut body ,)) = __idempotent_ctx . split () ;"),
+            actix.contains("let (__idempotent_ctx , __idempotent_args) = __idempotent_ctx . split () ; let Account (account) = __idempotent_args . 0 ; let mut body = __idempotent_args . 1 ;"),
             "{actix}"
         );
     }

@@ -94,13 +94,50 @@ mod through_actix {
     }
 }
 
+/// A handle the function uses but that is no input of the operation (and not `Serialize`).
+struct Ledger;
+
+/// The note of a payment, destructured in the signature.
+#[derive(Serialize)]
+struct Note {
+    text: String,
+    private: String,
+}
+
+/// The key in a parameter of its own, the message's contents in others: every input is
+/// fingerprinted (the bindings of a destructured one, a gated one where it exists), except
+/// the scope and what is marked `#[idempotent(skip)]`.
+#[idempotent(name = "book_by_id", key_from = "id", scope = "tenant")]
+async fn book_by_id(
+    calls: &Calls,
+    id: u64,
+    tenant: &str,
+    amount: i64,
+    Note { text, .. }: Note,
+    #[cfg(any())] absent: Absent,
+    #[idempotent(skip)] ledger: &Ledger,
+) -> Result<String, std::io::Error> {
+    let _ = ledger;
+    Ok(format!("{id} {tenant} {amount} {text}"))
+}
+
+/// Exists in no configuration this is built in.
+#[cfg(any())]
+struct Absent;
+
 async fn callers(calls: &Calls, msg: PaymentEvent) {
     let a: Result<String, CallError<BookError>> = book_payment(calls, &msg).await;
     let b: Result<i64, CallError<sqlx::Error>> = book_in_tx(calls, &msg).await;
     let c: Result<(), CallError<String>> = through_axum::plain(calls, "k").await;
     let d = through_actix::plain(calls, 7).await;
     let e: Result<u64, CallError<std::io::Error>> = by_sequence(msg, calls).await;
-    drop((a, b, c, d, e));
+    let note = Note {
+        text: "gift".into(),
+        private: String::new(),
+    };
+    let _ = &note.private;
+    let f = book_by_id(calls, 7, "t1", 5, note, &Ledger).await;
+    drop((a, b, c, d, e, f));
 }
 
 fn main() {
