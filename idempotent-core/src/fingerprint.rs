@@ -37,8 +37,12 @@ use std::fmt;
 /// # Versions
 /// Every fingerprint carries the [version](Fingerprint::version) of the recipe that made it
 /// ([`Fingerprint::VERSION`]), and stores keep it with the record. A stored fingerprint of
-/// another version (one this release does not compute, older or newer) never matches a
-/// request: the record is a mismatch (422), never a replay.
+/// another version (one this release does not compute, older or newer: written before an
+/// upgrade that changed the recipe, or by a newer instance in a rolling deploy) cannot be
+/// compared with this version's digest, so its record is matched by key alone: a retry
+/// within its ttl replays it (or finds it in progress) and never gets 422 for the upgrade,
+/// nor runs again. Only that window, one ttl after an upgrade, cannot tell a key reused for
+/// another request from a retry.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint {
     version: u8,
@@ -123,8 +127,8 @@ impl Fingerprint {
 
     /// Rebuilds a fingerprint from its stored form ([`Fingerprint::to_stored`]): a version byte
     /// followed by the 32-byte digest. 32 bytes alone (the layout of version 1, which no
-    /// release shipped) read as a version-1 fingerprint, which matches no request. `None`
-    /// for anything else.
+    /// release shipped) read as a version-1 fingerprint, matched by key alone like any other
+    /// version. `None` for anything else.
     ///
     /// ```
     /// use idempotent_core::{fingerprint::Fingerprint, fingerprint::FingerprintInput};
@@ -133,7 +137,7 @@ impl Fingerprint {
     /// });
     /// assert_eq!(Fingerprint::from_stored(&fp.to_stored()), Some(fp));
     /// let old = Fingerprint::from_stored(&[0; 32]).expect("32 bytes");
-    /// assert!(old.version() == 1 && !fp.matches_stored(&old));
+    /// assert!(old.version() == 1 && fp.matches_stored(&old));
     /// assert_eq!(Fingerprint::from_stored(b"short"), None);
     /// ```
     pub fn from_stored(bytes: &[u8]) -> Option<Self> {
@@ -166,19 +170,20 @@ impl Fingerprint {
     }
 
     /// Whether a record whose stored fingerprint is `stored` belongs to this request: the same
-    /// version and digest. A stored fingerprint of another version is never a match.
+    /// digest under the same version; a stored fingerprint of another version cannot be
+    /// compared, so its record is matched by key alone (see "Versions" above).
     ///
     /// ```
     /// use idempotent_core::fingerprint::Fingerprint;
     /// let request = Fingerprint::from_parts(2, [1; 32]);
     /// assert!(request.matches_stored(&Fingerprint::from_parts(2, [1; 32])));
     /// assert!(!request.matches_stored(&Fingerprint::from_parts(2, [2; 32])));
-    /// // A version this release does not compute, older or newer.
-    /// assert!(!request.matches_stored(&Fingerprint::from_parts(1, [1; 32])));
-    /// assert!(!request.matches_stored(&Fingerprint::from_parts(9, [1; 32])));
+    /// // A version this release does not compute, older or newer: matched by key alone.
+    /// assert!(request.matches_stored(&Fingerprint::from_parts(1, [7; 32])));
+    /// assert!(request.matches_stored(&Fingerprint::from_parts(9, [7; 32])));
     /// ```
     pub fn matches_stored(&self, stored: &Fingerprint) -> bool {
-        stored == self
+        stored.version != self.version || stored.digest == self.digest
     }
 
     /// Lower-case hex of the digest.

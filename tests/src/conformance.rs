@@ -543,9 +543,12 @@ pub async fn concurrent_claims_one_winner(f: &impl Fixture) {
 }
 
 /// A record written under another fingerprint version (the 32-byte layout of version 1,
-/// which no release shipped, or a version this release does not know) is never the request's:
-/// a mismatch, never a replay, never an error. The stored fingerprint keeps its version.
-pub async fn older_fingerprint_versions_compare_under_their_version(f: &impl Fixture) {
+/// which no release shipped, or a version this release does not know, older or newer: a
+/// rolling upgrade that changes the recipe) is matched by its key alone: its digest cannot be
+/// compared with this version's, and a retry within its ttl must neither get 422 nor run
+/// again. So a finished one replays, one in progress is in progress, and one whose lease ran
+/// out is taken over. The stored fingerprint keeps its version. (Issue 49: it was a 422.)
+pub async fn other_fingerprint_versions_match_by_key_alone(f: &impl Fixture) {
     let store = f.fresh().await;
     let input = |path, body: &'static [u8]| FingerprintInput {
         method: "POST",
@@ -574,16 +577,22 @@ pub async fn older_fingerprint_versions_compare_under_their_version(f: &impl Fix
             .fingerprint,
         old
     );
-    // This version's fingerprint of that request: a mismatch, not a replay.
-    assert_eq!(
-        claim(&*store, &key, &request, f.lease(), TTL).await,
-        ClaimOutcome::Mismatch { in_progress: false }
-    );
+    // This version's fingerprint, of that request or of any other: the stored response.
+    for fingerprint in [request, fp("another request")] {
+        assert_eq!(
+            claim(&*store, &key, &fingerprint, f.lease(), TTL).await,
+            ClaimOutcome::Replay(outcome.clone())
+        );
+    }
+    // A version this release does not know, in progress: in progress, then taken over.
     let key2 = unique_key("versions2");
     let future = Fingerprint::from_parts(9, *fp("a").digest());
     claimed(claim(&*store, &key2, &future, f.lease(), TTL).await);
-    assert_eq!(
+    assert!(matches!(
         claim(&*store, &key2, &fp("a"), f.lease(), TTL).await,
-        ClaimOutcome::Mismatch { in_progress: true }
-    );
+        ClaimOutcome::InProgress { .. }
+    ));
+    f.advance(f.lease() + Duration::from_millis(200)).await;
+    let taken = claimed(claim(&*store, &key2, &fp("a"), f.lease(), TTL).await);
+    assert!(taken.took_over);
 }
