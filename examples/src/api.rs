@@ -256,8 +256,10 @@ impl Reply {
     }
 
     fn problem(status: u16, slug: &str, title: &str, detail: String) -> Self {
+        // An application's own problem types are URIs it owns; `example.com` is reserved for
+        // examples (RFC 2606), and an application puts its own domain here.
         let body = json!({
-            "type": format!("https://idempotent.dev/examples/charges/{slug}"),
+            "type": format!("https://example.com/problems/charges/{slug}"),
             "title": title,
             "status": status,
             "detail": detail,

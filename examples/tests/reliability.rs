@@ -156,7 +156,7 @@ async fn until_charged(client: &reqwest::Client, base: &str, op: &Op, seen: &See
             500 => {
                 let problem: Value = res.json().await.unwrap();
                 assert_eq!(
-                    problem["type"], "https://idempotent.dev/examples/charges/internal",
+                    problem["type"], "https://example.com/problems/charges/internal",
                     "{problem}"
                 );
                 seen.handler_failed.fetch_add(1, Ordering::Relaxed);

@@ -7,39 +7,120 @@ use crate::duration::format_duration;
 use crate::key::KeyError;
 use crate::scope::ScopeError;
 use crate::store::record::retry_after_secs;
-use problem_details::ProblemDetails;
 use std::time::Duration;
 
-/// The base of our problem type URIs.
-pub const PROBLEM_BASE: &str = "https://idempotent.dev/problems/";
+/// The base of our problem type URIs: each type is this base followed by its slug, the
+/// anchor of its heading in the documentation of [`Problem`] (the list there).
+///
+/// They point at this crate's own published documentation because it is a home the project
+/// has: docs.rs serves every published version, so each URI resolves, once the crate is
+/// published, to the description of its problem. The version in the path is the semver
+/// requirement `0.1`, which docs.rs resolves to the newest 0.1.x release, so a problem's URI
+/// stays the same across the whole 0.1 line (a client may compare it as a string).
+pub const PROBLEM_BASE: &str =
+    "https://docs.rs/idempotent-core/0.1/idempotent_core/struct.Problem.html#";
 
-/// A failure to answer with `application/problem+json` (plus `Retry-After` when set).
+/// A failure to answer with `application/problem+json` (RFC 9457): its `type` (a URI made of
+/// [`PROBLEM_BASE`] and the slug), `title`, `status` and `detail`, plus `Retry-After` when
+/// set, and `Cache-Control: no-store` from the adapter.
+///
+/// # Problem types
+///
+/// The `type` of every problem the library answers with is
+/// `https://docs.rs/idempotent-core/0.1/idempotent_core/struct.Problem.html#<slug>`, the
+/// heading of the slug below. A client branches on the `type` (or the status); the `title`
+/// names the type and the `detail` says what happened this time. No problem carries
+/// internals (database errors, table names, SQL).
+///
+/// ## `idempotency-key-missing`
+/// **400.** The route requires an `Idempotency-Key` header and the request has none. Send a
+/// unique key (such as a UUID) per operation, and the same key on each of its retries.
+///
+/// ## `idempotency-key-invalid`
+/// **400.** The `Idempotency-Key` header is malformed: empty, longer than 255 characters,
+/// with a character that is not visible ASCII, a quoted string (RFC 8941) that is not
+/// well formed, or several `Idempotency-Key` lines. Nothing was read or claimed.
+///
+/// ## `idempotency-scope-invalid`
+/// **400.** The caller's identity the route keys its records by cannot be used (empty,
+/// longer than 1,024 bytes, holding NUL, or starting with `call:`, which is reserved).
+/// Nothing was claimed.
+///
+/// ## `idempotency-key-in-progress`
+/// **409**, with `Retry-After`. The first request with this key has not finished. Retry with
+/// the same key after `Retry-After` seconds to get its response; the operation is not run
+/// twice.
+///
+/// ## `idempotency-key-mismatch`
+/// **422.** The key was already used for a different request: another method, path, query,
+/// media type or body, or another route. Use a new key for a new operation.
+///
+/// ## `idempotency-store-unavailable`
+/// **503**, with `Retry-After`. The idempotency store could not be reached or failed, so the
+/// request was not processed. Retry later with the same key.
+///
+/// ## `idempotency-shutting-down`
+/// **503**, with `Retry-After`. The server is shutting down and starts no new work; the
+/// request was not processed. Retry with the same key.
+///
+/// ## `idempotency-request-body-invalid`
+/// **400.** The request body could not be read completely (malformed framing, a client that
+/// went away); nothing was processed. Retry with the same key.
+///
+/// ## `idempotency-response-not-stored`
+/// **410.** The request with this key was processed, but its response was not stored: it was
+/// larger than the route's limit, or its stream stalled or outlived its client. It cannot be
+/// replayed, and the operation will not run again under this key.
+///
+/// ## `idempotency-request-too-large`
+/// **413.** The request body is larger than the route fingerprints (its `max_request`);
+/// nothing was processed.
+///
+/// ## `idempotency-request-timeout`
+/// **408.** The request body did not arrive within the server's time limit; nothing was
+/// claimed. Send it again with the same key.
+///
+/// ## `idempotency-misconfigured`
+/// **500.** The server's idempotency setup is incomplete or inconsistent (the details are in
+/// its log), so nothing was processed.
+///
+/// ## `idempotency-response-failed`
+/// **500.** The handler's response failed before it could be sent; nothing was stored and
+/// the key was released. Retry with the same key.
+///
+/// ## `idempotency-handler-timed-out`
+/// **503**, with `Retry-After`. The handler was still running when its lease ended, on a
+/// database where its open transaction holds up every other writer (SQLite): it was stopped,
+/// its writes were rolled back and the key released. Retry with the same key.
 #[derive(Debug, Clone)]
 pub struct Problem {
-    /// The RFC 9457 body (type, title, status, detail).
-    pub details: ProblemDetails,
     /// HTTP status.
     pub status: u16,
+    /// The type's short summary (RFC 9457 `title`), the same for every problem of the type.
+    pub title: &'static str,
+    /// What happened this time and what the client can do (RFC 9457 `detail`).
+    pub detail: String,
     /// Seconds for `Retry-After`, if the client should retry.
     pub retry_after: Option<u64>,
-    /// The last segment of the type URI (`idempotency-key-missing`).
+    /// The last segment of the type URI, its anchor (`idempotency-key-missing`).
     pub slug: &'static str,
 }
 
+/// The RFC 9457 body, in the order of its members in the RFC.
+#[derive(serde::Serialize)]
+struct Body<'a> {
+    r#type: &'a str,
+    status: u16,
+    title: &'a str,
+    detail: &'a str,
+}
+
 impl Problem {
-    fn new(slug: &'static str, status: u16, title: &str, detail: String) -> Self {
-        let code =
-            http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
-        let uri: http::Uri = format!("{PROBLEM_BASE}{slug}")
-            .parse()
-            .unwrap_or_else(|_| http::Uri::from_static("about:blank"));
+    fn new(slug: &'static str, status: u16, title: &'static str, detail: String) -> Self {
         Problem {
-            details: ProblemDetails::new()
-                .with_type(uri)
-                .with_status(code)
-                .with_title(title)
-                .with_detail(detail),
             status,
+            title,
+            detail,
             retry_after: None,
             slug,
         }
@@ -216,13 +297,94 @@ impl Problem {
         p
     }
 
-    /// The JSON body.
+    /// The JSON body: `type`, `status`, `title` and `detail`.
     pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(&self.details).unwrap_or_else(|_| b"{}".to_vec())
+        let body = Body {
+            r#type: &self.type_uri(),
+            status: self.status,
+            title: self.title,
+            detail: &self.detail,
+        };
+        serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec())
     }
 
     /// The problem type's URI.
     pub fn type_uri(&self) -> String {
         format!("{PROBLEM_BASE}{}", self.slug)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every problem this module makes, one per type.
+    fn every_problem() -> Vec<Problem> {
+        vec![
+            Problem::key(&KeyError::Missing),
+            Problem::key(&KeyError::Empty),
+            Problem::scope(&ScopeError::Empty),
+            Problem::in_progress(Duration::from_secs(1)),
+            Problem::mismatch(false),
+            Problem::store_unavailable(),
+            Problem::shutting_down(),
+            Problem::request_body_invalid(),
+            Problem::response_not_stored(200, 1),
+            Problem::request_too_large(1),
+            Problem::request_timeout(Duration::from_secs(1)),
+            Problem::misconfigured(),
+            Problem::response_failed(),
+            Problem::handler_timed_out(),
+        ]
+    }
+
+    /// The slugs this file makes problems of (each `Self::new(` names its slug on the next
+    /// line), so a new problem type cannot be left out of the list above or the docs.
+    fn slugs_in_source() -> std::collections::BTreeSet<String> {
+        let source = include_str!("problem.rs");
+        let mut lines = source.lines();
+        let mut slugs = std::collections::BTreeSet::new();
+        while let Some(line) = lines.next() {
+            if line.trim_end().ends_with("Self::new(")
+                && let Some(next) = lines.next()
+                && let Some(slug) = next.trim().strip_prefix('"')
+                && let Some(slug) = slug.strip_suffix("\",")
+            {
+                slugs.insert(slug.to_owned());
+            }
+        }
+        slugs
+    }
+
+    /// A problem's type URI is a page of this crate's published documentation (docs.rs, the
+    /// `0.1` line) whose anchor is its slug, and the body carries that URI whole, fragment
+    /// included; the docs of [`Problem`] hold one heading per type, which is the anchor.
+    #[test]
+    fn every_problem_type_is_documented_at_its_uri() {
+        let made: std::collections::BTreeSet<String> =
+            every_problem().iter().map(|p| p.slug.to_owned()).collect();
+        assert_eq!(made, slugs_in_source(), "every_problem() misses a type");
+        let source = include_str!("problem.rs");
+        for p in every_problem() {
+            let uri = p.type_uri();
+            assert_eq!(
+                uri,
+                format!(
+                    "https://docs.rs/idempotent-core/0.1/idempotent_core/struct.Problem.html#{}",
+                    p.slug
+                )
+            );
+            let body: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap_or_default();
+            assert_eq!(body["type"], uri.as_str(), "{body}");
+            assert_eq!(body["status"], p.status, "{body}");
+            // A heading whose text is the slug: rustdoc makes its id, the URI's anchor.
+            let heading = format!("\n/// ## `{}`\n", p.slug);
+            assert!(source.contains(&heading), "no heading `{}`", heading.trim());
+        }
+        let headings = source
+            .lines()
+            .filter(|l| l.starts_with("/// ## `idempotency-"))
+            .count();
+        assert_eq!(headings, made.len(), "a heading for a type no problem has");
     }
 }

@@ -273,7 +273,7 @@ mod tests {
         assert_eq!(body["status"], 409);
         assert_eq!(
             body["type"],
-            "https://idempotent.dev/problems/idempotency-key-in-progress"
+            "https://docs.rs/idempotent-core/0.1/idempotent_core/struct.Problem.html#idempotency-key-in-progress"
         );
     }
 }

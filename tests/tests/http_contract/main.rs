@@ -215,7 +215,7 @@ async fn problem(res: reqwest::Response, status: u16, slug: &str) -> Value {
     let body: Value = res.json().await.unwrap();
     assert_eq!(
         body["type"],
-        format!("https://idempotent.dev/problems/{slug}"),
+        format!("https://docs.rs/idempotent-core/0.1/idempotent_core/struct.Problem.html#{slug}"),
         "{body}"
     );
     assert_eq!(body["status"], status);
