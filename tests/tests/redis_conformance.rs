@@ -23,52 +23,87 @@ conformance_suite!(
     )]
 );
 
-/// One caller's keys spread over every primary of the cluster (the hash tag is the scope and
-/// the key, not the scope alone), and each record is one key on one node.
+/// Callers' keys spread over every primary of the cluster (a caller's hash tag is its scope),
+/// and each record is one key on one node; one caller's records, and its usage, share one
+/// slot, so the script that charges a claim to its caller's bounds is atomic (issue 49: a
+/// caller's keys used to spread too, the hash tag being the scope and the key, and no bound
+/// per caller could be kept in one script).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(
     not(redis_cluster),
     ignore = "set REDIS_CLUSTER_URL=redis+cluster://host:port,… to run the Redis Cluster tests"
 )]
-async fn one_callers_keys_spread_over_every_primary() {
+async fn callers_spread_over_every_primary_and_a_caller_is_one_slot() {
     use idempotent_core::Store;
-    use idempotent_core::store::{ClaimOutcome, ClaimRequest};
+    use idempotent_core::store::{ClaimOutcome, ClaimRequest, RecordKey};
     use idempotent_tests::Fixture;
     use idempotent_tests::conformance::{fp, unique_key};
-    use idempotent_tests::fixtures::{redis_keys, redis_primaries};
+    use idempotent_tests::fixtures::{redis_keys, redis_node, redis_primaries};
 
     let fixture = Redis::cluster();
     let store = fixture.store().await;
-    let scope = unique_key("x").scope;
     let n = 300;
+    let claim = |key: RecordKey| {
+        let store = store.clone();
+        async move {
+            let outcome = store
+                .claim(ClaimRequest {
+                    key: &key,
+                    fingerprint: &fp("a"),
+                    lease: std::time::Duration::from_secs(60),
+                    ttl: std::time::Duration::from_secs(60),
+                    max_stored: 0,
+                })
+                .await
+                .unwrap();
+            assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
+        }
+    };
+    // 300 callers, a key each.
     for i in 0..n {
-        let key = idempotent_core::store::RecordKey::new(
-            scope.clone(),
-            idempotent_core::IdempotencyKey::parse(format!("k{i}").as_bytes()).unwrap(),
-        );
-        let outcome = store
-            .claim(ClaimRequest {
-                key: &key,
-                fingerprint: &fp("a"),
-                lease: std::time::Duration::from_secs(60),
-                ttl: std::time::Duration::from_secs(60),
-                max_stored: 0,
-            })
-            .await
-            .unwrap();
-        assert!(matches!(outcome, ClaimOutcome::Claimed(_)), "{outcome:?}");
+        claim(unique_key(&format!("c{i}"))).await;
     }
     let prefix = store.prefix().to_owned();
     let primaries = redis_primaries(fixture.url()).await;
     assert_eq!(primaries.len(), 3, "{primaries:?}");
+    let records = |keys: Vec<Vec<u8>>| {
+        keys.into_iter()
+            .filter(|k| k.windows(2).any(|w| w == b"}:"))
+            .count()
+    };
     let mut total = 0;
     for node in &primaries {
-        let held = redis_keys(node, &prefix).await.len();
-        println!("{node}: {held} of {n} records");
+        let held = records(redis_keys(node, &prefix).await);
+        println!("{node}: {held} of {n} callers' records");
         assert!(held >= n / 6, "{node} holds only {held} of {n} records");
         total += held;
     }
     assert_eq!(total, n, "every record is one key on one primary");
+    // One caller's 50 keys: one slot, that of its usage too.
+    let scope = unique_key("one").scope;
+    let keys: Vec<RecordKey> = (0..50)
+        .map(|i| {
+            RecordKey::new(
+                scope.clone(),
+                idempotent_core::IdempotencyKey::parse(format!("k{i}").as_bytes()).unwrap(),
+            )
+        })
+        .collect();
+    for key in &keys {
+        claim(key.clone()).await;
+    }
+    let mut conn = redis_node(&primaries[0]).await;
+    let mut slots = std::collections::BTreeSet::new();
+    for key in &keys {
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(store.redis_key(key))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        slots.insert(slot);
+    }
+    assert_eq!(slots.len(), 1, "one caller's records span slots: {slots:?}");
     fixture.cleanup().await;
 }
 
@@ -456,4 +491,225 @@ async fn a_lease_outlives_a_connection_that_stops_answering() {
         matches!(&replay, Begin::Replay(StoredOutcome::Response(r)) if r.status == 201 && r.body == b"once"),
         "{replay:?}"
     );
+}
+
+/// A Redis server of the test's own on a free port of 127.0.0.1, with `maxmemory` and
+/// `noeviction` (the store's required policy), no persistence; killed when dropped. The
+/// shared server's settings are never changed.
+struct SmallRedis {
+    child: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl SmallRedis {
+    async fn start(maxmemory: &str) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = tempfile::tempdir().unwrap();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server (the tests start one of their own)");
+        let url = format!("redis://127.0.0.1:{port}");
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(client) = redis::Client::open(url.as_str())
+                && let Ok(mut conn) = client.get_multiplexed_async_connection().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .is_ok()
+            {
+                break;
+            }
+            assert!(
+                started.elapsed().as_secs() < 10,
+                "redis-server did not start"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        SmallRedis {
+            child,
+            url,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for SmallRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Issue 49 (5): one caller's concurrent requests cannot fill Redis for everyone. On a server
+/// of 24 MiB (`noeviction`), 60 concurrent 512 KiB requests of one caller under its 4 MiB
+/// bound: the claims past the bound are refused at once (`ScopeByteCapacity`, 503), every
+/// admitted one stores its response, and another caller's requests still claim and store.
+/// Before, every claim was admitted, their responses filled `maxmemory`, completes in flight
+/// failed (`OOM`, so those handlers would run again) and every caller's claims were refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(redis_standalone),
+    ignore = "set REDIS_URL=redis://… to run the Redis tests"
+)]
+async fn one_caller_cannot_fill_redis_for_everyone() {
+    use idempotent_core::store::{ClaimOutcome, ClaimRequest, RecordKey, StoredResponse};
+    use idempotent_core::{Scope, Store, StoreError};
+    use idempotent_tests::conformance::fp;
+    use std::time::Duration;
+
+    const KIB: u64 = 1024;
+    let server = SmallRedis::start("24mb").await;
+    let store = idempotent_core::RedisStore::builder()
+        .max_bytes_per_scope(4 * 1024 * KIB)
+        .connect(&server.url)
+        .await
+        .unwrap();
+    // Claims, then completes with 512 KiB, `n` keys of `scope` at once.
+    let run = |scope: &'static str, n: usize| {
+        let store = store.clone();
+        async move {
+            let tasks: Vec<_> = (0..n)
+                .map(|i| {
+                    let store = store.clone();
+                    tokio::spawn(async move {
+                        let key = RecordKey::new(
+                            Scope::new(scope).unwrap(),
+                            format!("k{i}").parse().unwrap(),
+                        );
+                        let long = Duration::from_secs(60);
+                        let claimed = store
+                            .claim(ClaimRequest {
+                                key: &key,
+                                fingerprint: &fp("a"),
+                                lease: long,
+                                ttl: long,
+                                max_stored: 512 * KIB,
+                            })
+                            .await;
+                        match claimed {
+                            Ok(ClaimOutcome::Claimed(lease)) => {
+                                let body = vec![b'x'; 512 * 1024];
+                                let stored = StoredResponse::new(201, body).into();
+                                Some(store.complete(&key, lease.token, &stored, long).await)
+                            }
+                            Err(StoreError::ScopeByteCapacity { .. }) => None,
+                            other => panic!("{scope}: {other:?}"),
+                        }
+                    })
+                })
+                .collect();
+            let mut completes = Vec::new();
+            for t in tasks {
+                completes.extend(t.await.unwrap());
+            }
+            completes
+        }
+    };
+    let greedy = run("greedy", 60).await;
+    assert!(
+        (4..=8).contains(&greedy.len()),
+        "{} of the caller's claims admitted under a 4 MiB bound",
+        greedy.len()
+    );
+    for complete in &greedy {
+        assert!(
+            complete.is_ok(),
+            "an admitted claim's complete failed: {complete:?}"
+        );
+    }
+    let other = run("other", 5).await;
+    assert_eq!(other.len(), 5, "another caller's claims were refused");
+    for complete in &other {
+        assert!(
+            complete.is_ok(),
+            "another caller's complete failed: {complete:?}"
+        );
+    }
+}
+
+/// A caller's record bound, and what gives its room back: a release at once, expiry in
+/// Redis (swept out of its usage by the next claims). The unscoped namespace has no bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(redis_standalone),
+    ignore = "set REDIS_URL=redis://… to run the Redis tests"
+)]
+async fn a_callers_record_bound_gives_room_back_on_release_and_expiry() {
+    use idempotent_core::store::{ClaimOutcome, ClaimRequest, RecordKey};
+    use idempotent_core::{IdempotencyKey, Scope, Store, StoreError};
+    use idempotent_tests::conformance::fp;
+    use std::time::Duration;
+
+    let server = SmallRedis::start("32mb").await;
+    let store = idempotent_core::RedisStore::builder()
+        .max_per_scope(3)
+        .connect(&server.url)
+        .await
+        .unwrap();
+    let (lease, ttl) = (Duration::from_millis(300), Duration::from_millis(300));
+    let claim = |scope: Scope, k: &str| {
+        let (store, k) = (store.clone(), k.to_owned());
+        async move {
+            let key = RecordKey::new(scope, IdempotencyKey::parse(k.as_bytes()).unwrap());
+            store
+                .claim(ClaimRequest {
+                    key: &key,
+                    fingerprint: &fp("a"),
+                    lease,
+                    ttl,
+                    max_stored: 0,
+                })
+                .await
+        }
+    };
+    let caller = || Scope::new("caller").unwrap();
+    let mut held = Vec::new();
+    for k in ["k0", "k1", "k2"] {
+        let Ok(ClaimOutcome::Claimed(lease)) = claim(caller(), k).await else {
+            panic!("{k} not claimed");
+        };
+        held.push(lease);
+    }
+    assert!(matches!(
+        claim(caller(), "k3").await,
+        Err(StoreError::ScopeCapacity { max_per_scope: 3 })
+    ));
+    // The unscoped namespace is not bounded per scope.
+    for i in 0..5 {
+        assert!(matches!(
+            claim(Scope::unscoped(), &format!("u{i}")).await,
+            Ok(ClaimOutcome::Claimed(_))
+        ));
+    }
+    // A release gives its room back at once.
+    let k0 = RecordKey::new(caller(), "k0".parse().unwrap());
+    store.release(&k0, held[0].token).await.unwrap();
+    assert!(matches!(
+        claim(caller(), "k3").await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    assert!(matches!(
+        claim(caller(), "k4").await,
+        Err(StoreError::ScopeCapacity { .. })
+    ));
+    // Records Redis expired give theirs back at the next claims.
+    tokio::time::sleep(lease + ttl + Duration::from_millis(300)).await;
+    for k in ["k5", "k6", "k7"] {
+        assert!(
+            matches!(claim(caller(), k).await, Ok(ClaimOutcome::Claimed(_))),
+            "{k}: expired records still counted"
+        );
+    }
 }

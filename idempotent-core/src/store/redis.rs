@@ -31,10 +31,74 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function ms(x) return string.format('%d', x) end
 ";
 
+/// A counted scope's usage (see [`RedisStore`]'s "Per caller bounds"): when a script gets three
+/// keys, `KEYS[2]` is the scope's sorted set of its records (scored by their expiry) and
+/// `KEYS[3]` the hash of what each is charged (and, under the field ` bytes`, which no record
+/// key can be, their sum). With one key (the unscoped namespaces) these do nothing. Every
+/// script that changes a record's expiry or charge, or deletes it, keeps them in step, in the
+/// same atomic script; records Redis expired are swept out of them by later claims.
+const USAGE: &str = "
+local counted = #KEYS == 3
+local function keep_until(ex)
+  for i = 2, 3 do
+    local left = redis.call('PTTL', KEYS[i])
+    if left < 0 or now + left < ex then redis.call('PEXPIREAT', KEYS[i], ms(ex)) end
+  end
+end
+local function usage_sweep(limit)
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
+  if #gone == 0 then return end
+  local freed = 0
+  for _, m in ipairs(gone) do freed = freed + (tonumber(redis.call('HGET', KEYS[3], m)) or 0) end
+  redis.call('HDEL', KEYS[3], unpack(gone))
+  redis.call('ZREM', KEYS[2], unpack(gone))
+  redis.call('HINCRBY', KEYS[3], ' bytes', -freed)
+end
+local function usage_set(charge, ex)
+  if not counted then return end
+  local old = tonumber(redis.call('HGET', KEYS[3], KEYS[1])) or 0
+  redis.call('HSET', KEYS[3], KEYS[1], charge)
+  redis.call('HINCRBY', KEYS[3], ' bytes', charge - old)
+  redis.call('ZADD', KEYS[2], ex, KEYS[1])
+  keep_until(ex)
+end
+local function usage_expiry(ex)
+  if not counted then return end
+  redis.call('ZADD', KEYS[2], 'XX', ex, KEYS[1])
+  keep_until(ex)
+end
+local function usage_drop()
+  if not counted then return end
+  local old = tonumber(redis.call('HGET', KEYS[3], KEYS[1]))
+  if old then
+    redis.call('HDEL', KEYS[3], KEYS[1])
+    redis.call('ZREM', KEYS[2], KEYS[1])
+    redis.call('HINCRBY', KEYS[3], ' bytes', -old)
+  end
+end
+-- Whether a new record charged `charge` fits its scope's bounds: nil, or why not (0: records,
+-- 1: bytes). Expired records are swept out first: a few each time, all (bounded) when full.
+local function usage_refuses(charge, max_bytes, max_records)
+  if not counted then return nil end
+  local function refuses()
+    if redis.call('ZCARD', KEYS[2]) >= max_records then return 0 end
+    local held = tonumber(redis.call('HGET', KEYS[3], ' bytes')) or 0
+    if held + charge > max_bytes then return 1 end
+    return nil
+  end
+  usage_sweep(16)
+  if refuses() == nil then return nil end
+  usage_sweep(1000)
+  return refuses()
+end
+";
+
 /// Claims an absent key (`{1, locked_until}`), or reports the record that holds it
 /// (`{0, fingerprint, token, done, expired, lease_over, retry_ms, status, headers, body,
-/// oversized}`, times compared on the server's clock). Never writes to an existing record.
-/// ARGV: fingerprint, token, lease ms, expiry ms (lease + ttl).
+/// oversized}`, times compared on the server's clock), or refuses a new record its scope has
+/// no room for (`{2, 0}`: records, `{2, 1}`: bytes). Never writes to an existing record.
+/// ARGV: fingerprint, token, lease ms, expiry ms (lease + ttl), then for a counted scope the
+/// record's charge (its reservation), the scope's byte and record bounds.
 const CLAIM: &str = "
 local r = redis.call('HMGET', KEYS[1], 'fp', 'tok', 'done', 'lu', 'ex', 'st', 'hd', 'bd', 'ov')
 if r[2] == ARGV[2] and r[3] == '0' and (tonumber(r[4]) or 0) > now then
@@ -45,11 +109,16 @@ if r[2] == ARGV[2] and r[3] == '0' and (tonumber(r[4]) or 0) > now then
   return {1, tonumber(r[4])}
 end
 if not r[1] then
+  if counted then
+    local why = usage_refuses(tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]))
+    if why then return {2, why} end
+  end
   local lu = now + tonumber(ARGV[3])
   local ex = now + tonumber(ARGV[4])
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'tok', ARGV[2], 'done', '0', 'lu', ms(lu),
     'ca', ms(now), 'ex', ms(ex))
   redis.call('PEXPIREAT', KEYS[1], ms(ex))
+  usage_set(tonumber(ARGV[5]), ex)
   return {1, lu}
 end
 local ex = tonumber(r[5]) or 0
@@ -64,7 +133,8 @@ return {0, r[1], r[2], done and 1 or 0, (ex <= now) and 1 or 0,
 /// The rare path: takes over a record whose ttl passed or whose lease ran out, only while it
 /// still carries the token the claim read (compare-and-swap: of two take-overs at once, one
 /// matches). Returns the new lease end, or nil when the record changed meanwhile.
-/// ARGV: old token, fingerprint, new token, lease ms, expiry ms.
+/// ARGV: old token, fingerprint, new token, lease ms, expiry ms, then for a counted scope the
+/// new claim's charge (it replaces the old claim's).
 const TAKE_OVER: &str = "
 local r = redis.call('HMGET', KEYS[1], 'tok', 'done', 'lu', 'ex')
 if r[1] == ARGV[3] and r[2] == '0' and (tonumber(r[3]) or 0) > now then
@@ -82,6 +152,7 @@ local nex = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'tok', ARGV[3], 'done', '0', 'lu', ms(nlu),
   'ca', ms(now), 'ex', ms(nex))
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
+usage_set(tonumber(ARGV[6]), nex)
 return nlu
 ";
 
@@ -109,7 +180,9 @@ return 0
 ";
 
 /// Fenced: the record becomes done with the outcome; expires no sooner than ttl after now.
-/// ARGV: token, status, headers, body, oversized size or '', ttl ms. Returns 1, or 0 (stale).
+/// ARGV: token, status, headers, body, oversized size or '', ttl ms, then for a counted scope
+/// what the stored record is charged (it settles the claim's reservation). Returns 1, or 0
+/// (stale).
 const COMPLETE: &str = "
 local nex = math.max(ex, now + tonumber(ARGV[6]))
 redis.call('HSET', KEYS[1], 'done', '1', 'st', ARGV[2], 'hd', ARGV[3], 'bd', ARGV[4],
@@ -117,12 +190,14 @@ redis.call('HSET', KEYS[1], 'done', '1', 'st', ARGV[2], 'hd', ARGV[3], 'bd', ARG
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'ov', ARGV[5]) end
 redis.call('HDEL', KEYS[1], 'lu')
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
+usage_set(tonumber(ARGV[7]), nex)
 return 1
 ";
 
 /// Fenced: deletes the record. ARGV: token. Returns 1, or 0 (stale).
 const RELEASE: &str = "
 redis.call('DEL', KEYS[1])
+usage_drop()
 return 1
 ";
 
@@ -133,6 +208,7 @@ local lu = now + tonumber(ARGV[2])
 local nex = math.max(ex, lu)
 redis.call('HSET', KEYS[1], 'lu', ms(lu), 'ex', ms(nex))
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
+usage_expiry(nex)
 return lu
 ";
 
@@ -153,12 +229,13 @@ return r"
 /// one step with the check. Returns nil (absent) or `{deleted 1|0, fields…}`.
 fn delete_script() -> String {
     format!(
-        "{NOW}
+        "{NOW}{USAGE}
 local r = redis.call('HMGET', KEYS[1], {FIELDS})
 if not r[1] then return false end
 local deleted = 0
 if r[3] == '1' or (tonumber(r[11]) or 0) <= now or ARGV[1] == '1' then
   redis.call('DEL', KEYS[1])
+  usage_drop()
   deleted = 1
 end
 table.insert(r, 1, deleted)
@@ -187,10 +264,10 @@ struct Scripts {
 
 impl Scripts {
     fn new() -> Self {
-        let fenced = |body: &str| redis::Script::new(&format!("{NOW}{FENCE}{body}"));
-        let claim_src = format!("{NOW}{CLAIM}");
-        let take_over_src = format!("{NOW}{TAKE_OVER}");
-        let complete_src = format!("{NOW}{FENCE}{COMPLETE}");
+        let fenced = |body: &str| redis::Script::new(&format!("{NOW}{USAGE}{FENCE}{body}"));
+        let claim_src = format!("{NOW}{USAGE}{CLAIM}");
+        let take_over_src = format!("{NOW}{USAGE}{TAKE_OVER}");
+        let complete_src = format!("{NOW}{USAGE}{FENCE}{COMPLETE}");
         let confirm_src = CONFIRM.to_owned();
         Scripts {
             claim: redis::Script::new(&claim_src),
@@ -419,6 +496,14 @@ pub struct RedisStoreBuilder {
     wait: Option<(u32, Duration)>,
     response_timeout: Duration,
     connection_timeout: Duration,
+    bounds: ScopeBounds,
+}
+
+/// One caller's bounds in Redis (see [`RedisStore`]'s "Per caller bounds").
+#[derive(Debug, Clone, Copy)]
+struct ScopeBounds {
+    records: u64,
+    bytes: u64,
 }
 
 impl Default for RedisStoreBuilder {
@@ -428,13 +513,17 @@ impl Default for RedisStoreBuilder {
             wait: None,
             response_timeout: Duration::from_secs(5),
             connection_timeout: Duration::from_secs(5),
+            bounds: ScopeBounds {
+                records: 100_000,
+                bytes: 32 * 1024 * 1024,
+            },
         }
     }
 }
 
 impl RedisStoreBuilder {
     /// The prefix of every record's key (default `idempotent:`), so one server can hold the
-    /// records of several services: `<prefix>{<scope and key>}`.
+    /// records of several services: `<prefix>{<scope>}:<key>` (see [`RedisStore::redis_key`]).
     #[must_use]
     pub fn prefix(mut self, prefix: &str) -> Self {
         prefix.clone_into(&mut self.prefix);
@@ -473,6 +562,27 @@ impl RedisStoreBuilder {
     #[must_use]
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
+        self
+    }
+
+    /// Upper bound on the records one scope (caller) holds (default 100,000; at least 1), as
+    /// the memory store's: a new key of a caller at its bound is refused
+    /// ([`StoreError::ScopeCapacity`]; HTTP: 503) while other callers' go on. The unscoped
+    /// namespaces have no per-scope bound. See [`RedisStore`]'s "Per caller bounds".
+    #[must_use]
+    pub fn max_per_scope(mut self, records: u64) -> Self {
+        self.bounds.records = records.max(1);
+        self
+    }
+
+    /// Upper bound on the bytes one scope's records are charged (default 32 MiB), as the
+    /// memory store's: each claim reserves what its outcome may store, so a caller's
+    /// concurrent requests cannot take Redis's memory for everyone
+    /// ([`StoreError::ScopeByteCapacity`]; HTTP: 503). See [`RedisStore`]'s "Per caller
+    /// bounds".
+    #[must_use]
+    pub fn max_bytes_per_scope(mut self, bytes: u64) -> Self {
+        self.bounds.bytes = bytes;
         self
     }
 
@@ -555,6 +665,7 @@ impl RedisStoreBuilder {
             prefix,
             wait,
             self.response_timeout,
+            self.bounds,
         ))
     }
 
@@ -592,16 +703,17 @@ impl RedisStoreBuilder {
             prefix,
             wait,
             self.response_timeout,
+            self.bounds,
         ))
     }
 }
 
 /// Idempotency records in Redis: a standalone server or a Redis Cluster (feature `redis`).
 ///
-/// - **One record, one key**: `<prefix>{<scope and key>}`, a hash. The whole key is the hash
-///   tag (the scope length-prefixed, `%` and `}` escaped), so a record never spans slots and
-///   every operation is one Lua script on the node that owns it: claim, take-over, complete,
-///   release, heartbeat, delete, each atomic.
+/// - **One record, one key**: `<prefix>{<scope>}:<key>`, a hash (see [`RedisStore::redis_key`]).
+///   The hash tag is the caller's scope (length-prefixed, `%` and `}` escaped), so a record and
+///   its caller's usage never span slots and every operation is one Lua script on the node
+///   that owns them: claim, take-over, complete, release, heartbeat, delete, each atomic.
 /// - **Time is the server's** (`TIME` inside the script), so instances with skewed clocks
 ///   agree on leases and expiry, as with the SQL stores' database clock.
 /// - **Fenced**: complete, release and extend change the record only while it carries the
@@ -640,6 +752,33 @@ impl RedisStoreBuilder {
 /// 503, and one whose answer times out after its script ran holds its key, answering 409,
 /// until its lease ends. Other shards are not held up.
 ///
+/// # Per caller bounds
+/// As in the memory store, one caller (scope) holds at most
+/// [`max_per_scope`](RedisStoreBuilder::max_per_scope) records (default 100,000) and is
+/// charged at most [`max_bytes_per_scope`](RedisStoreBuilder::max_bytes_per_scope) (default
+/// 32 MiB), so one caller cannot fill `maxmemory` for everyone. A claim is charged an estimate
+/// of its record ([`RedisStore::RECORD_OVERHEAD`] and its key three times) and what its
+/// outcome may store, the route's `max_response` ([`ClaimRequest::max_stored`]); the claim
+/// script itself checks both bounds and refuses a new record that does not fit
+/// ([`StoreError::ScopeCapacity`], [`StoreError::ScopeByteCapacity`]; HTTP: 503 with
+/// `Retry-After`). The completion settles the reservation to what was stored; a release or a
+/// delete gives it back; records Redis expired are swept out of the caller's usage by its next
+/// claims. The usage is a sorted set of the caller's records (by expiry) and a hash of their
+/// charges, which live as long as its longest record.
+///
+/// For that, one caller's records and usage share one hash tag, its scope: on a Redis Cluster
+/// all of one caller's records are on one slot (callers spread over the slots; the unscoped
+/// namespaces, shared by every caller and bounded only by `maxmemory`, spread record by
+/// record). A caller's load is one node's.
+///
+/// **Sizing `maxmemory`.** With the required `noeviction`, a node at `maxmemory` refuses every
+/// write: its claims answer 503 and completions in flight fail (those handlers run again after
+/// their lease). The bounds keep one caller from getting there; the sum of every caller's does
+/// not: give each node `maxmemory` for the callers active within a ttl on it (each at most
+/// `max_bytes_per_scope`; a record of a small response costs about
+/// [`RedisStore::RECORD_OVERHEAD`] + 3 × its key's length + the response), plus room for the
+/// unscoped routes, and alert on `used_memory` nearing `maxmemory`.
+///
 /// # What else loses records
 /// Anything that drops a key lets a retry run the handler again: an eviction policy other
 /// than `noeviction` (every record has an expiry, so `volatile-*` policies evict them too),
@@ -677,6 +816,8 @@ pub struct RedisStore {
     short_waits: std::sync::Arc<AtomicU64>,
     /// The response timeout its connections were built with (a renewal gets at most that).
     response_timeout: Duration,
+    /// Each counted scope's bounds.
+    bounds: ScopeBounds,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -691,6 +832,8 @@ impl std::fmt::Debug for RedisStore {
             )
             .field("prefix", &self.prefix)
             .field("wait", &self.wait)
+            .field("max_per_scope", &self.bounds.records)
+            .field("max_bytes_per_scope", &self.bounds.bytes)
             .finish_non_exhaustive()
     }
 }
@@ -702,6 +845,7 @@ impl RedisStore {
         prefix: String,
         wait: Option<Wait>,
         response_timeout: Duration,
+        bounds: ScopeBounds,
     ) -> Self {
         RedisStore {
             conn,
@@ -710,7 +854,20 @@ impl RedisStore {
             wait,
             short_waits: std::sync::Arc::default(),
             response_timeout,
+            bounds,
         }
+    }
+
+    /// Bytes charged per record on top of its Redis key (counted three times: the record's
+    /// key, and its member and field in its scope's usage) and what it stores: the hash's
+    /// fields (fingerprint, token, times), Redis's own per-key and per-field structures and
+    /// allocator rounding. An estimate, as the memory store's
+    /// [`RECORD_OVERHEAD`](crate::MemoryStore::RECORD_OVERHEAD) is.
+    pub const RECORD_OVERHEAD: u64 = 320;
+
+    /// What the record under `rkey` is charged, its outcome taking `outcome` bytes.
+    fn charge(rkey: &[u8], outcome: u64) -> u64 {
+        Self::RECORD_OVERHEAD + 3 * rkey.len() as u64 + outcome
     }
 
     /// Connects with the default settings (see [`RedisStoreBuilder::connect`] for the URLs).
@@ -742,10 +899,21 @@ impl RedisStore {
         self.short_waits.load(Ordering::Relaxed)
     }
 
-    /// The Redis key that holds `key`'s record: `<prefix>{<len>:<scope>:<key>}`, scope and key
-    /// with `%` and `}` percent-escaped and the escaped scope's byte length in front, so no two
-    /// (scope, key) pairs share a key and the braces enclose the whole of both (the hash tag).
+    /// The Redis key that holds `key`'s record. A caller's (a counted scope's):
+    /// `<prefix>{<len>:<scope>}:<key>`, whose hash tag is the scope, so all its records and
+    /// its usage (`<prefix>{<len>:<scope>}#z`, `…#u`) share one slot and every script that
+    /// charges it is atomic. An unscoped namespace's (shared by every caller, with no per-scope
+    /// bound): `<prefix>{<len>:<scope>:<key>}`, whose hash tag is the whole (scope, key), so
+    /// those records spread over every slot. Scope and key have `%` and `}` percent-escaped
+    /// and the escaped scope's byte length in front, so no two (scope, key) pairs share a key
+    /// and no record key is a usage key (after the tag, a record has `:`, a usage `#`).
     pub fn redis_key(&self, key: &RecordKey) -> Vec<u8> {
+        self.keys(key).record
+    }
+
+    /// The keys a script on `key`'s record takes: the record's, and its scope's usage when
+    /// the scope is counted.
+    fn keys(&self, key: &RecordKey) -> Keys {
         fn escape(out: &mut Vec<u8>, s: &str) {
             for b in s.bytes() {
                 match b {
@@ -757,27 +925,44 @@ impl RedisStore {
         }
         let mut scope = Vec::with_capacity(key.scope.as_str().len());
         escape(&mut scope, key.scope.as_str());
-        let mut out =
+        let mut tag =
             Vec::with_capacity(self.prefix.len() + scope.len() + key.key.as_str().len() + 16);
-        out.extend_from_slice(self.prefix.as_bytes());
-        out.push(b'{');
-        out.extend_from_slice(scope.len().to_string().as_bytes());
-        out.push(b':');
-        out.extend_from_slice(&scope);
-        out.push(b':');
-        escape(&mut out, key.key.as_str());
-        out.push(b'}');
-        out
+        tag.extend_from_slice(self.prefix.as_bytes());
+        tag.push(b'{');
+        tag.extend_from_slice(scope.len().to_string().as_bytes());
+        tag.push(b':');
+        tag.extend_from_slice(&scope);
+        if key.scope.is_shared() {
+            tag.push(b':');
+            escape(&mut tag, key.key.as_str());
+            tag.push(b'}');
+            return Keys {
+                record: tag,
+                usage: None,
+            };
+        }
+        tag.push(b'}');
+        let mut record = tag.clone();
+        record.push(b':');
+        escape(&mut record, key.key.as_str());
+        let mut members = tag.clone();
+        members.extend_from_slice(b"#z");
+        let mut charges = tag;
+        charges.extend_from_slice(b"#u");
+        Keys {
+            record,
+            usage: Some((members, charges)),
+        }
     }
 
     /// Runs one of the store's scripts on the record's node.
     async fn run(
         &self,
         script: &redis::Script,
-        key: &[u8],
+        keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
-        self.run_on(&self.conn, script, key, args).await
+        self.run_on(&self.conn, script, keys, args).await
     }
 
     /// The connection of the writes a `WAIT` follows (see `durable`).
@@ -789,10 +974,13 @@ impl RedisStore {
         &self,
         conn: &Conn,
         script: &redis::Script,
-        key: &[u8],
+        keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
-        let mut inv = script.key(key);
+        let mut inv = script.prepare_invoke();
+        for k in keys {
+            inv.key(*k);
+        }
         for a in args {
             inv.arg(*a);
         }
@@ -818,17 +1006,20 @@ impl RedisStore {
         &self,
         src: &str,
         script: &redis::Script,
-        key: &[u8],
+        keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<(Value, Option<u32>), StoreError> {
         let Some(wait) = self.wait else {
-            return Ok((self.run_on(&self.conn, script, key, args).await?, None));
+            return Ok((self.run_on(&self.conn, script, keys, args).await?, None));
         };
         let timeout_ms = u64::try_from(wait.timeout.as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
         let mut pipe = redis::pipe();
-        let eval = pipe.cmd("EVAL").arg(src).arg(1).arg(key);
+        let eval = pipe.cmd("EVAL").arg(src).arg(keys.len());
+        for k in keys {
+            eval.arg(*k);
+        }
         for a in args {
             eval.arg(*a);
         }
@@ -871,29 +1062,51 @@ impl RedisStore {
     /// two scripts) and, with a wait, how many replicas acknowledged the script that decided it.
     async fn claim_once(
         &self,
-        rkey: &[u8],
+        keys: &Keys,
         req: &ClaimRequest<'_>,
     ) -> Result<(Option<ClaimOutcome>, Option<u32>), StoreError> {
         let token = LeaseToken::generate();
         let fingerprint = req.fingerprint.to_stored();
         let lease = millis(req.lease).min(MAX_MILLIS);
         let expiry = lease.saturating_add(millis(req.ttl).min(MAX_MILLIS));
+        // A counted scope's claim reserves what its outcome may store.
+        let charge = Self::charge(&keys.record, req.max_stored).to_string();
+        let (max_bytes, max_records) = (
+            self.bounds.bytes.to_string(),
+            self.bounds.records.to_string(),
+        );
+        let (lease_ms, expiry_ms) = (lease.to_string(), expiry.to_string());
+        let token_id = token.as_uuid();
+        let mut args: Vec<&[u8]> = vec![
+            &fingerprint,
+            token_id.as_bytes(),
+            lease_ms.as_bytes(),
+            expiry_ms.as_bytes(),
+        ];
+        if keys.usage.is_some() {
+            args.extend([
+                charge.as_bytes(),
+                max_bytes.as_bytes(),
+                max_records.as_bytes(),
+            ]);
+        }
         let (v, acked) = self
-            .run_durable(
-                &scripts().claim_src,
-                &scripts().claim,
-                rkey,
-                &[
-                    &fingerprint,
-                    token.as_uuid().as_bytes(),
-                    lease.to_string().as_bytes(),
-                    expiry.to_string().as_bytes(),
-                ],
-            )
+            .run_durable(&scripts().claim_src, &scripts().claim, &keys.all(), &args)
             .await?;
         let fields = array(v)?;
-        if int(&fields, 0)? == 1 {
-            return Ok((Some(claimed(token, int(&fields, 1)?, false)), acked));
+        match int(&fields, 0)? {
+            1 => return Ok((Some(claimed(token, int(&fields, 1)?, false)), acked)),
+            2 if int(&fields, 1)? == 0 => {
+                return Err(StoreError::ScopeCapacity {
+                    max_per_scope: usize::try_from(self.bounds.records).unwrap_or(usize::MAX),
+                });
+            }
+            2 => {
+                return Err(StoreError::ScopeByteCapacity {
+                    max_bytes_per_scope: self.bounds.bytes,
+                });
+            }
+            _ => {}
         }
         let row = ExistingRow {
             fingerprint: bytes(&fields, 1)?.unwrap_or_default(),
@@ -915,13 +1128,14 @@ impl RedisStore {
                     .run_durable(
                         &scripts().take_over_src,
                         &scripts().take_over,
-                        rkey,
+                        &keys.all(),
                         &[
                             old.as_uuid().as_bytes(),
                             &fingerprint,
                             token.as_uuid().as_bytes(),
-                            lease.to_string().as_bytes(),
-                            expiry.to_string().as_bytes(),
+                            lease_ms.as_bytes(),
+                            expiry_ms.as_bytes(),
+                            charge.as_bytes(),
                         ],
                     )
                     .await?;
@@ -940,9 +1154,8 @@ impl RedisStore {
         key: &RecordKey,
         args: &[&[u8]],
     ) -> Result<i64, StoreError> {
-        let v = self
-            .run_on(conn, script, &self.redis_key(key), args)
-            .await?;
+        let keys = self.keys(key);
+        let v = self.run_on(conn, script, &keys.all(), args).await?;
         let n = num(&v)?;
         if n == 0 {
             return Err(StoreError::StaleLease);
@@ -1092,9 +1305,9 @@ fn record_from(key: &RecordKey, f: &[Value], at: usize) -> Result<Record, StoreE
 #[async_trait::async_trait]
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        let rkey = self.redis_key(req.key);
+        let keys = self.keys(req.key);
         for _ in 0..MAX_CLAIM_ATTEMPTS {
-            let (Some(outcome), acked) = self.claim_once(&rkey, &req).await? else {
+            let (Some(outcome), acked) = self.claim_once(&keys, &req).await? else {
                 continue;
             };
             if let ClaimOutcome::Claimed(lease) = &outcome
@@ -1122,18 +1335,27 @@ impl Store for RedisStore {
         let status = c.status.to_string();
         let oversized = c.oversized.map(|n| n.to_string()).unwrap_or_default();
         let ttl = millis(ttl).min(MAX_MILLIS).to_string();
+        let keys = self.keys(key);
+        let (headers, body) = (
+            c.headers.as_deref().unwrap_or_default(),
+            c.body.as_deref().unwrap_or_default(),
+        );
+        // What the done record is charged: it settles the claim's reservation.
+        let stored = (status.len() + headers.len() + body.len() + oversized.len()) as u64;
+        let charge = Self::charge(&keys.record, stored).to_string();
         let (v, acked) = self
             .run_durable(
                 &scripts().complete_src,
                 &scripts().complete,
-                &self.redis_key(key),
+                &keys.all(),
                 &[
                     token.as_uuid().as_bytes(),
                     status.as_bytes(),
-                    c.headers.as_deref().unwrap_or_default(),
-                    c.body.as_deref().unwrap_or_default(),
+                    headers,
+                    body,
                     oversized.as_bytes(),
                     ttl.as_bytes(),
+                    charge.as_bytes(),
                 ],
             )
             .await?;
@@ -1148,7 +1370,7 @@ impl Store for RedisStore {
                 .run_durable(
                     &scripts().confirm_src,
                     &scripts().confirm,
-                    &self.redis_key(key),
+                    &[&keys.record],
                     &[token.as_uuid().as_bytes()],
                 )
                 .await?;
@@ -1238,7 +1460,10 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        match self.run(&scripts().get, &self.redis_key(key), &[]).await? {
+        match self
+            .run(&scripts().get, &[&self.redis_key(key)], &[])
+            .await?
+        {
             Value::Nil => Ok(None),
             v => record_from(key, &array(v)?, 0).map(Some),
         }
@@ -1246,10 +1471,8 @@ impl Store for RedisStore {
 
     async fn delete(&self, key: &RecordKey, force: bool) -> Result<Deleted, StoreError> {
         let force: &[u8] = if force { b"1" } else { b"0" };
-        match self
-            .run(&scripts().delete, &self.redis_key(key), &[force])
-            .await?
-        {
+        let keys = self.keys(key);
+        match self.run(&scripts().delete, &keys.all(), &[force]).await? {
             Value::Nil => Ok(Deleted::Absent),
             v => {
                 let f = array(v)?;
@@ -1273,6 +1496,25 @@ impl Store for RedisStore {
 #[derive(Debug, thiserror::Error)]
 #[error("the write was not acknowledged by enough replicas in time")]
 struct NotReplicated;
+
+/// The keys of one record's scripts (see [`RedisStore::redis_key`]).
+struct Keys {
+    record: Vec<u8>,
+    /// A counted scope's sorted set of records and hash of charges.
+    usage: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Keys {
+    /// The record's key, then its scope's usage keys if it has them.
+    fn all(&self) -> Vec<&[u8]> {
+        let mut keys = vec![self.record.as_slice()];
+        if let Some((members, charges)) = &self.usage {
+            keys.push(members);
+            keys.push(charges);
+        }
+        keys
+    }
+}
 
 /// A lease renewal that got no answer in time, on its connection and on a new one.
 #[derive(Debug, thiserror::Error)]
@@ -1309,6 +1551,7 @@ mod tests {
             "p:".to_owned(),
             None,
             Duration::from_secs(5),
+            RedisStoreBuilder::default().bounds,
         )
     }
 
@@ -1508,7 +1751,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn keys_never_collide_and_the_tag_is_the_whole_record_key() {
+    async fn keys_never_collide_and_a_callers_tag_is_its_scope() {
         let s = store();
         let pairs = [
             ("a:b", "c"),
@@ -1521,21 +1764,54 @@ mod tests {
             ("a%", "7Db"),
             ("1:a", "b"),
             ("1", ":a:b"),
+            ("a", "#z"),
+            ("a", "b}#u"),
         ];
-        let keys: Vec<Vec<u8>> = pairs
-            .iter()
-            .map(|(sc, k)| s.redis_key(&key(sc, k)))
-            .collect();
-        for (i, a) in keys.iter().enumerate() {
-            assert!(a.starts_with(b"p:{"), "{a:?}");
-            assert_eq!(a.last(), Some(&b'}'));
-            // One `}` only: the one that closes the tag, so the tag is all of scope and key.
-            assert_eq!(a.iter().filter(|&&b| b == b'}').count(), 1, "{a:?}");
-            assert_eq!(tag(a), &a[3..a.len() - 1]);
-            for b in &keys[i + 1..] {
-                assert_ne!(a, b);
+        let mut all: Vec<Vec<u8>> = Vec::new();
+        for (sc, k) in pairs {
+            let keys = s.keys(&key(sc, k));
+            let (members, charges) = keys.usage.clone().expect("a caller's scope is counted");
+            // One `}`: the one that closes the tag, and the tag is the escaped scope alone,
+            // for the record and its scope's usage alike (one slot, one atomic script).
+            for k in [&keys.record, &members, &charges] {
+                assert!(k.starts_with(b"p:{"), "{k:?}");
+                assert_eq!(k.iter().filter(|&&b| b == b'}').count(), 1, "{k:?}");
+                assert_eq!(tag(k), tag(&keys.record));
+            }
+            assert_eq!(keys.record[p_len(&keys.record)], b':');
+            all.push(keys.record);
+            for usage in [members, charges] {
+                if !all.contains(&usage) {
+                    all.push(usage);
+                }
             }
         }
-        assert_eq!(s.redis_key(&key("a}", "b")), b"p:{4:a%7D:b}".to_vec());
+        // Unscoped namespaces: the tag is the whole record key, so they spread; no usage.
+        let shared = s.keys(&RecordKey::new(
+            Scope::unscoped(),
+            IdempotencyKey::parse(b"a").unwrap(),
+        ));
+        assert!(shared.usage.is_none());
+        assert_eq!(shared.record, b"p:{0::a}".to_vec());
+        assert_eq!(
+            tag(&shared.record),
+            &shared.record[3..shared.record.len() - 1]
+        );
+        all.push(shared.record);
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a, b, "two keys collide");
+            }
+        }
+        assert_eq!(s.redis_key(&key("a}", "b")), b"p:{4:a%7D}:b".to_vec());
+        assert_eq!(
+            s.keys(&key("a", "b")).usage.unwrap().0,
+            b"p:{1:a}#z".to_vec()
+        );
+    }
+
+    /// Where a key's hash tag ends.
+    fn p_len(k: &[u8]) -> usize {
+        k.iter().position(|&b| b == b'}').expect("}") + 1
     }
 }
