@@ -631,13 +631,13 @@ impl RedisStoreBuilder {
                     .map(|n| format!("{plain}{n}"))
                     .collect();
                 if nodes.is_empty() {
-                    return Err(RedisSetupError::InvalidUrl(url.to_owned()));
+                    return Err(RedisSetupError::InvalidUrl(without_credentials(url)));
                 }
                 return self.connect_cluster(&nodes).await;
             }
         }
         if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-            return Err(RedisSetupError::InvalidUrl(url.to_owned()));
+            return Err(RedisSetupError::InvalidUrl(without_credentials(url)));
         }
         let (prefix, wait) = self.checked()?;
         let client = redis::Client::open(url)?;
@@ -1497,6 +1497,19 @@ impl Store for RedisStore {
 #[error("the write was not acknowledged by enough replicas in time")]
 struct NotReplicated;
 
+/// `url` with any user and password in it replaced by `***`, for errors and logs.
+fn without_credentials(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let end = rest.find('/').unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(end);
+    match authority.rfind('@') {
+        Some(at) => format!("{scheme}://***@{}{path}", &authority[at + 1..]),
+        None => url.to_owned(),
+    }
+}
+
 /// The keys of one record's scripts (see [`RedisStore::redis_key`]).
 struct Keys {
     record: Vec<u8>,
@@ -1748,6 +1761,17 @@ mod tests {
                 Err(RedisSetupError::InvalidUrl(_))
             ));
         }
+    }
+
+    #[test]
+    fn urls_in_errors_carry_no_credentials() {
+        assert_eq!(
+            without_credentials("redis+clusterx://user:s3cret@h:1/0"),
+            "redis+clusterx://***@h:1/0"
+        );
+        assert_eq!(without_credentials("redis://:pw@h:1"), "redis://***@h:1");
+        assert_eq!(without_credentials("redis://h:1/0"), "redis://h:1/0");
+        assert_eq!(without_credentials("not a url"), "not a url");
     }
 
     #[tokio::test]
