@@ -14,6 +14,11 @@ fn bench(stores: &str) -> String {
 
 /// [`bench`] with more arguments.
 fn bench_with(stores: &str, extra: &[&str]) -> String {
+    bench_wire(stores, extra, "200ms")
+}
+
+/// [`bench_with`], counting round trips on the wire for `wire` per arm.
+fn bench_wire(stores: &str, extra: &[&str], wire: &str) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_bench-http"))
         .args(["--stores", stores, "--rounds", "1", "--duration", "150ms"])
         .args(extra)
@@ -21,7 +26,7 @@ fn bench_with(stores: &str, extra: &[&str]) -> String {
             "--warmup",
             "50ms",
             "--wire-duration",
-            "200ms",
+            wire,
             "--connections",
             "16",
         ])
@@ -91,7 +96,10 @@ fn runs_on_memory_and_sqlite() {
     ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
 )]
 fn runs_on_postgres_with_wire_counts() {
-    let out = bench("postgres");
+    // Counted for 600 ms an arm: the round trips that open the proxy's connections are
+    // shared by more requests than in 200 ms, whose count (5.4-5.6 on a loaded machine, 5.03
+    // over 3 s) sat at the bound below.
+    let out = bench_wire("postgres", &[], "600ms");
     assert_tables(
         &out,
         "Postgres",
@@ -140,7 +148,7 @@ fn runs_on_postgres_with_wire_counts() {
             .filter_map(|c| c.trim().parse().ok())
             .collect();
         assert_eq!(cells.len(), 3, "{row}");
-        // (The full run measures 5.00–5.01; in this short one, opening the pool's connections
+        // (The full run measures 5.00–5.03; in this short one, opening the pool's connections
         // adds a little. Before the batches it was 7.)
         assert!(cells[1] <= 5.5, "more than five round trips: {row}");
     }

@@ -32,9 +32,9 @@
 //!
 //! The silent-connection arm adds hangs: a renewal, complete or release that never answers
 //! (before it applies, or after), as on a pooled connection that went silent. The engine must
-//! give up on it within its bound and try again (the store's next call goes on another
-//! connection: here, a write of the same lease after a hang does not hang), so a running
-//! owner still keeps its lease: a hang never excuses a lease that ran out.
+//! give up on it within its bound and try again on a connection opened for the retry (here: a
+//! write the engine marks with `store::wants_fresh_connection` never hangs, and any other may),
+//! so a running owner still keeps its lease: a hang never excuses a lease that ran out.
 //!
 //! Environment: `SIM_SEED=n` runs seed n alone (printing its log); `SIM_SEEDS=n` sets how
 //! many seeds each arm runs (default 5,000 on memory, 1,000 on SQLite) from `SIM_SEED_BASE`
@@ -108,7 +108,7 @@ struct Faults {
     /// Per store operation: the store's clock jumps forward past a lease.
     jump: f64,
     /// Per extend, complete or release: it never answers (before it applies or after),
-    /// unless the write of the same lease before it hung.
+    /// unless the engine asked for a fresh connection for it.
     hang: f64,
 }
 
@@ -148,9 +148,6 @@ struct Log {
     live_takeovers: u32,
     /// Writes that never answered (the silent-connection arm).
     hangs: u32,
-    /// Leases whose last write was abandoned (the engine gave up on it): their next write
-    /// goes on another connection, and does not hang.
-    hung: HashSet<LeaseToken>,
     /// When the first event happened (simulated time), for the events' times.
     origin: Option<tokio::time::Instant>,
 }
@@ -334,15 +331,18 @@ impl SimStore {
         Ok(())
     }
 
-    /// A write of `token`'s lease may hang here, never answering (its future is dropped by
-    /// the engine's bound on it), unless the write of that lease before it was abandoned: a
-    /// store gives the next write another connection ([`Write`]).
-    async fn hang(&self, op: &str, key: usize, token: LeaseToken, applied: bool) {
+    /// A write may hang here, never answering (its future is dropped by the engine's bound on
+    /// it), unless the engine asked for a fresh connection for it (a retry after a write it
+    /// gave up on): a connection opened for it is not the one that went silent.
+    async fn hang(&self, op: &str, key: usize, applied: bool) {
+        if idempotent_core::store::wants_fresh_connection() {
+            return;
+        }
         {
-            let mut log = self.world.log();
-            if log.hung.remove(&token) || !self.world.chance(self.world.faults.hang) {
+            if !self.world.chance(self.world.faults.hang) {
                 return;
             }
+            let mut log = self.world.log();
             log.hangs += 1;
             let when = if applied {
                 "after it applied"
@@ -509,17 +509,11 @@ impl Store for SimStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let write = Write::start(&self.world, token);
-        let out = self.complete_op(key, token, outcome, ttl).await;
-        write.answered();
-        out
+        self.complete_op(key, token, outcome, ttl).await
     }
 
     async fn release(&self, key: &RecordKey, token: LeaseToken) -> Result<(), StoreError> {
-        let write = Write::start(&self.world, token);
-        let out = self.release_op(key, token).await;
-        write.answered();
-        out
+        self.release_op(key, token).await
     }
 
     async fn extend(
@@ -528,10 +522,7 @@ impl Store for SimStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
-        let write = Write::start(&self.world, token);
-        let out = self.extend_op(key, token, lease).await;
-        write.answered();
-        out
+        self.extend_op(key, token, lease).await
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64, StoreError> {
@@ -557,37 +548,7 @@ impl Store for SimStore {
     }
 }
 
-/// A write of a lease (renewal, complete, release) on its way: dropped before it answered
-/// (the engine gave up on it), it marks its lease, whose next write then goes through, as the
-/// store's next write after an abandoned one goes on another connection.
-struct Write<'a> {
-    world: &'a World,
-    token: LeaseToken,
-    answered: bool,
-}
-
-impl<'a> Write<'a> {
-    fn start(world: &'a World, token: LeaseToken) -> Self {
-        Write {
-            world,
-            token,
-            answered: false,
-        }
-    }
-    fn answered(mut self) {
-        self.answered = true;
-    }
-}
-
-impl Drop for Write<'_> {
-    fn drop(&mut self) {
-        if !self.answered {
-            self.world.log().hung.insert(self.token);
-        }
-    }
-}
-
-/// The faulty operations behind the store's writes (see [`Write`]).
+/// The faulty operations behind the store's writes.
 impl SimStore {
     async fn complete_op(
         &self,
@@ -600,7 +561,7 @@ impl SimStore {
         self.before("complete", Some(k)).await?;
         let applied = self.world.faults.hang > 0.0 && self.world.chance(0.5);
         if !applied {
-            self.hang("complete", k, token, false).await;
+            self.hang("complete", k, false).await;
         }
         let (inner, key, stored) = (Arc::clone(&self.inner), key.clone(), outcome.clone());
         let out = self
@@ -626,7 +587,7 @@ impl SimStore {
             }
         }
         if applied {
-            self.hang("complete", k, token, true).await;
+            self.hang("complete", k, true).await;
         }
         self.after("complete", k, out).await
     }
@@ -636,7 +597,7 @@ impl SimStore {
         self.before("release", Some(k)).await?;
         let applied = self.world.faults.hang > 0.0 && self.world.chance(0.5);
         if !applied {
-            self.hang("release", k, token, false).await;
+            self.hang("release", k, false).await;
         }
         let (inner, key) = (Arc::clone(&self.inner), key.clone());
         let out = self
@@ -654,7 +615,7 @@ impl SimStore {
             }
         }
         if applied {
-            self.hang("release", k, token, true).await;
+            self.hang("release", k, true).await;
         }
         self.after("release", k, out).await
     }
@@ -672,7 +633,7 @@ impl SimStore {
         }
         let applied = self.world.faults.hang > 0.0 && self.world.chance(0.5);
         if !applied {
-            self.hang("extend", k, token, false).await;
+            self.hang("extend", k, false).await;
         }
         let (inner, key) = (Arc::clone(&self.inner), key.clone());
         let out = self
@@ -688,7 +649,7 @@ impl SimStore {
             Err(_) => {}
         }
         if applied {
-            self.hang("extend", k, token, true).await;
+            self.hang("extend", k, true).await;
         }
         let out = self.after("extend", k, out).await;
         if out.is_err() {

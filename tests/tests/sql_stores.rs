@@ -1468,11 +1468,14 @@ async fn mysql_sweeper_batches_fit_the_servers_packet() {
     mysql_drop(&pool, &table).await;
 }
 
-/// Issue 49 (1): one instance's pool goes silent after its claim (a proxy freezes every
-/// connection open then; new ones pass), while its handler runs three leases. Its heartbeat
-/// must keep the lease (each renewal bounded, the silent connection closed, the next renewal
-/// on a fresh connection), so the other instance, retrying every quarter lease, gets 409 for
-/// the whole run and then the stored response: never a take-over, never a second run.
+/// Issue 49 (1): one instance's pool goes silent after its claims (a proxy freezes every
+/// connection open then, its twelve warm connections; new ones pass), while three handlers run
+/// three leases each. Their heartbeats must keep every lease (each renewal bounded, the
+/// silent connection closed, the second attempt on a connection opened for it), so the other
+/// instance, retrying every quarter lease, gets 409 for the whole run and then the stored
+/// responses: never a take-over, never a second run. Three at once, with idle frozen
+/// connections left in the pool, because a fresh connection must go to each renewal that
+/// asks, not to one of them (review: a flag the store kept let only the first have it).
 /// Before the fix the renewal waited on the frozen connection and the retry took the record
 /// over one lease after the claim.
 async fn frozen_pool_keeps_its_lease(
@@ -1493,54 +1496,89 @@ async fn frozen_pool_keeps_its_lease(
         .lease(lease)
         .build()
         .unwrap();
-    let key = unique_key("frozen-pool");
-    let Begin::Claimed(mut execution) = a.begin(request(&key), &policy).await else {
-        panic!("the first request claims")
-    };
+    let keys: Vec<RecordKey> = (0..3)
+        .map(|i| unique_key(&format!("frozen-pool-{i}")))
+        .collect();
+    let mut executions = Vec::new();
+    for key in &keys {
+        let Begin::Claimed(execution) = a.begin(request(key), &policy).await else {
+            panic!("the first request claims")
+        };
+        executions.push(execution);
+    }
     proxy.freeze_open();
-    let runs = Arc::new(std::sync::atomic::AtomicU32::new(1));
-    let first = tokio::spawn(async move {
-        let response = execution
-            .run(async {
-                tokio::time::sleep(lease * 3).await;
-                StoredResponse::new(201, "first")
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(keys.len() as u32));
+    let first: Vec<_> = executions
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut execution)| {
+            tokio::spawn(async move {
+                let response = execution
+                    .run(async {
+                        tokio::time::sleep(lease * 3).await;
+                        StoredResponse::new(201, format!("first {i}"))
+                    })
+                    .await
+                    .unwrap();
+                execution.finish(response.into()).await
             })
-            .await
-            .unwrap();
-        execution.finish(response.into()).await
-    });
+        })
+        .collect();
     let started = std::time::Instant::now();
-    loop {
+    let mut replayed = vec![false; keys.len()];
+    while replayed.iter().any(|r| !r) {
         tokio::time::sleep(lease / 4).await;
         let at = started.elapsed();
-        match b.begin(request(&key), &policy).await {
-            Begin::InProgress { .. } => {
-                assert!(
-                    at < Duration::from_secs(60),
-                    "still in progress after {at:?}"
-                );
+        for (i, key) in keys.iter().enumerate() {
+            if replayed[i] {
+                continue;
             }
-            Begin::Replay(StoredOutcome::Response(r)) => {
-                assert_eq!(r.body, b"first");
-                assert!(at >= lease * 3, "replayed before the handler ended: {at:?}");
-                break;
+            match b.begin(request(key), &policy).await {
+                Begin::InProgress { .. } => {
+                    assert!(
+                        at < Duration::from_secs(60),
+                        "still in progress after {at:?}"
+                    );
+                }
+                Begin::Replay(StoredOutcome::Response(r)) => {
+                    assert_eq!(r.body, format!("first {i}").into_bytes());
+                    assert!(at >= lease * 3, "replayed before the handler ended: {at:?}");
+                    replayed[i] = true;
+                }
+                Begin::Claimed(execution) => {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    execution.release().await;
+                    panic!(
+                        "the retry took record {i} over at {at:?}: the lease lapsed under a live handler"
+                    );
+                }
+                other => panic!("at {at:?}: {other:?}"),
             }
-            Begin::Claimed(execution) => {
-                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                execution.release().await;
-                panic!(
-                    "the retry took the record over at {at:?}: the lease lapsed under a live handler"
-                );
-            }
-            other => panic!("at {at:?}: {other:?}"),
         }
     }
-    assert!(matches!(first.await.unwrap(), Recorded::Stored));
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    for first in first {
+        assert!(matches!(first.await.unwrap(), Recorded::Stored));
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 3);
     assert!(
-        proxy.stalled() >= 1,
-        "no connection was frozen: the test proves nothing"
+        proxy.stalled() >= 3,
+        "fewer connections were frozen than renewals ran: the test proves little"
     );
+}
+
+/// `pool` with all its connections open and idle (twelve at once, each held a moment): more
+/// than three executions' renewals can use up in two rounds, so a second attempt that goes
+/// back to the pool finds a frozen one.
+async fn warm<DB: sqlx::Database>(pool: sqlx::Pool<DB>) -> sqlx::Pool<DB> {
+    let held: Vec<_> = futures_util::future::join_all((0..12).map(|_| pool.acquire()))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(pool.num_idle(), 12, "the pool is warm");
+    pool
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1557,12 +1595,15 @@ async fn postgres_a_pool_gone_silent_keeps_its_lease() {
     let url = database_url().replace("127.0.0.1:5432", &proxy.addr().to_string());
     assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
     let frozen = PostgresStore::builder(
-        sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .test_before_acquire(false)
-            .connect(&url)
-            .await
-            .unwrap(),
+        warm(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(12)
+                .test_before_acquire(false)
+                .connect(&url)
+                .await
+                .unwrap(),
+        )
+        .await,
     )
     .schema("idempotent_test")
     .table(&table)
@@ -1586,12 +1627,15 @@ async fn mysql_a_pool_gone_silent_keeps_its_lease() {
     let url = mysql_url().replace("127.0.0.1:3306", &proxy.addr().to_string());
     assert_ne!(url, mysql_url(), "MYSQL_URL must name 127.0.0.1:3306");
     let frozen = MySqlStore::builder(
-        sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .test_before_acquire(false)
-            .connect(&url)
-            .await
-            .unwrap(),
+        warm(
+            sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(12)
+                .test_before_acquire(false)
+                .connect(&url)
+                .await
+                .unwrap(),
+        )
+        .await,
     )
     .table(&table)
     .build()

@@ -523,7 +523,14 @@ where
     let mut retry: Option<(tokio::time::Instant, Duration)> = None;
     loop {
         attempts += 1;
-        match call().await {
+        // A retry goes on a connection the store opens for it: the one before may have gone
+        // silent, and so may its pool's idle ones.
+        let answer = if attempts > 1 {
+            crate::store::renew::on_fresh_connection(call()).await
+        } else {
+            call().await
+        };
+        match answer {
             Ok(()) => return Ok(()),
             Err(StoreError::StaleLease) if attempts > 1 => {
                 tracing::warn!(

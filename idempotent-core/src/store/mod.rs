@@ -24,7 +24,7 @@ pub use self::redis::{RedisSetupError, RedisStore, RedisStoreBuilder};
 pub use fence::{Lease, LeaseToken};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse, retry_after_secs};
-pub use renew::RenewalTimedOut;
+pub use renew::{RenewalTimedOut, wants_fresh_connection};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 #[cfg_attr(
     docsrs,
@@ -208,12 +208,11 @@ pub trait Store: Send + Sync + 'static {
     /// an eighth of the lease and, if it had no answer or failed as unavailable, a second one
     /// within seven sixteenths of the lease in all ([`RenewalTimedOut`] past that).
     ///
-    /// An implementation that keeps connections should make the second attempt use another
-    /// one: an `extend` whose future is dropped before its answer came marks its connection
-    /// as not to be used again (the SQL stores close it and run the next renewal on a
-    /// freshly opened connection). Override this only to bound renewals another way (the
-    /// Redis store does, replacing its connection); wrappers that forward to another store
-    /// should forward this too.
+    /// An implementation that keeps connections should run the second attempt on another one:
+    /// [`wants_fresh_connection`] is true inside it (the SQL stores then open a connection for
+    /// it, outside their pools, and close the one the abandoned attempt held). Override this
+    /// only to bound renewals another way (the Redis store does, replacing its connection);
+    /// wrappers that forward to another store should forward this too.
     ///
     /// # Errors
     /// As [`extend`](Store::extend), and [`StoreError::Unavailable`] when neither attempt

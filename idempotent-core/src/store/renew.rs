@@ -9,9 +9,12 @@
 //! 1. the first attempt ([`Store::extend`]) gets an eighth of the lease, the pool's wait for a
 //!    connection included;
 //! 2. if it had no answer in time, or failed as unavailable, a second attempt goes at once,
-//!    within seven sixteenths of the lease from the start. A store gives it another
-//!    connection: the SQL stores close the connection an abandoned attempt held and open a
-//!    fresh one, outside the pool, for the next renewal; Redis replaces its connection.
+//!    within seven sixteenths of the lease from the start, asking its store for a connection
+//!    of its own ([`wants_fresh_connection`]): the SQL stores close the connection the
+//!    abandoned attempt held and open a fresh one, outside the pool, for the second; Redis
+//!    replaces its connection. (Asked per call, not through a flag the store keeps: two
+//!    executions whose renewals hang at once each get a fresh connection, and another
+//!    execution's write cannot take it from them.)
 //!
 //! That leaves a sixteenth of the lease before it runs out, for the heartbeat's next round.
 //! A renewal refused by the fence ([`StoreError::StaleLease`]) or reading a corrupt record is
@@ -20,7 +23,29 @@
 use super::fence::LeaseToken;
 use super::record::RecordKey;
 use super::{Store, StoreError};
+use std::future::Future;
 use std::time::{Duration, SystemTime};
+
+tokio::task_local! {
+    /// Set around a store write that follows an abandoned one (see [`wants_fresh_connection`]).
+    static FRESH: ();
+}
+
+/// Whether the store write running now follows one the engine gave up on (a renewal's first
+/// attempt had no answer, a complete or release is being tried again): a store that keeps
+/// connections should run it on a connection it opens for it, not on one from its pool,
+/// whose idle connections may have gone silent like the one abandoned. The SQL stores do.
+/// Read it at the start of [`Store::extend`], [`Store::complete`] or [`Store::release`] (it is
+/// set for the task the engine runs the write on).
+pub fn wants_fresh_connection() -> bool {
+    FRESH.try_with(|()| ()).is_ok()
+}
+
+/// Runs `write` (a store write that follows an abandoned one) so that
+/// [`wants_fresh_connection`] is true inside it.
+pub(crate) async fn on_fresh_connection<F: Future>(write: F) -> F::Output {
+    FRESH.scope((), write).await
+}
 
 /// How long the first attempt of a renewal may take: an eighth of the lease.
 pub(crate) fn first_attempt(lease: Duration) -> Duration {
@@ -54,7 +79,8 @@ pub(crate) async fn bounded<S: Store + ?Sized>(
         // No answer in time, or unavailable: once more, on another connection.
         Ok(Err(_)) | Err(_) => {}
     }
-    match tokio::time::timeout_at(deadline, store.extend(key, token, lease)).await {
+    let second = on_fresh_connection(store.extend(key, token, lease));
+    match tokio::time::timeout_at(deadline, second).await {
         Ok(answer) => answer,
         Err(_) => Err(StoreError::unavailable(RenewalTimedOut(
             deadline.saturating_duration_since(started),

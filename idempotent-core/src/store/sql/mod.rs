@@ -408,17 +408,25 @@ impl Counter {
 }
 
 /// The connections a SQL store's fenced writes (lease renewals, completes, releases) run
-/// on: a pooled one, unless the write before was abandoned (its future dropped before the
-/// database answered: the engine's bound on it ran out, see [`crate::store::renew`]) or could
-/// not reach the database; then the next one opens a connection of its own, outside the pool,
-/// so a pool whose connections went silent (a half-open TCP connection keeps its place in the
-/// pool) or are all busy (long transactional handlers) cannot hold up a renewal, or the
-/// complete that a retry waits for. An abandoned write's pooled connection is closed, never
-/// returned to the pool, and its place in the pool given back.
+/// on: a pooled one, unless
+/// - the engine asks for a fresh one ([`crate::store::wants_fresh_connection`]: the write
+///   follows one it gave up on), or
+/// - a fenced write of this store was abandoned (its future dropped before the database
+///   answered) or could not reach the database in the last [`SUSPECT_FOR`]: the pool's idle
+///   connections may have gone silent like that one (a NAT or proxy that forgot them all);
+///
+/// then it opens a connection of its own, outside the pool, so a pool whose connections went
+/// silent (a half-open TCP connection keeps its place in the pool) or are all busy (long
+/// transactional handlers) cannot hold up a renewal, or the complete that a retry waits for.
+/// An abandoned write's pooled connection is closed, never returned to the pool, and its place
+/// in the pool given back. While the pool is suspect each fenced write costs a connection's
+/// set-up; claims and replays stay on the pool.
 #[derive(Debug)]
 pub(crate) struct FencedConns {
-    /// Set by a write that was abandoned or did not reach the database.
-    fresh_next: std::sync::atomic::AtomicBool,
+    /// Until when (ms after `since`) the pool is suspect: set by a write that was abandoned
+    /// or did not reach the database.
+    suspect_until: AtomicU64,
+    since: tokio::time::Instant,
     /// Whether a connection opened with the pool's options reaches the same database (not an
     /// in-memory SQLite database, which lives in its pool's connection).
     fresh_reaches_pool: bool,
@@ -429,9 +437,15 @@ impl FencedConns {
     /// `false`, always on the pool).
     pub(crate) fn new(fresh_reaches_pool: bool) -> Self {
         FencedConns {
-            fresh_next: std::sync::atomic::AtomicBool::new(false),
+            suspect_until: AtomicU64::new(0),
+            since: tokio::time::Instant::now(),
             fresh_reaches_pool,
         }
+    }
+
+    /// Milliseconds since this was made.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// Runs `work` (one fenced write) on a connection of `pool`, or on a fresh one (see the
@@ -446,7 +460,11 @@ impl FencedConns {
             conn: None,
             answered: false,
         };
-        let fresh = self.fresh_reaches_pool && self.fresh_next.swap(false, Ordering::Relaxed);
+        // Fresh when the engine asks for it (the write follows one it gave up on), or while
+        // the pool is suspect (see the type).
+        let asked = crate::store::renew::wants_fresh_connection();
+        let suspect = self.now_ms() < self.suspect_until.load(Ordering::Relaxed);
+        let fresh = self.fresh_reaches_pool && (asked || suspect);
         let conn = if fresh {
             let options = pool.connect_options();
             let conn = <DB::Connection as sqlx::Connection>::connect_with(&options)
@@ -468,6 +486,10 @@ impl FencedConns {
         out
     }
 }
+
+/// How long a pool stays suspect after one of its fenced writes was abandoned or could not
+/// reach the database (see [`FencedConns`]).
+pub(crate) const SUSPECT_FOR: Duration = Duration::from_secs(30);
 
 /// A fenced write's connection, pooled or opened for it.
 enum Either<DB: sqlx::Database> {
@@ -508,7 +530,9 @@ impl<DB: sqlx::Database> Drop for FencedConnection<'_, DB> {
             // Abandoned (dropped before an answer) or the connection failed: the next write
             // opens a connection of its own, and this one is closed (dropping a connection
             // closes its socket; detached, its place in the pool is given back).
-            self.conns.fresh_next.store(true, Ordering::Relaxed);
+            let suspect = u64::try_from(SUSPECT_FOR.as_millis()).unwrap_or(u64::MAX);
+            let until = self.conns.now_ms().saturating_add(suspect);
+            self.conns.suspect_until.fetch_max(until, Ordering::Relaxed);
             if let Some(Either::Pooled(conn)) = self.conn.take() {
                 drop(conn.detach());
             }
