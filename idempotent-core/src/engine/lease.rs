@@ -163,7 +163,14 @@ impl Execution {
     /// writes nothing and reports what the heartbeat did.
     pub(crate) fn watch(&mut self, progress: Arc<Progress>) {
         self.inner.progress = Some(progress);
-        self.keep_alive();
+        if self.inner.heartbeat.task.is_some() {
+            // Started while the handler ran (it ran half a lease), without the progress: start
+            // it again, watching (it renews at once).
+            self.inner.heartbeat = Heartbeat::default();
+            self.start_heartbeat(Duration::ZERO);
+        } else {
+            self.keep_alive();
+        }
     }
 
     /// When the first extension is due: half a lease after the claim was sent.
@@ -621,6 +628,9 @@ async fn heartbeat(
     let (lease, route) = (policy.lease, policy.route);
     let half = lease / 2;
     tokio::time::sleep(first_after).await;
+    // Set when settling a silent body failed: the next round waits half a lease, not the
+    // silence's end (which has passed), before it tries again.
+    let mut settle_failed = false;
     loop {
         // A streamed body that has not moved for a lease: settle instead of renewing.
         if let Some(progress) = &progress
@@ -628,8 +638,11 @@ async fn heartbeat(
             && progress.try_settle()
         {
             let marker = progress.marker();
-            let bound = write_bound(lease);
+            // Nothing renews while it is on its way: it gets what a renewal's first attempt
+            // gets, and the renewal below follows if it had no answer.
+            let bound = crate::store::renew::first_attempt(lease);
             let write = store.complete(&key, token, &marker, policy.ttl);
+            settle_failed = true;
             match tokio::time::timeout(bound, write).await {
                 Ok(Ok(())) => {
                     tracing::warn!(
@@ -658,11 +671,13 @@ async fn heartbeat(
             // silence ends first.
             Ok(_) => {
                 let wake = match &progress {
-                    Some(p) if p.state.load(Ordering::Acquire) == RECORDING => half
-                        .min(lease.saturating_sub(p.silent_for()))
-                        .max(Duration::from_millis(10)),
+                    Some(p) if !settle_failed && p.state.load(Ordering::Acquire) == RECORDING => {
+                        half.min(lease.saturating_sub(p.silent_for()))
+                            .max(Duration::from_millis(10))
+                    }
                     _ => half,
                 };
+                settle_failed = false;
                 tokio::time::sleep(wake).await;
             }
             // Someone took over (`complete` will report the stale lease), or the outcome was

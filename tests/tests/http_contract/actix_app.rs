@@ -188,12 +188,17 @@ async fn stream_endless(app: web::Data<App>) -> HttpResponse {
 }
 
 /// An endless stream that is always ready, in chunks of the size the body names: it fills
-/// every buffer between it and a client that stops reading (short lease).
-#[idempotent(unscoped, lease = "500ms")]
-async fn stream_flood(app: web::Data<App>, size: String) -> HttpResponse {
+/// every buffer between it and a client that stops reading (short lease; a limit above what
+/// those buffers hold, so only silence can end its recording).
+#[idempotent(unscoped, lease = "500ms", max_response = "64MiB")]
+async fn stream_flood(app: web::Data<App>, body: String) -> HttpResponse {
     app.runs.fetch_add(1, Ordering::SeqCst);
-    let chunk = Bytes::from(vec![b'x'; size.trim().parse().unwrap_or(16)]);
-    let chunks = futures_util::stream::repeat(chunk);
+    // `<chunk size>[ <ms the handler takes first>]`
+    let mut words = body.split_whitespace().map(|w| w.parse().unwrap_or(0));
+    let size = words.next().unwrap_or(16);
+    tokio::time::sleep(Duration::from_millis(words.next().unwrap_or(0) as u64)).await;
+    let chunk = Bytes::from(vec![b'x'; size]);
+    let chunks = crate::flood(chunk);
     HttpResponse::Ok()
         .content_type("text/plain")
         .streaming(futures_util::StreamExt::map(

@@ -221,12 +221,17 @@ async fn stream_endless(State(app): State<App>) -> Streamed {
 }
 
 /// An endless stream that is always ready, in chunks of the size the body names: it fills
-/// every buffer between it and a client that stops reading (short lease).
-#[idempotent(unscoped, lease = "500ms")]
-async fn stream_flood(State(app): State<App>, size: String) -> Streamed {
+/// every buffer between it and a client that stops reading (short lease; a limit above what
+/// those buffers hold, so only silence can end its recording).
+#[idempotent(unscoped, lease = "500ms", max_response = "64MiB")]
+async fn stream_flood(State(app): State<App>, body: String) -> Streamed {
     app.runs.fetch_add(1, Ordering::SeqCst);
-    let chunk = bytes::Bytes::from(vec![b'x'; size.trim().parse().unwrap_or(16)]);
-    let chunks = futures_util::stream::repeat(chunk);
+    // `<chunk size>[ <ms the handler takes first>]`
+    let mut words = body.split_whitespace().map(|w| w.parse().unwrap_or(0));
+    let size = words.next().unwrap_or(16);
+    tokio::time::sleep(Duration::from_millis(words.next().unwrap_or(0) as u64)).await;
+    let chunk = bytes::Bytes::from(vec![b'x'; size]);
+    let chunks = crate::flood(chunk);
     streamed(Body::from_stream(futures_util::StreamExt::map(
         chunks,
         Ok::<_, std::io::Error>,
