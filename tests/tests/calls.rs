@@ -965,3 +965,32 @@ fn call_names_are_validated() {
         assert!(out.is_ok(), "{good:?} is a valid name: {out:?}");
     }
 }
+
+/// Review of issue 49: a function's output has no limit to reserve, so a consumer's messages
+/// of one tenant in flight are not bounded by a route's 1 MiB reservation each: 100 at once
+/// on the memory store all run (with 1 MiB reserved each, 31 did and the rest were refused
+/// for the tenant's 32 MiB budget).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_messages_in_flight_are_not_bounded_by_reservations() {
+    let calls = calls(&Memory).await;
+    let barrier = Arc::new(tokio::sync::Barrier::new(100));
+    let tasks: Vec<_> = (0..100)
+        .map(|_| {
+            let (calls, barrier) = (calls.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let msg = event(1);
+                barrier.wait().await;
+                calls
+                    .run(call("book", &msg), || async {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        Ok::<_, BookError>(Receipt { booked: 1, run: 1 })
+                    })
+                    .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        let out = t.await.unwrap();
+        assert!(out.is_ok(), "{out:?}");
+    }
+}

@@ -897,3 +897,59 @@ async fn both_copies_of_a_scope_are_charged() {
     store.delete(&key("k2"), true).await.unwrap();
     assert_eq!(store.bytes(), 0, "given back with the scope's last record");
 }
+
+/// Review of issue 49: a claim whose lease ran out (its execution crashed, or gave up on its
+/// complete) gives its reservation back at the next purge (a claim refused for room runs
+/// one), so a burst of executions that died does not hold its caller's budget until their
+/// records expire; its record stays, and a retry takes it over and reserves again.
+#[tokio::test]
+async fn a_lapsed_lease_gives_its_reservation_back() {
+    use idempotent_core::{clock::*, store::*, *};
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::builder()
+        .max_bytes_per_scope(MIB)
+        .clock(clock.clone())
+        .build();
+    let fp = idempotent_tests::conformance::fp("a");
+    let caller = Scope::new("caller").unwrap();
+    let key = |k: &str| RecordKey::new(caller.clone(), k.parse().unwrap());
+    let claim = |k: RecordKey| {
+        let store = store.clone();
+        async move {
+            store
+                .claim(ClaimRequest {
+                    key: &k,
+                    fingerprint: &fp,
+                    lease: Duration::from_secs(10),
+                    ttl: Duration::from_secs(3600),
+                    max_stored: 400 * KIB,
+                })
+                .await
+        }
+    };
+    // Two executions reserve 800 KiB of the caller's 1 MiB, then die.
+    for k in ["a", "b"] {
+        assert!(matches!(claim(key(k)).await, Ok(ClaimOutcome::Claimed(_))));
+    }
+    let out = claim(key("c")).await;
+    assert!(
+        matches!(out, Err(StoreError::ScopeByteCapacity { .. })),
+        "{out:?}"
+    );
+    // Their leases run out: the next claim's purge gives their reservations back.
+    clock.advance(Duration::from_secs(11));
+    assert!(matches!(
+        claim(key("c")).await,
+        Ok(ClaimOutcome::Claimed(_))
+    ));
+    // Their records are still there, and a retry takes one over (reserving again).
+    let again = claim(key("a")).await.unwrap();
+    assert!(matches!(
+        again,
+        ClaimOutcome::Claimed(Lease {
+            took_over: true,
+            ..
+        })
+    ));
+    assert!(store.bytes() < 2 * 400 * KIB + 2 * KIB, "{}", store.bytes());
+}

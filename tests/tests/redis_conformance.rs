@@ -713,3 +713,61 @@ async fn a_callers_record_bound_gives_room_back_on_release_and_expiry() {
         );
     }
 }
+
+/// Review of issue 49: a claim whose lease ran out (its execution crashed, or gave up on its
+/// complete) gives its reservation back at the caller's next claim, so executions that died
+/// do not hold their caller's bytes until their records expire (a day, by default). Their
+/// records stay: a retry takes one over, reserving again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(redis_standalone),
+    ignore = "set REDIS_URL=redis://… to run the Redis tests"
+)]
+async fn a_lapsed_lease_gives_its_reservation_back() {
+    use idempotent_core::store::{ClaimOutcome, ClaimRequest, Lease, RecordKey};
+    use idempotent_core::{Scope, Store, StoreError};
+    use idempotent_tests::conformance::fp;
+    use std::time::Duration;
+
+    const KIB: u64 = 1024;
+    let server = SmallRedis::start("32mb").await;
+    let store = idempotent_core::RedisStore::builder()
+        .max_bytes_per_scope(1024 * KIB)
+        .connect(&server.url)
+        .await
+        .unwrap();
+    let claim = |k: &'static str| {
+        let store = store.clone();
+        async move {
+            let key = RecordKey::new(Scope::new("caller").unwrap(), k.parse().unwrap());
+            store
+                .claim(ClaimRequest {
+                    key: &key,
+                    fingerprint: &fp("a"),
+                    lease: Duration::from_millis(300),
+                    ttl: Duration::from_secs(3600),
+                    max_stored: 400 * KIB,
+                })
+                .await
+        }
+    };
+    for k in ["a", "b"] {
+        assert!(matches!(claim(k).await, Ok(ClaimOutcome::Claimed(_))));
+    }
+    let out = claim("c").await;
+    assert!(
+        matches!(out, Err(StoreError::ScopeByteCapacity { .. })),
+        "{out:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let out = claim("c").await;
+    assert!(matches!(out, Ok(ClaimOutcome::Claimed(_))), "{out:?}");
+    let again = claim("a").await.unwrap();
+    assert!(matches!(
+        again,
+        ClaimOutcome::Claimed(Lease {
+            took_over: true,
+            ..
+        })
+    ));
+}

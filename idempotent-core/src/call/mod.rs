@@ -416,6 +416,10 @@ impl Calls {
             ttl: call.ttl.unwrap_or(self.ttl),
             lease: call.lease.unwrap_or(self.engine.lease()),
             route: call.name,
+            // A function's output has no limit to reserve (an HTTP route's `max_response`):
+            // stores with byte budgets charge it when it is stored, so a consumer's messages in
+            // flight are not bounded by a reservation each.
+            max_stored: 0,
             ..Policy::default()
         }
     }

@@ -607,16 +607,16 @@ impl MemoryStore {
         }
     }
 
-    /// Whether about `bytes` more fit both budgets of `scope` now (a hint: the charge itself
-    /// is checked atomically).
-    fn has_room(&self, scope: &Scope, scope_hash: u64, bytes: u64) -> bool {
-        let total = self.inner.bytes.load(Ordering::Acquire);
-        let of_scope = self
-            .scope_usage_at(scope, scope_hash)
-            .get()
-            .map_or(0, |u| u.bytes);
-        total.saturating_add(bytes) <= self.inner.max_bytes
-            && of_scope.saturating_add(bytes) <= self.inner.max_bytes_per_scope
+    /// What a claim reserves for its outcome: its `max_stored`, but never more than a budget
+    /// holds (a route whose `max_response` is larger than `max_bytes_per_scope` would
+    /// otherwise be refused at every claim; its larger responses are charged when stored).
+    fn reservation(&self, req: &ClaimRequest<'_>) -> u64 {
+        let budget = if req.key.scope.is_shared() {
+            self.inner.max_bytes
+        } else {
+            self.inner.max_bytes_per_scope.min(self.inner.max_bytes)
+        };
+        req.max_stored.min(budget / 2)
     }
 
     /// A record's outcome charged `new` bytes instead of `old` (a reservation settled by the
@@ -666,10 +666,24 @@ impl MemoryStore {
                     left -= 1;
                     purged += 1;
                     self.forget(&slot.key, &slot.entry);
-                    false
-                } else {
-                    true
+                    return false;
                 }
+                // A lease that ran out (its execution crashed, or gave up on its complete)
+                // gives its reservation back: the record stays until it expires, or a retry
+                // takes it over (and reserves again), but holds no room for an outcome nobody
+                // may store any more without a take-over.
+                if let EntryState::InProgress {
+                    locked_until,
+                    reserved,
+                    ..
+                } = &mut slot.entry.state
+                    && *locked_until <= now
+                    && *reserved > 0
+                {
+                    self.shrink(&slot.key.scope, slot.entry.counted, *reserved, false);
+                    *reserved = 0;
+                }
+                true
             });
         }
         purged
@@ -693,7 +707,7 @@ impl MemoryStore {
                 state: EntryState::InProgress {
                     token,
                     locked_until,
-                    reserved: req.max_stored,
+                    reserved: self.reservation(req),
                 },
                 created_at: now.wall,
                 expires_at: later(now.mono, req.lease.saturating_add(req.ttl)),
@@ -712,7 +726,7 @@ impl MemoryStore {
                 let counted = !req.key.scope.is_shared();
                 // The record and what its outcome may store, reserved now: claims in flight
                 // can never together store past a budget.
-                let charge = Self::base_charge(req.key).saturating_add(req.max_stored);
+                let charge = Self::base_charge(req.key).saturating_add(self.reservation(req));
                 self.admit(req.key, charge, counted)?;
                 let (lease, record) = fresh(expired, counted);
                 map.insert_new(key, Box::new(record));
@@ -736,7 +750,7 @@ impl MemoryStore {
                 EntryState::InProgress { reserved, .. } => {
                     // Lease ran out, same fingerprint: take over with a new token, and the
                     // new claim's reservation in place of the old one's.
-                    let (old, new) = (*reserved, req.max_stored);
+                    let (old, new) = (*reserved, self.reservation(req));
                     let (lease, mut record) = fresh(true, rec.counted);
                     record.created_at = rec.created_at;
                     let counted = rec.counted;
@@ -978,16 +992,8 @@ impl Store for MemoryStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        // Hashed once for the room check and the charge.
+        // Hashed once, for the charge. (No room is made first: the claim reserved it.)
         let scope_hash = self.scope_hash(&key.scope);
-        if let StoredOutcome::Response(r) = outcome {
-            // Expired records make room first, as for a claim (before the shard's lock: the
-            // purge takes every shard's).
-            let size = (6 + r.encoded_headers_len() + r.body.len()) as u64;
-            if !self.has_room(&key.scope, scope_hash, size) {
-                self.purge_for_room();
-            }
-        }
         self.fenced(key, token, |map, hashed, now| {
             if let Some(rec) = map.get_mut(hashed) {
                 let reserved = rec.outcome_bytes();

@@ -32,12 +32,17 @@ local function ms(x) return string.format('%d', x) end
 ";
 
 /// A counted scope's usage (see [`RedisStore`]'s "Per caller bounds"): when a script gets three
-/// keys, `KEYS[2]` is the scope's sorted set of its records (scored by their expiry) and
-/// `KEYS[3]` the hash of what each is charged (and, under the field ` bytes`, which no record
-/// key can be, their sum). With one key (the unscoped namespaces) these do nothing. Every
-/// script that changes a record's expiry or charge, or deletes it, keeps them in step, in the
-/// same atomic script; records Redis expired are swept out of them by later claims.
+/// keys, `KEYS[2]` is the scope's sorted set of its records, each scored by when it next needs
+/// looking at (its lease's end while in progress, its expiry once done), and `KEYS[3]` the
+/// hash of what each is charged (and, under the field ` bytes`, which no record key can be,
+/// their sum). With one key (the unscoped namespaces) these do nothing. Every script that
+/// changes a record's lease, expiry or charge, or deletes it, keeps them in step, in the same
+/// atomic script. Later claims sweep the records whose score passed: one Redis expired is
+/// dropped; one whose lease ran out (its execution crashed, or gave up on its complete) keeps
+/// its record's charge but gives its reservation back. (The sweep reads those records' keys:
+/// they share the scope's hash tag, so its slot.)
 const USAGE: &str = "
+local RECORD_OVERHEAD = 320
 local counted = #KEYS == 3
 local function keep_until(ex)
   for i = 2, 3 do
@@ -46,25 +51,46 @@ local function keep_until(ex)
   end
 end
 local function usage_sweep(limit)
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
-  if #gone == 0 then return end
-  local freed = 0
-  for _, m in ipairs(gone) do freed = freed + (tonumber(redis.call('HGET', KEYS[3], m)) or 0) end
-  redis.call('HDEL', KEYS[3], unpack(gone))
-  redis.call('ZREM', KEYS[2], unpack(gone))
+  local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
+  if #due == 0 then return end
+  local freed, gone = 0, {}
+  for _, m in ipairs(due) do
+    local charge = tonumber(redis.call('HGET', KEYS[3], m)) or 0
+    local rec = redis.call('HMGET', m, 'done', 'ex')
+    local ex = tonumber(rec[2])
+    if not ex or ex <= now then
+      freed = freed + charge
+      table.insert(gone, m)
+    else
+      if rec[1] == '0' then
+        local base = RECORD_OVERHEAD + 3 * string.len(m)
+        if charge > base then
+          redis.call('HSET', KEYS[3], m, base)
+          freed = freed + charge - base
+        end
+      end
+      redis.call('ZADD', KEYS[2], ex, m)
+    end
+  end
+  if #gone > 0 then
+    redis.call('HDEL', KEYS[3], unpack(gone))
+    redis.call('ZREM', KEYS[2], unpack(gone))
+  end
   redis.call('HINCRBY', KEYS[3], ' bytes', -freed)
 end
-local function usage_set(charge, ex)
+-- The record's charge is `charge`; it next needs looking at `due` (its lease's end while in
+-- progress, its expiry once done), and lives until `ex`.
+local function usage_set(charge, due, ex)
   if not counted then return end
   local old = tonumber(redis.call('HGET', KEYS[3], KEYS[1])) or 0
   redis.call('HSET', KEYS[3], KEYS[1], charge)
   redis.call('HINCRBY', KEYS[3], ' bytes', charge - old)
-  redis.call('ZADD', KEYS[2], ex, KEYS[1])
+  redis.call('ZADD', KEYS[2], due, KEYS[1])
   keep_until(ex)
 end
-local function usage_expiry(ex)
+local function usage_renewed(due, ex)
   if not counted then return end
-  redis.call('ZADD', KEYS[2], 'XX', ex, KEYS[1])
+  redis.call('ZADD', KEYS[2], 'XX', due, KEYS[1])
   keep_until(ex)
 end
 local function usage_drop()
@@ -118,7 +144,7 @@ if not r[1] then
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'tok', ARGV[2], 'done', '0', 'lu', ms(lu),
     'ca', ms(now), 'ex', ms(ex))
   redis.call('PEXPIREAT', KEYS[1], ms(ex))
-  usage_set(tonumber(ARGV[5]), ex)
+  usage_set(tonumber(ARGV[5]), lu, ex)
   return {1, lu}
 end
 local ex = tonumber(r[5]) or 0
@@ -152,7 +178,7 @@ local nex = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'tok', ARGV[3], 'done', '0', 'lu', ms(nlu),
   'ca', ms(now), 'ex', ms(nex))
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
-usage_set(tonumber(ARGV[6]), nex)
+usage_set(tonumber(ARGV[6]), nlu, nex)
 return nlu
 ";
 
@@ -190,7 +216,7 @@ redis.call('HSET', KEYS[1], 'done', '1', 'st', ARGV[2], 'hd', ARGV[3], 'bd', ARG
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'ov', ARGV[5]) end
 redis.call('HDEL', KEYS[1], 'lu')
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
-usage_set(tonumber(ARGV[7]), nex)
+usage_set(tonumber(ARGV[7]), nex, nex)
 return 1
 ";
 
@@ -208,7 +234,7 @@ local lu = now + tonumber(ARGV[2])
 local nex = math.max(ex, lu)
 redis.call('HSET', KEYS[1], 'lu', ms(lu), 'ex', ms(nex))
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
-usage_expiry(nex)
+usage_renewed(lu, nex)
 return lu
 ";
 
@@ -867,7 +893,9 @@ impl RedisStore {
 
     /// What the record under `rkey` is charged, its outcome taking `outcome` bytes.
     fn charge(rkey: &[u8], outcome: u64) -> u64 {
-        Self::RECORD_OVERHEAD + 3 * rkey.len() as u64 + outcome
+        Self::RECORD_OVERHEAD
+            .saturating_add(3 * rkey.len() as u64)
+            .saturating_add(outcome)
     }
 
     /// Connects with the default settings (see [`RedisStoreBuilder::connect`] for the URLs).
@@ -1069,8 +1097,11 @@ impl RedisStore {
         let fingerprint = req.fingerprint.to_stored();
         let lease = millis(req.lease).min(MAX_MILLIS);
         let expiry = lease.saturating_add(millis(req.ttl).min(MAX_MILLIS));
-        // A counted scope's claim reserves what its outcome may store.
-        let charge = Self::charge(&keys.record, req.max_stored).to_string();
+        // A counted scope's claim reserves what its outcome may store, never more than half
+        // its bound (a route whose `max_response` is above it would be refused at every
+        // claim; its larger responses are charged when stored).
+        let reserve = req.max_stored.min(self.bounds.bytes / 2);
+        let charge = Self::charge(&keys.record, reserve).to_string();
         let (max_bytes, max_records) = (
             self.bounds.bytes.to_string(),
             self.bounds.records.to_string(),
@@ -1761,6 +1792,15 @@ mod tests {
                 Err(RedisSetupError::InvalidUrl(_))
             ));
         }
+    }
+
+    #[test]
+    fn the_scripts_charge_records_as_the_store_does() {
+        assert!(USAGE.contains(&format!(
+            "local RECORD_OVERHEAD = {}\n",
+            RedisStore::RECORD_OVERHEAD
+        )));
+        assert_eq!(RedisStore::charge(b"k", u64::MAX), u64::MAX);
     }
 
     #[test]
