@@ -2198,3 +2198,88 @@ async fn sqlite_a_hung_transactional_handler_is_rolled_back_after_its_lease() {
     }
     drop(store);
 }
+
+/// Review of issue 49 (2): a single-commit handler on SQLite holds the file's write lock from
+/// its claim, so it may run at most the store's `max_transaction` (here 300 ms), however long
+/// its own route's lease (10 s): a plain-mode owner with a 2 s lease on another key keeps its
+/// lease throughout, and the handler that would have written then worked 9 s is stopped and
+/// rolled back (503). Before, only that route's lease bounded it: the lock was held 9 s and
+/// the owner's renewals all failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_long_single_commit_handler_is_stopped_before_others_lose_their_leases() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("long.db").display());
+    let pool = SqliteStore::connect(&url).await.unwrap().pool().clone();
+    let store = SqliteStore::builder(pool.clone())
+        .max_transaction(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let create = "CREATE TABLE business (id TEXT PRIMARY KEY)".to_owned();
+    let db = business_db(Engine::new(store.clone()), pool, "business".into(), create).await;
+    let lease = Duration::from_secs(2);
+    let owner_key = unique_key("owner");
+    let Begin::Claimed(mut owner) = db
+        .engine
+        .begin(request(&owner_key, "a"), &policy(lease))
+        .await
+    else {
+        panic!("the owner claims")
+    };
+    let owner = tokio::spawn(async move {
+        owner.run(tokio::time::sleep(lease * 3)).await.unwrap();
+        owner.finish(StoredResponse::new(201, "owner").into()).await
+    });
+    let watcher = {
+        let (store, key) = (store.clone(), owner_key.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                match store.get(&key).await.unwrap().map(|r| r.state) {
+                    Some(RecordState::InProgress { locked_until, .. }) => {
+                        let now = std::time::SystemTime::now();
+                        assert!(
+                            locked_until > now,
+                            "the owner's lease ran out while it ran, {:?} ago",
+                            now.duration_since(locked_until).unwrap_or_default()
+                        );
+                    }
+                    _ => return,
+                }
+            }
+        })
+    };
+    let mut long = claimed::<sqlx::Sqlite>(
+        &db.engine,
+        request(&unique_key("long"), "a"),
+        &policy(Duration::from_secs(10)),
+        &options(CommitPath::Single),
+    )
+    .await;
+    let mut tx = long.transaction().unwrap();
+    let business = db.business.clone();
+    let started = std::time::Instant::now();
+    let ran = long
+        .run(async move {
+            insert(&mut tx, &business).await;
+            tokio::time::sleep(Duration::from_secs(9)).await;
+        })
+        .await;
+    assert!(
+        matches!(ran, Err(Halted::OverLease(b)) if b == Duration::from_millis(300)),
+        "{ran:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    long.abort().await;
+    assert!(matches!(owner.await.unwrap(), Recorded::Stored));
+    watcher.await.unwrap();
+    assert_eq!(
+        db.rows().await,
+        0,
+        "the stopped handler's write was rolled back"
+    );
+}

@@ -152,7 +152,8 @@ impl<DB: TxDatabase> TxExecution<DB> {
     /// [`Halted::OverLease`] if it was stopped at its bound.
     pub async fn run<F: Future>(&mut self, fut: F) -> Result<F::Output, Halted> {
         let fut = fut.instrument(self.span.clone());
-        let bound = DB::run_bound(self.policy.lease);
+        let holds_lock = matches!(self.claim, Claim::Single { .. });
+        let bound = DB::run_bound(&self.store, holds_lock, self.policy.lease);
         let fut = async move {
             match bound {
                 Some(bound) => tokio::time::timeout(bound, fut).await.map_err(|_| bound),

@@ -31,9 +31,12 @@ impl TxDatabase for sqlx::Sqlite {
     /// complete at its end), so a handler that works before it writes does not hold up every
     /// other writer on the file, other executions' lease renewals included, while it works.
     /// Such a transaction takes the lock in SQLite's busy handler, like any writer outside the
-    /// queue. A handler that reads, then writes after another connection committed meanwhile,
-    /// gets `SQLITE_BUSY` (its snapshot is stale) at that write: write first, or use single
-    /// commit, where that read and write must be one snapshot.
+    /// queue. A handler that reads, then writes after any other connection committed meanwhile,
+    /// gets `SQLITE_BUSY` (its snapshot is stale) at that write, and its own lease's renewal
+    /// commits every half lease: a handler that reads, works half a lease, then writes, fails
+    /// that way every time. Write before the slow part (or read again just before writing),
+    /// or use single commit, whose transaction holds the lock (and one snapshot) from its
+    /// start.
     async fn begin_tx(
         store: &SqliteStore,
         idle: Option<Duration>,
@@ -122,9 +125,14 @@ impl TxDatabase for sqlx::Sqlite {
         None
     }
 
-    /// The lease: SQLite has no idle limit, and an open write transaction holds up every
-    /// writer on the file.
-    fn run_bound(lease: Duration) -> Option<Duration> {
-        Some(lease)
+    /// The lease, and for a transaction that holds the write lock from its start (single
+    /// commit) at most the store's `max_transaction`: SQLite has no idle limit, and an open
+    /// write transaction holds up every writer on the file.
+    fn run_bound(store: &SqliteStore, holds_lock: bool, lease: Duration) -> Option<Duration> {
+        Some(if holds_lock {
+            lease.min(store.max_transaction)
+        } else {
+            lease
+        })
     }
 }

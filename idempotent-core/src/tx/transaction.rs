@@ -227,14 +227,16 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
     fn finish_bound(lease: Duration) -> Option<Duration>;
 
-    /// How long a handler's transaction may stay open, given the route's lease; `None`: no
-    /// bound of the library's (PostgreSQL and MySQL end an idle single-commit transaction at
-    /// the lease themselves, and a two-commit one is held by its heartbeat). SQLite has no
-    /// idle limit, and its open write transaction holds up every writer on the file, other
-    /// executions' lease renewals included: its handlers get the lease.
+    /// How long a handler's transaction may stay open, given the route's lease and whether
+    /// it holds the database's write lock from its start (single commit); `None`: no bound of
+    /// the library's (PostgreSQL and MySQL end an idle single-commit transaction at the lease
+    /// themselves, and a two-commit one is held by its heartbeat). SQLite has no idle limit,
+    /// and its open write transaction holds up every writer on the file, other executions'
+    /// lease renewals included: its handlers get the lease, and at most the store's
+    /// `max_transaction` when they hold the lock from the start.
     #[doc(hidden)]
-    fn run_bound(lease: Duration) -> Option<Duration> {
-        let _ = lease;
+    fn run_bound(store: &Self::Store, holds_lock: bool, lease: Duration) -> Option<Duration> {
+        let _ = (store, holds_lock, lease);
         None
     }
 }

@@ -52,6 +52,9 @@ pub struct SqliteStore {
     pub(crate) writes: WriteQueue,
     /// The connections fenced writes (renewals, completes, releases) run on.
     pub(crate) fenced: Arc<super::FencedConns>,
+    /// The longest a single-commit transactional handler may run
+    /// ([`SqliteStoreBuilder::max_transaction`]).
+    pub(crate) max_transaction: Duration,
 }
 
 /// The order in which this process's transactional executions take SQLite's one write lock,
@@ -86,6 +89,7 @@ pub struct SqliteStoreBuilder {
     table: String,
     clock: Option<String>,
     queue: Option<Duration>,
+    max_transaction: Duration,
 }
 
 impl SqliteStoreBuilder {
@@ -151,6 +155,21 @@ impl SqliteStoreBuilder {
         self
     }
 
+    /// The longest a single-commit transactional handler on this store may run (default
+    /// [`DEFAULT_BUSY_TIMEOUT`], 5 s): its transaction holds the file's one write lock from its
+    /// claim to its commit, and every other writer waits for it, other executions' lease
+    /// renewals included, so the library stops and rolls back a handler still running then
+    /// (503; a retry runs it again), or at the end of its own lease if that comes first. Past
+    /// the busy timeout the other writers are failing anyway. For the renewals of every route
+    /// on the file to get through, keep each route's lease at least four times this (the
+    /// default lease, 30 s, is six times the default). Two-commit transactions take the lock
+    /// only at their first write and are bounded by their lease alone.
+    #[must_use]
+    pub fn max_transaction(mut self, max: Duration) -> Self {
+        self.max_transaction = max;
+        self
+    }
+
     /// Checks the name and prepares the statements.
     ///
     /// # Errors
@@ -167,6 +186,7 @@ impl SqliteStoreBuilder {
             sql: Arc::new(Statements::new(&table, now)),
             sent: Arc::default(),
             fenced: Arc::new(super::FencedConns::new(file)),
+            max_transaction: self.max_transaction,
             writes: WriteQueue(
                 self.queue
                     .map(|wait| (Arc::new(tokio::sync::Semaphore::new(1)), wait)),
@@ -281,6 +301,7 @@ impl SqliteStore {
             table: "idempotency_records".into(),
             clock: None,
             queue: None,
+            max_transaction: DEFAULT_BUSY_TIMEOUT,
         }
     }
 
