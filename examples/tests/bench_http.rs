@@ -1,16 +1,14 @@
 //! The HTTP benchmark runs end to end (briefly): every store it can reach, both frameworks,
-//! every scenario, and its execution checks pass. The figures themselves are in BENCHMARKS.md;
-//! this only proves the one documented command works and checks what it claims to check.
+//! every scenario, and its execution checks pass; its JSON summary agrees with its tables, and
+//! `docs/benchmarks/chart.py` draws it. The figures themselves are in BENCHMARKS.md; this only
+//! proves the one documented command works and checks what it claims to check.
 
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
 mod common;
 
+use std::path::Path;
 use std::process::Command;
-
-fn bench(stores: &str) -> String {
-    bench_with(stores, &[])
-}
 
 /// [`bench`] with more arguments.
 fn bench_with(stores: &str, extra: &[&str]) -> String {
@@ -75,9 +73,105 @@ fn assert_tables(out: &str, store: &str, annotated: &[&str]) {
     }
 }
 
+/// The same run's `--json` summary: a row per table row, its ratio the one the table shows.
+/// Returns its rows.
+fn assert_json(path: &Path, out: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(summary["format"], "bench-http 1", "{text}");
+    let rows = summary["rows"].as_array().unwrap().clone();
+    for row in &rows {
+        let field = |name: &str| {
+            row[name]
+                .as_str()
+                .unwrap_or_else(|| panic!("{name}: {row}"))
+        };
+        let (framework, store, scenario, arm) = (
+            field("framework"),
+            field("store"),
+            field("scenario"),
+            field("arm"),
+        );
+        let heading = format!(
+            "{}, {}, {}",
+            match framework {
+                "axum" => "Axum",
+                _ => "Actix",
+            },
+            match store {
+                "memory" => "Memory",
+                _ => "Sqlite",
+            },
+            match scenario {
+                "first" => "first executions",
+                "replay" => "replays",
+                "mix" => "50/50 mix",
+                _ => "8 concurrent duplicates",
+            }
+        );
+        let at = out.find(&heading).unwrap_or_else(|| panic!("{heading}"));
+        let label = match arm {
+            "bare" => "bare",
+            "plain" => "annotated, plain mode",
+            _ => "annotated, transactional (single commit)",
+        };
+        let line = out[at..]
+            .lines()
+            .find(|l| l.starts_with(&format!("| {label} |")))
+            .unwrap();
+        // | arm | req/s | p50 | p99 | ÷ bare | …
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let rps: f64 = cells[2].parse().unwrap();
+        assert!(
+            (row["rps"].as_f64().unwrap() - rps).abs() <= 0.6,
+            "{row} {line}"
+        );
+        let ratio = row["ratio"].as_f64().unwrap();
+        let shown: f64 = cells[5].trim_matches('*').parse().unwrap();
+        assert!((ratio - shown).abs() <= 0.006, "{row} {line}");
+    }
+    // Memory: 2 arms, SQLite: 3; both frameworks, four scenarios.
+    assert_eq!(rows.len(), (2 + 3) * 2 * 4, "{text}");
+    rows
+}
+
+/// `docs/benchmarks/chart.py` draws a bar for each annotated first execution and replay of a
+/// real run's JSON (where Python 3 is installed: the chart is not part of the library).
+fn assert_chart(json: &Path, rows: &[serde_json::Value]) {
+    if Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("no python3: chart.py not checked");
+        return;
+    }
+    let svg = json.with_extension("svg");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/benchmarks/chart.py");
+    let run = Command::new("python3")
+        .arg(script)
+        .arg(json)
+        .arg("-o")
+        .arg(&svg)
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "chart.py failed: {}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let drawn = rows
+        .iter()
+        .filter(|r| r["arm"] != "bare" && (r["scenario"] == "first" || r["scenario"] == "replay"))
+        .count();
+    assert_eq!(drawn, 2 * 2 + 2 * 2 * 2, "memory: one arm; SQLite: two");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert_eq!(text.matches("class=\"bar\"").count(), drawn, "{text}");
+}
+
 #[test]
 fn runs_on_memory_and_sqlite() {
-    let out = bench("memory,sqlite");
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let out = bench_with("memory,sqlite", &["--json", json.to_str().unwrap()]);
     assert_tables(&out, "Memory", &["annotated, plain mode"]);
     assert_tables(
         &out,
@@ -87,6 +181,8 @@ fn runs_on_memory_and_sqlite() {
             "annotated, plain mode",
         ],
     );
+    let rows = assert_json(&json, &out);
+    assert_chart(&json, &rows);
 }
 
 /// On PostgreSQL the wire counts come too: a replay is one statement and writes nothing.

@@ -20,7 +20,9 @@
 //! it moves less than req/s with the load generator's share of the machine (though it
 //! includes the kernel's work of waking the load generator for each response). On PostgreSQL a second pass through a
 //! counting proxy reports statements, round trips and write transactions per request.
-//! See BENCHMARKS.md for the figures.
+//! `--json FILE` writes the tables' medians as JSON rows; `docs/benchmarks/run.sh` runs the
+//! documented settings and draws `docs/benchmarks/ratios.svg` from them. See BENCHMARKS.md for
+//! the figures.
 
 mod actix_arm;
 mod axum_arm;
@@ -116,6 +118,13 @@ struct RunArgs {
     /// Also write the report (Markdown) to this file.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+    /// Also write the summary (JSON) to this file: the run's settings, date and machine, and a
+    /// row per framework, store, scenario and arm (`framework`, `store`, `scenario`, `arm`,
+    /// `rps`, `p50_ms`, `p99_ms`, `cpu_us`, `ratio` to bare's req/s), the medians of the
+    /// Markdown tables. The store is `redis-cluster` for a `redis+cluster://` URL.
+    /// `docs/benchmarks/chart.py` draws it.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -128,7 +137,8 @@ enum StoreKind {
     Redis,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 enum Framework {
     Axum,
     Actix,
@@ -154,7 +164,8 @@ impl From<ScenarioArg> for Scenario {
 }
 
 /// Which handler a server runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 enum Arm {
     /// No attribute.
     Bare,
@@ -423,6 +434,102 @@ async fn measure(
     })
 }
 
+/// What `--json` writes.
+#[derive(serde::Serialize)]
+struct Summary {
+    format: &'static str,
+    date: String,
+    machine: String,
+    settings: Settings,
+    rows: Vec<Row>,
+}
+
+/// The run's settings, in `--json`.
+#[derive(serde::Serialize)]
+struct Settings {
+    connections: usize,
+    rounds: usize,
+    duration_s: f64,
+    warmup_s: f64,
+    pool: u32,
+    pinned: bool,
+    observe: bool,
+}
+
+/// One row of `--json`: the medians of an arm's rounds, as its Markdown table gives them.
+#[derive(serde::Serialize)]
+struct Row {
+    framework: Framework,
+    /// `memory`, `sqlite`, `postgres`, `mysql`, `redis` or `redis-cluster`.
+    store: &'static str,
+    /// `first`, `replay`, `mix` or `dup8`.
+    scenario: &'static str,
+    arm: Arm,
+    rps: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    /// The server's CPU time a request, µs (`null` where `/proc` could not be read).
+    cpu_us: Option<f64>,
+    /// `rps` ÷ the bare arm's `rps` in the same table (1 for bare).
+    ratio: f64,
+}
+
+/// The store's name in `--json`: a Redis Cluster is told apart by its URL.
+fn store_name(store: StoreKind, redis_url: &str) -> &'static str {
+    match store {
+        StoreKind::Memory => "memory",
+        StoreKind::Sqlite => "sqlite",
+        StoreKind::Postgres => "postgres",
+        StoreKind::MySql => "mysql",
+        StoreKind::Redis if redis_url.starts_with("redis+cluster") => "redis-cluster",
+        StoreKind::Redis => "redis",
+    }
+}
+
+/// `x` to `digits` decimals, so the JSON reads as the tables do.
+fn round(x: f64, digits: i32) -> f64 {
+    let scale = 10f64.powi(digits);
+    (x * scale).round() / scale
+}
+
+fn scenario_name(scenario: Scenario) -> &'static str {
+    match scenario {
+        Scenario::First => "first",
+        Scenario::Replay => "replay",
+        Scenario::Mix => "mix",
+        Scenario::Dup8 => "dup8",
+    }
+}
+
+/// The machine, for `--json`: CPUs, the CPU's model name and the memory, from `/proc` (this
+/// process is pinned to one CPU by then, so not from its affinity).
+fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpus = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+        .map_or("unknown CPU", |(_, m)| m.trim());
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            let kib: f64 = t
+                .lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()?;
+            Some(format!(", {:.1} GiB", kib / 1024.0 / 1024.0))
+        })
+        .unwrap_or_default();
+    format!("{cpus} CPUs, {model}{memory}")
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     match values.len() {
@@ -483,6 +590,8 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
     let dir = std::env::temp_dir().join(format!("bench-http-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let mut report = String::new();
+    let mut rows = Vec::new();
+    let date = chrono_free_date();
     let _ = writeln!(
         report,
         "bench-http: {} connections, {} rounds of {:?} after a {:?} warm-up per arm{}; load generator {}; {}",
@@ -503,7 +612,7 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
         } else {
             "not pinned"
         },
-        chrono_free_date(),
+        date,
     );
     println!("{report}");
     let mut all_ok = true;
@@ -557,7 +666,14 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
                         results[at].push(m);
                     }
                 }
-                let table = table(store, framework, scenario, &servers, results);
+                let table = table(
+                    (store, store_name(store, &redis_url)),
+                    framework,
+                    scenario,
+                    &servers,
+                    results,
+                    &mut rows,
+                );
                 println!("{table}");
                 report.push_str(&table);
             }
@@ -578,6 +694,25 @@ async fn run(args: RunArgs, pinned: bool) -> Result<bool, String> {
     }
     if let Some(out) = &args.out {
         std::fs::write(out, &report).map_err(|e| format!("{}: {e}", out.display()))?;
+    }
+    if let Some(path) = &args.json {
+        let summary = Summary {
+            format: "bench-http 1",
+            date,
+            machine: machine(),
+            settings: Settings {
+                connections: args.connections,
+                rounds: args.rounds,
+                duration_s: args.duration.as_secs_f64(),
+                warmup_s: args.warmup.as_secs_f64(),
+                pool: args.pool,
+                pinned,
+                observe: args.observe,
+            },
+            rows,
+        };
+        let text = serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())? + "\n";
+        std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     Ok(all_ok)
 }
@@ -607,12 +742,14 @@ fn chrono_free_date() -> String {
         .unwrap_or_default()
 }
 
+/// The Markdown table of one framework, store and scenario; its rows also go to `rows`.
 fn table(
-    store: StoreKind,
+    (store, store_name): (StoreKind, &'static str),
     framework: Framework,
     scenario: Scenario,
     servers: &[(Arm, String, Server)],
     results: Vec<Vec<Measured>>,
+    rows: &mut Vec<Row>,
 ) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -639,7 +776,23 @@ fn table(
             .collect();
         let ratio = if bare > 0.0 { rps / bare } else { 0.0 };
         let cpu: Option<Vec<f64>> = runs.iter().map(|m| m.cpu_us).collect();
-        let cpu = cpu.map_or_else(|| "–".to_owned(), |c| format!("{:.1}", median(c)));
+        let cpu_us = cpu.map(median);
+        rows.push(Row {
+            framework,
+            store: store_name,
+            scenario: scenario_name(scenario),
+            arm: *arm,
+            rps: round(*rps, 1),
+            p50_ms: round(p50, 3),
+            p99_ms: round(p99, 3),
+            cpu_us: cpu_us.map(|c| round(c, 1)),
+            ratio: if *arm == Arm::Bare {
+                1.0
+            } else {
+                round(ratio, 4)
+            },
+        });
+        let cpu = cpu_us.map_or_else(|| "–".to_owned(), |c| format!("{c:.1}"));
         let _ = writeln!(
             out,
             "| {} | {rps:.0} | {p50:.2} | {p99:.2} | {} | {cpu} | {:.1} % | {execs:.2} | {} |",
