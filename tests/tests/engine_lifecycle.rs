@@ -17,8 +17,10 @@ fn request(key: &str) -> ExecuteRequest {
 }
 
 /// A handler that returns a stream just before half its lease: the lease must be extended
-/// on time even though nobody polls the stream (a client that stopped reading) and extending
-/// takes a while, so no retry can take the record over mid-stream.
+/// on time by the heartbeat task, not by polls of the stream (a slow client reads a chunk
+/// now and then), even though extending takes a while, so no retry can take the record over
+/// mid-stream. (A stream that moves nothing for a whole lease is stored as not replayable:
+/// `a_client_that_stops_reading_never_holds_its_key` in the HTTP contract.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_response_keeps_its_lease_on_time() {
     let store = FaultyStore::new(MemoryStore::new());
@@ -36,9 +38,10 @@ async fn a_streamed_response_keeps_its_lease_on_time() {
         .run(tokio::time::sleep(Duration::from_millis(140)))
         .await
         .unwrap();
-    let recorder = Recorder::streaming(execution, Capture::new(200, [], 1024));
+    let mut recorder = Recorder::streaming(execution, Capture::new(200, [], 1024));
     for _ in 0..6 {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(recorder.data(b"a chunk;"));
         let retry = engine.begin(request("stream"), &policy).await;
         assert!(
             matches!(retry, Begin::InProgress { .. }),
