@@ -1,6 +1,5 @@
 //! The configuration an application installs once: [`Idempotency`].
 
-use crate::middleware::IdempotencyMiddleware;
 use idempotent_core::http::{Config, ConfigBuilder};
 use idempotent_core::{Engine, Store, engine::Drained};
 use std::sync::Arc;
@@ -83,14 +82,6 @@ impl Idempotency {
     /// The settings.
     pub fn config(&self) -> &Config {
         &self.config
-    }
-
-    /// The middleware that installs this configuration: `App::new().wrap(idempotency.middleware())`.
-    /// `HttpServer` builds the app once per worker; every worker shares this one configuration.
-    pub fn middleware(&self) -> IdempotencyMiddleware {
-        IdempotencyMiddleware {
-            config: self.clone(),
-        }
     }
 
     /// Waits, at most `timeout`, for executions still running, and starts no new ones (requests

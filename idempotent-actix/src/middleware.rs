@@ -6,6 +6,16 @@ use actix_web::HttpMessage;
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse, Transform, forward_ready};
 use std::future::{Ready, ready};
 
+impl Idempotency {
+    /// The middleware that installs this configuration: `App::new().wrap(idempotency.middleware())`.
+    /// `HttpServer` builds the app once per worker; every worker shares this one configuration.
+    pub fn middleware(&self) -> IdempotencyMiddleware {
+        IdempotencyMiddleware {
+            config: self.clone(),
+        }
+    }
+}
+
 /// Installs an [`Idempotency`] on the services it wraps (see the crate docs). It reads nothing
 /// itself: an `#[idempotent]` handler's hidden first extractor checks the key, then reads the
 /// body for the fingerprint and hands it on to the handler's own extractors.

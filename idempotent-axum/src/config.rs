@@ -1,6 +1,5 @@
 //! The configuration an application installs once: [`Idempotency`].
 
-use crate::layer::IdempotencyLayer;
 use idempotent_core::http::{Config, ConfigBuilder};
 use idempotent_core::{Engine, Store, engine::Drained};
 use std::sync::Arc;
@@ -84,13 +83,6 @@ impl Idempotency {
     /// The settings.
     pub fn config(&self) -> &Config {
         &self.config
-    }
-
-    /// The tower layer that installs this configuration: `.layer(idempotency.layer())`.
-    pub fn layer(&self) -> IdempotencyLayer {
-        IdempotencyLayer {
-            config: self.clone(),
-        }
     }
 
     /// Waits, at most `timeout`, for executions still running, and starts no new ones (requests

@@ -12,6 +12,15 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context as TaskContext, Poll};
 
+impl Idempotency {
+    /// The tower layer that installs this configuration: `.layer(idempotency.layer())`.
+    pub fn layer(&self) -> IdempotencyLayer {
+        IdempotencyLayer {
+            config: self.clone(),
+        }
+    }
+}
+
 /// Installs an [`Idempotency`] on the routes it wraps (see the crate docs).
 ///
 /// The layer itself reads nothing: an `#[idempotent]` handler's hidden first extractor checks

@@ -207,3 +207,184 @@ fn architecture_names_only_paths_that_exist() {
         );
     }
 }
+
+/// Every `.rs` file under `dir`, relative to it, sorted.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                todo.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path.strip_prefix(dir).expect("under dir").to_owned());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The paths a `use` tree names, each as its segments (`crate::store::Store` → `["crate",
+/// "store", "Store"]`).
+fn use_paths(tree: &UseTree, prefix: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+    match tree {
+        UseTree::Path(p) => {
+            prefix.push(p.ident.to_string());
+            use_paths(&p.tree, prefix, out);
+            prefix.pop();
+        }
+        UseTree::Name(n) => {
+            let mut path = prefix.clone();
+            if n.ident != "self" {
+                path.push(n.ident.to_string());
+            }
+            out.push(path);
+        }
+        UseTree::Rename(r) => {
+            let mut path = prefix.clone();
+            path.push(r.ident.to_string());
+            out.push(path);
+        }
+        UseTree::Glob(_) => out.push(prefix.clone()),
+        UseTree::Group(g) => {
+            for t in &g.items {
+                use_paths(t, prefix, out);
+            }
+        }
+    }
+}
+
+/// The `use crate::…` paths of a file's items, nested modules' included.
+fn crate_uses(items: &[Item], out: &mut Vec<Vec<String>>) {
+    for item in items {
+        match item {
+            Item::Use(u) => {
+                let mut paths = Vec::new();
+                use_paths(&u.tree, &mut Vec::new(), &mut paths);
+                out.extend(
+                    paths
+                        .into_iter()
+                        .filter(|p| p.first().is_some_and(|s| s == "crate")),
+                );
+            }
+            Item::Mod(m) => {
+                if let Some((_, items)) = &m.content {
+                    crate_uses(items, out);
+                }
+            }
+            Item::Fn(f) => {
+                for stmt in &f.block.stmts {
+                    if let syn::Stmt::Item(item) = stmt {
+                        crate_uses(std::slice::from_ref(item), out);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The file of `src` that module path `segments` (after `crate`) is defined in: the longest
+/// prefix of it that names a file (`a/b.rs` or `a/b/mod.rs`); `lib.rs` for the root.
+fn module_file(src: &Path, segments: &[String]) -> PathBuf {
+    for n in (1..=segments.len()).rev() {
+        let dir: PathBuf = segments[..n].iter().collect();
+        let file = dir.with_extension("rs");
+        if src.join(&file).exists() {
+            return file;
+        }
+        if src.join(dir.join("mod.rs")).exists() {
+            return dir.join("mod.rs");
+        }
+    }
+    PathBuf::from("lib.rs")
+}
+
+/// The `use crate::…` edges of each published crate, checked (issue 50, item 1): no two files
+/// import from each other (a circle), and no module imports through its crate root (`use
+/// crate::SqliteStore` where `crate::store::…` is where it lives): the root is what a user
+/// names, not a shortcut inside the crate. What a file imports from its own ancestors or
+/// descendants is its module's business and not an edge here.
+fn import_problems(krate: &str) -> Vec<String> {
+    let src = workspace().join(krate).join("src");
+    let lib_text = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
+    let lib = syn::parse_file(&lib_text).expect("lib.rs parses");
+    // What the root defines itself (modules and items), as opposed to what it re-exports.
+    let defined: BTreeSet<String> = lib
+        .items
+        .iter()
+        .filter_map(|item| match item {
+            Item::Mod(m) => Some(m.ident.to_string()),
+            Item::Fn(f) => Some(f.sig.ident.to_string()),
+            Item::Struct(s) => Some(s.ident.to_string()),
+            Item::Enum(e) => Some(e.ident.to_string()),
+            Item::Trait(t) => Some(t.ident.to_string()),
+            Item::Type(t) => Some(t.ident.to_string()),
+            Item::Const(c) => Some(c.ident.to_string()),
+            Item::Static(s) => Some(s.ident.to_string()),
+            Item::Macro(m) => m.ident.as_ref().map(ToString::to_string),
+            _ => None,
+        })
+        .collect();
+    let mut problems = Vec::new();
+    let mut edges: BTreeSet<(PathBuf, PathBuf)> = BTreeSet::new();
+    for file in rust_files(&src) {
+        let text = std::fs::read_to_string(src.join(&file)).expect("source");
+        let parsed = syn::parse_file(&text)
+            .unwrap_or_else(|e| panic!("{krate}/src/{}: {e}", file.display()));
+        let mut paths = Vec::new();
+        crate_uses(&parsed.items, &mut paths);
+        for path in paths {
+            let segments = &path[1..];
+            let Some(first) = segments.first() else {
+                continue;
+            };
+            if file != Path::new("lib.rs") && !defined.contains(first) {
+                problems.push(format!(
+                    "{krate}/src/{} imports `crate::{}` through the crate root: name the module it lives in",
+                    file.display(),
+                    segments.join("::")
+                ));
+                continue;
+            }
+            let target = module_file(&src, segments);
+            let own_dir = |f: &Path| {
+                let parent = f.parent().map(Path::to_owned).unwrap_or_default();
+                if f.file_name()
+                    .is_some_and(|n| n == "mod.rs" || n == "lib.rs")
+                {
+                    parent
+                } else {
+                    parent.join(f.file_stem().expect("stem"))
+                }
+            };
+            // Ancestors and descendants of each other: one module's own business.
+            let (a, b) = (own_dir(&file), own_dir(&target));
+            if target == file || a.starts_with(&b) || b.starts_with(&a) {
+                continue;
+            }
+            edges.insert((file.clone(), target));
+        }
+    }
+    for (a, b) in &edges {
+        if a < b && edges.contains(&(b.clone(), a.clone())) {
+            problems.push(format!(
+                "{krate}/src/{} and {krate}/src/{} import from each other (a circle): move what both need where one of them, or a third file, owns it",
+                a.display(),
+                b.display()
+            ));
+        }
+    }
+    problems
+}
+
+#[test]
+fn no_circles_and_no_imports_through_the_crate_root() {
+    let mut problems = Vec::new();
+    for krate in PUBLISHED {
+        problems.extend(import_problems(krate));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -699,7 +699,7 @@ mod tests {
     #[tokio::test]
     async fn the_route_template_is_asked_for_only_when_a_key_is_refused() {
         use super::admit;
-        use crate::{Engine, MemoryStore, http::Config};
+        use crate::{engine::Engine, http::Config, store::MemoryStore};
         let config = Config::new(Engine::new(MemoryStore::new()));
         let asked = std::cell::Cell::new(0);
         let template = || {

@@ -1076,8 +1076,8 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::IdempotencyKey;
     use crate::fingerprint::FingerprintInput;
+    use crate::key::IdempotencyKey;
 
     /// Every hash kept beside a record or a scope's usage is the one the store's hasher
     /// gives its key, after the tables have grown and churned. (A lookup compares all 64

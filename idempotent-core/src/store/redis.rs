@@ -1573,7 +1573,7 @@ struct Contention;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{IdempotencyKey, Scope};
+    use crate::{key::IdempotencyKey, scope::Scope};
 
     fn store() -> RedisStore {
         // The key layout needs no connection; a store over a lazy client is enough.

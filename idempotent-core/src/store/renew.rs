@@ -92,7 +92,7 @@ pub(crate) async fn bounded<S: Store + ?Sized>(
 mod tests {
     use super::*;
     use crate::store::{ClaimOutcome, ClaimRequest, Deleted, Record, StoredOutcome};
-    use crate::{IdempotencyKey, Scope};
+    use crate::{key::IdempotencyKey, scope::Scope};
     use std::sync::Mutex;
 
     /// A store whose extends answer as scripted, one script entry per call: `None` never

@@ -20,7 +20,7 @@
 
 use super::held::Held;
 use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
-use crate::MySqlStore;
+use crate::store::MySqlStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::sql::mysql::Inserted;
@@ -390,7 +390,7 @@ fn lock_name(table: &str, key: &RecordKey) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{IdempotencyKey, Scope};
+    use crate::{key::IdempotencyKey, scope::Scope};
 
     #[test]
     fn lock_names_are_short_plain_and_distinct() {

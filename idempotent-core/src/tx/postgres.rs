@@ -4,7 +4,7 @@
 
 use super::held::{CloseIfCancelled, Held};
 use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
-use crate::PostgresStore;
+use crate::store::PostgresStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::sql::postgres::claim_query;

@@ -3,7 +3,7 @@
 
 use super::held::Held;
 use super::{CommitPath, FinishError, ReadFirst, TxDatabase};
-use crate::SqliteStore;
+use crate::store::SqliteStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
 use crate::store::sql::{Decision, db_error, q};
