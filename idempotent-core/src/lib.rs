@@ -72,6 +72,7 @@ mod duration;
 pub mod engine;
 pub mod fingerprint;
 pub mod http;
+mod form;
 mod jcs;
 mod key;
 pub mod observe;
