@@ -577,5 +577,4 @@ mod tests {
         // This version's digest of another request is another request.
         assert!(!request.matches_stored(&Fingerprint::from_parts(Fingerprint::VERSION, [9; 32])));
     }
-
 }

@@ -764,7 +764,6 @@ pub(crate) mod tests {
         }
     }
 
-
     /// Every way of ordering a form (8-byte offsets past 4 GiB, 4-byte ones past 4 MiB of
     /// tiny fields, 4-, 8- and 16-byte keys) gives the canonical form, and the length
     /// announced first is its length.
