@@ -374,16 +374,13 @@ async fn every_outcome_and_event_is_traced_and_counted() {
     let failed = o.spans("obs_failed");
     assert_eq!(failed[0].0["recorded"], "failed");
 
-    // The automatic sweeper: started by the configuration's first request, once however many
+    // The automatic sweeper: started by the engine's first request, once however many
     // requests (or workers) share it, stopped by the drain.
     let store = FaultyStore::new(MemoryStore::new());
-    let config = idempotent_core::http::ConfigBuilder::<idempotent_core::http::Config>::new(
-        Engine::from_arc(store.clone()),
-    )
-    .sweep_every(Duration::from_millis(200))
-    .build()
-    .unwrap();
-    let engine = config.engine().clone();
+    let engine = Engine::builder_from_arc(store.clone())
+        .sweep_every(Duration::from_millis(200))
+        .build()
+        .unwrap();
     assert!(!engine.sweeper_running());
     let p = policy("obs_sweep");
     let mut tasks = Vec::new();

@@ -88,7 +88,7 @@
 //! finish and returns its output ([`Concurrent::Wait`]; it polls the store).
 
 use crate::derive::Idempotent;
-use crate::engine::{Begin, ConfigError, DEFAULT_TTL, Engine, ExecuteRequest, Policy};
+use crate::engine::{Begin, ConfigError, Engine, ExecuteRequest, Policy};
 use crate::fingerprint::{Fingerprint, FingerprintInput};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::scope::{Scope, ScopeError};
@@ -378,7 +378,7 @@ impl Calls {
     /// ttl 24 h (or the engine's lease, if that is longer), [`Concurrent::Refuse`].
     pub fn new(engine: Engine) -> Self {
         Calls {
-            ttl: DEFAULT_TTL.max(engine.lease()),
+            ttl: engine.default_ttl(),
             engine,
             concurrent: Concurrent::Refuse,
             commit: None,
@@ -539,8 +539,8 @@ impl Calls {
 mod transactional {
     use super::*;
     use crate::tx::{
-        DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, Halted, Transaction, TxBegin, TxDatabase, TxFinished,
-        TxOptions,
+        DEFAULT_COMMIT, DEFAULT_MAX_WAITERS, DEFAULT_TX_WAIT, Halted, Transaction, TxBegin,
+        TxDatabase, TxFinished, TxOptions,
     };
 
     impl Calls {
@@ -598,7 +598,7 @@ mod transactional {
             let policy = self.policy(&call);
             policy.check()?;
             let options = TxOptions {
-                commit: self.commit.unwrap_or(DB::DEFAULT_COMMIT),
+                commit: self.commit.unwrap_or(DEFAULT_COMMIT),
                 wait: DEFAULT_TX_WAIT,
                 max_waiters: DEFAULT_MAX_WAITERS,
                 read_first: true,

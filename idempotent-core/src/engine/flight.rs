@@ -47,7 +47,7 @@ impl Drop for InFlight {
     }
 }
 
-/// The sweeper an adapter's configuration asks for ([`crate::http::ConfigBuilder::sweep_every`]):
+/// The engine's sweeper ([`EngineBuilder::sweep_every`](super::EngineBuilder::sweep_every)):
 /// started on the current tokio runtime by the engine's first request, once per engine however
 /// many workers share it, and stopped by [`Engine::drain`](super::Engine::drain).
 #[derive(Default)]

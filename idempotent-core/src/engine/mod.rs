@@ -42,6 +42,8 @@ use std::time::Duration;
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Default lease: how long a crashed attempt blocks retries.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Default interval of the engine's automatic sweeper ([`EngineBuilder::sweep_every`]): 60 s.
+pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// Longest ttl or lease accepted: 365 days (the attribute enforces the same bounds at compile
 /// time).
@@ -312,6 +314,7 @@ pub struct EngineBuilder {
     store: Arc<dyn Store>,
     lease: Duration,
     derive_secret: Option<DeriveSecret>,
+    sweep_every: Option<Duration>,
 }
 
 impl std::fmt::Debug for EngineBuilder {
@@ -319,6 +322,7 @@ impl std::fmt::Debug for EngineBuilder {
         f.debug_struct("EngineBuilder")
             .field("lease", &self.lease)
             .field("derive_secret", &self.derive_secret.is_some())
+            .field("sweep_every", &self.sweep_every)
             .finish_non_exhaustive()
     }
 }
@@ -342,12 +346,34 @@ impl EngineBuilder {
         self
     }
 
+    /// How often the engine's sweeper deletes expired records (default every 60 s,
+    /// [`DEFAULT_SWEEP_EVERY`]; 100 ms to 365 days). The engine starts it with its first
+    /// request (or call), on that request's tokio runtime, once however many workers share the
+    /// engine (Actix builds its `App` once per worker: still one sweeper), and
+    /// [`Engine::drain`] stops it. Records past their ttl count as absent whether or not they
+    /// were swept; the sweeper only frees the space. Deletes in batches of 1,000, at most 100
+    /// batches per round. A store that deletes expired records itself (Redis) gets none.
+    pub fn sweep_every(mut self, interval: Duration) -> Self {
+        self.sweep_every = Some(interval);
+        self
+    }
+
+    /// No automatic sweeper (run [`Sweeper`](crate::store::Sweeper) yourself, or delete expired
+    /// records another way).
+    pub fn no_sweeper(mut self) -> Self {
+        self.sweep_every = None;
+        self
+    }
+
     /// The engine.
     ///
     /// # Errors
-    /// [`ConfigError`] for a lease out of bounds.
+    /// [`ConfigError`] for a lease or sweep interval out of bounds.
     pub fn build(self) -> Result<Engine, ConfigError> {
         check_duration("lease", self.lease)?;
+        if let Some(every) = self.sweep_every {
+            check_duration("sweep_every", every)?;
+        }
         Ok(self.engine())
     }
 
@@ -357,6 +383,8 @@ impl EngineBuilder {
             Some(secret) => observe::LogKey::from_secret(secret),
             None => observe::LogKey::new(),
         };
+        let auto_sweep = AutoSweep::default();
+        auto_sweep.configure(self.sweep_every);
         Engine {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -364,7 +392,7 @@ impl EngineBuilder {
                 derive_secret: self.derive_secret,
                 flight: Flight::default(),
                 log_key,
-                auto_sweep: AutoSweep::default(),
+                auto_sweep,
                 waiters: std::sync::Mutex::default(),
             }),
         }
@@ -422,6 +450,7 @@ impl Engine {
             store,
             lease: DEFAULT_LEASE,
             derive_secret: None,
+            sweep_every: Some(DEFAULT_SWEEP_EVERY),
         }
     }
 
@@ -442,8 +471,10 @@ impl Engine {
 
     /// Sets the interval of the sweeper the first request starts (`None`: no sweeper); the
     /// HTTP configuration calls it when it is built.
-    pub(crate) fn configure_sweeper(&self, every: Option<Duration>) {
-        self.inner.auto_sweep.configure(every);
+    /// The ttl of routes and functions that set none: 24 h ([`DEFAULT_TTL`]), or the engine's
+    /// lease when that is longer (a ttl under the lease would be refused).
+    pub(crate) fn default_ttl(&self) -> Duration {
+        DEFAULT_TTL.max(self.lease())
     }
 
     /// Executions claimed (or being claimed) and not yet finished.
@@ -451,8 +482,8 @@ impl Engine {
         self.inner.flight.running.load(Ordering::SeqCst)
     }
 
-    /// Whether the sweeper the adapter's configuration starts ([`crate::http::ConfigBuilder::sweep_every`])
-    /// is running: from the first request until [`Engine::drain`].
+    /// Whether the engine's sweeper ([`EngineBuilder::sweep_every`]) is running: from the first
+    /// request until [`Engine::drain`].
     pub fn sweeper_running(&self) -> bool {
         self.inner.auto_sweep.is_running()
     }

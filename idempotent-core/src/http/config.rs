@@ -1,8 +1,6 @@
 //! The application's settings, built and checked once.
 
-use super::{
-    DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE, DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_SWEEP_EVERY,
-};
+use super::{DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE, DEFAULT_REQUEST_BODY_TIMEOUT};
 use crate::engine::{
     ConfigError, DEFAULT_TTL, Engine, MAX_DURATION, check_duration, check_ttl_and_lease,
 };
@@ -20,7 +18,6 @@ pub struct Config {
     pub(super) max_response: usize,
     pub(super) max_request: usize,
     pub(super) request_body_timeout: Duration,
-    pub(super) sweep_every: Option<Duration>,
     pub(super) fail_open: bool,
     pub(super) commit: Option<CommitPath>,
     pub(super) tx_wait: Duration,
@@ -29,15 +26,13 @@ pub struct Config {
 }
 
 impl Config {
-    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]), the automatic
-    /// sweeper included. Nothing can be refused here, so the ttl is 24 h or, for an engine
-    /// whose lease is longer, that lease (a ttl shorter than the lease would leave every route
-    /// answering "misconfigured"); [`ConfigBuilder::build`] instead refuses a ttl shorter than
-    /// the lease.
+    /// Settings over `engine` with the defaults (see [`ConfigBuilder`]). Nothing can be
+    /// refused here, so the ttl is 24 h or, for an engine whose lease is longer, that lease (a
+    /// ttl shorter than the lease would leave every route answering "misconfigured");
+    /// [`ConfigBuilder::build`] instead refuses a ttl shorter than the lease.
     pub fn new(engine: Engine) -> Self {
-        engine.configure_sweeper(Some(DEFAULT_SWEEP_EVERY));
         let mut config = Self::defaults(engine);
-        config.ttl = config.ttl.max(config.engine.lease());
+        config.ttl = config.engine.default_ttl();
         config
     }
 
@@ -49,7 +44,6 @@ impl Config {
             max_response: DEFAULT_MAX_RESPONSE,
             max_request: DEFAULT_MAX_REQUEST,
             request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
-            sweep_every: Some(DEFAULT_SWEEP_EVERY),
             fail_open: false,
             commit: None,
             tx_wait: DEFAULT_TX_WAIT,
@@ -83,18 +77,13 @@ impl Config {
         self.request_body_timeout
     }
 
-    /// The interval of the sweeper this configuration starts, or `None` (turned off).
-    pub fn sweep_every(&self) -> Option<Duration> {
-        self.sweep_every
-    }
-
     /// Whether handlers run unprotected when the store fails.
     pub fn fail_open(&self) -> bool {
         self.fail_open
     }
 
     /// The commit path of transactional routes that pick none (`None`: each database's
-    /// default, [`TxDatabase::DEFAULT_COMMIT`](crate::tx::TxDatabase::DEFAULT_COMMIT)).
+    /// default, [`DEFAULT_COMMIT`](crate::tx::DEFAULT_COMMIT)).
     pub fn commit_path(&self) -> Option<CommitPath> {
         self.commit
     }
@@ -176,24 +165,6 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
-    /// How often the sweeper deletes expired records (default every 60 s, 100 ms to 365
-    /// days). The configuration starts it with its first request, on that request's tokio
-    /// runtime, once however many workers share the configuration (Actix builds its `App`
-    /// once per worker: still one sweeper), and the adapter's drain stops it. Records past
-    /// their ttl count as absent whether or not they were swept; the sweeper only frees the
-    /// space. Deletes in batches of 1,000, at most 100 batches per round.
-    pub fn sweep_every(mut self, interval: Duration) -> Self {
-        self.config.sweep_every = Some(interval);
-        self
-    }
-
-    /// No automatic sweeper (run [`Sweeper`](crate::store::Sweeper) yourself, or delete expired
-    /// records another way).
-    pub fn no_sweeper(mut self) -> Self {
-        self.config.sweep_every = None;
-        self
-    }
-
     /// Run handlers unprotected when the store fails (default: refuse with 503). Never
     /// applies to transactional routes, whose transaction is on the store's database, nor to a
     /// record the store cannot read ([`StoreError::Corrupt`](crate::StoreError::Corrupt)):
@@ -253,17 +224,12 @@ impl<T: From<Config>> ConfigBuilder<T> {
             });
         }
         check_duration("request_body_timeout", c.request_body_timeout)?;
-        if let Some(every) = c.sweep_every {
-            check_duration("sweep_every", every)?;
-        }
         if c.tx_wait > MAX_DURATION {
             return Err(ConfigError::TooLong {
                 what: "transaction_wait",
                 value: c.tx_wait,
             });
         }
-        // Only a configuration that is built touches its engine.
-        c.engine.configure_sweeper(c.sweep_every);
         Ok(T::from(c))
     }
 }

@@ -580,7 +580,7 @@ mod transactional {
         scope: Result<Scope, ScopeError>,
     ) -> Result<TxJob<DB>, Reply> {
         let resolved = resolve(route, config)?;
-        let options = route.tx_options(config, DB::DEFAULT_COMMIT);
+        let options = route.tx_options(config);
         // Safe methods ignore the key; a missing key got here only where it is optional.
         let request = if is_safe_method(head.method) || key.is_err() {
             None

@@ -51,7 +51,5 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 pub const DEFAULT_MAX_RESPONSE: usize = 1 << 20;
 /// Default limit on request bodies read for fingerprinting: 2 MiB.
 pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
-/// Default interval of the sweeper the configuration starts: 60 s.
-pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// Default time allowed to read a request body for fingerprinting: 30 s.
 pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -7,7 +7,7 @@ use crate::engine::{ConfigError, KeyRequirement, Policy, check_ttl_and_lease};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::problem::Problem;
 use crate::scope::{Scope, ScopeError};
-use crate::tx::{CommitPath, TxOptions};
+use crate::tx::{CommitPath, DEFAULT_COMMIT, TxOptions};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -73,11 +73,11 @@ impl Route {
         self
     }
 
-    /// The transactional settings of this route under `config`; `database_default` is the
-    /// commit path of the database when neither sets one.
-    pub fn tx_options(&self, config: &Config, database_default: CommitPath) -> TxOptions {
+    /// The transactional settings of this route under `config` (the commit path: the route's,
+    /// else the configuration's, else [`DEFAULT_COMMIT`](crate::tx::DEFAULT_COMMIT)).
+    pub fn tx_options(&self, config: &Config) -> TxOptions {
         TxOptions {
-            commit: self.commit.or(config.commit).unwrap_or(database_default),
+            commit: self.commit.or(config.commit).unwrap_or(DEFAULT_COMMIT),
             wait: self.wait.unwrap_or(config.tx_wait),
             max_waiters: config.max_waiters,
             read_first: config.tx_read_first,

@@ -66,6 +66,10 @@ impl CommitPath {
     }
 }
 
+/// The commit path of transactional routes and functions that pick none, on every database:
+/// single commit (one commit instead of two; measured in BENCHMARKS.md).
+pub const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
+
 /// Default for [`TxOptions::wait`]: how long a duplicate waits for the transaction that holds
 /// its key before it gets 409.
 pub const DEFAULT_TX_WAIT: Duration = Duration::from_millis(50);

@@ -19,7 +19,7 @@
 //! and then a duplicate merely waits or gets 409.
 
 use super::held::Held;
-use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
+use super::{FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::store::MySqlStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
@@ -80,7 +80,6 @@ const RESTORE_IDLE: &str = "SET SESSION wait_timeout = @idempotent_wait_timeout"
 impl TxDatabase for sqlx::MySql {
     type Store = MySqlStore;
     const LABEL: &'static str = "MySQL";
-    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
     const ALWAYS_READ_FIRST: bool = false;
 
     /// `SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION` in one round trip,

@@ -3,7 +3,7 @@
 //! standing for a key's uncommitted claim.
 
 use super::held::{CloseIfCancelled, Held};
-use super::{CommitPath, FinishError, FirstClaim, ReadFirst, TxDatabase};
+use super::{FinishError, FirstClaim, ReadFirst, TxDatabase};
 use crate::store::PostgresStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
@@ -16,7 +16,6 @@ use sqlx::{AssertSqlSafe, Row, SqlSafeStr};
 impl TxDatabase for sqlx::Postgres {
     type Store = PostgresStore;
     const LABEL: &'static str = "PostgreSQL";
-    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
 
     const ALWAYS_READ_FIRST: bool = false;
 

@@ -2,7 +2,7 @@
 //! claims and completes inside it.
 
 use super::held::Held;
-use super::{CommitPath, FinishError, ReadFirst, TxDatabase};
+use super::{FinishError, ReadFirst, TxDatabase};
 use crate::store::SqliteStore;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
@@ -15,7 +15,6 @@ use std::time::Duration;
 impl TxDatabase for sqlx::Sqlite {
     type Store = SqliteStore;
     const LABEL: &'static str = "SQLite";
-    const DEFAULT_COMMIT: CommitPath = CommitPath::Single;
     /// A claim inside a transaction takes SQLite's one write lock: replays must not.
     const ALWAYS_READ_FIRST: bool = true;
 

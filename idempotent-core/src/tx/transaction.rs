@@ -1,7 +1,6 @@
 //! The transaction a transactional handler writes through, and the databases whose stores
 //! provide it.
 
-use super::CommitPath;
 use super::held::Held;
 use crate::store::fence::LeaseToken;
 use crate::store::record::{RecordKey, StoredOutcome};
@@ -125,9 +124,6 @@ pub trait TxDatabase: sqlx::Database + sealed::Sealed {
     type Store: Store + Clone + std::fmt::Debug;
     /// The database's name, for errors.
     const LABEL: &'static str;
-    /// The commit path used when neither the route nor the configuration picks one:
-    /// single commit on both (one commit instead of two; measured in BENCHMARKS.md).
-    const DEFAULT_COMMIT: CommitPath;
     /// Whether single commit reads the record first whatever
     /// [`TxOptions::read_first`](super::TxOptions::read_first) says (SQLite: a claim inside a
     /// transaction holds the one write lock, which a replay must not wait for).
