@@ -8,7 +8,7 @@ use actix_web::web::Bytes;
 use actix_web::{FromRequest, HttpMessage, HttpRequest, HttpResponse, Responder};
 use idempotent_core::__private::RequestHead;
 use idempotent_core::__private::driver::{self, Prepared};
-use idempotent_core::{IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue};
+use idempotent_core::{IdempotencyKey, KeyError, Problem, Scope, ScopeError};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use idempotent_core::{Transaction, tx::TxDatabase};
 use std::future::{Future, ready};
@@ -150,16 +150,6 @@ fn head(req: &HttpRequest) -> RequestHead<'_> {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok()),
     }
-}
-
-/// The scope of a handler parameter (type-checks it against [`ScopeValue`]).
-pub fn scope_of<T: ScopeValue + ?Sized>(value: &T) -> Result<Scope, ScopeError> {
-    value.to_scope()
-}
-
-/// The unscoped namespace.
-pub fn unscoped() -> Result<Scope, ScopeError> {
-    Ok(Scope::unscoped())
 }
 
 /// The handler's [`Idempotent`](idempotent_core::Idempotent) parameter, or the 500 that

@@ -148,40 +148,9 @@ mod layer;
 mod private;
 mod response;
 
-#[cfg(feature = "mysql")]
-#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
-pub use idempotent_core::MySqlStore;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use idempotent_core::PostgresStore;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-#[cfg_attr(
-    docsrs,
-    doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
-)]
-pub use idempotent_core::SetupError;
-#[cfg(feature = "sqlite")]
-#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
-pub use idempotent_core::SqliteStore;
-/// Idempotent functions (`#[idempotent(key_from = …)]`, queue consumers): the runner and its types.
-pub use idempotent_core::call;
-pub use idempotent_core::http::{ConfigError, DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE};
-pub use idempotent_core::{CommitPath, tx::TxOptions};
-pub use idempotent_core::{
-    DeriveSecret, DerivedKey, DurationError, Engine, IdempotencyKey, Idempotent, KeyError,
-    MemoryStore, Problem, Scope, ScopeError, ScopeValue, SecretError, Store, StoreError,
-    engine::DEFAULT_LEASE, engine::DEFAULT_TTL, engine::Drained, engine::EngineBuilder,
-    fingerprint::Fingerprint, parse_duration, store::Sweeper,
-};
-#[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use idempotent_core::{RedisStore, store::RedisSetupError, store::RedisStoreBuilder};
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-#[cfg_attr(
-    docsrs,
-    doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
-)]
-pub use idempotent_core::{Transaction, sqlx, tx::TxDatabase};
+// The core types a user names, from one list both adapters share.
+#[doc(inline)]
+pub use idempotent_core::__private::exports::*;
 
 pub use config::{Idempotency, IdempotencyBuilder};
 pub use layer::{IdempotencyLayer, IdempotencyService};

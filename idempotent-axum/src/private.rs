@@ -9,9 +9,7 @@ use axum::http::{HeaderValue, Method, Uri, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use idempotent_core::__private::RequestHead;
 use idempotent_core::__private::driver::{self, Prepared};
-use idempotent_core::{
-    __private::Detached, IdempotencyKey, KeyError, Problem, Scope, ScopeError, ScopeValue,
-};
+use idempotent_core::{__private::Detached, IdempotencyKey, KeyError, Problem, Scope, ScopeError};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use idempotent_core::{Transaction, tx::TxDatabase};
 use std::future::Future;
@@ -113,16 +111,6 @@ impl Head {
             content_type: self.2.as_ref().and_then(|v| v.to_str().ok()),
         }
     }
-}
-
-/// The scope of a handler parameter (type-checks it against [`ScopeValue`]).
-pub fn scope_of<T: ScopeValue + ?Sized>(value: &T) -> Result<Scope, ScopeError> {
-    value.to_scope()
-}
-
-/// The unscoped namespace.
-pub fn unscoped() -> Result<Scope, ScopeError> {
-    Ok(Scope::unscoped())
 }
 
 /// The handler's [`Idempotent`](idempotent_core::Idempotent) parameter, or the 500 that

@@ -19,6 +19,54 @@ pub use crate::http::request::{
 };
 pub use crate::http::route::{Route, RoutePolicy, idempotent_context};
 
+/// What each adapter re-exports at its root (`pub use idempotent_core::__private::exports::*;`),
+/// so a user depends on one adapter crate and finds the core types there: one list for both.
+pub mod exports {
+    /// Idempotent functions (`#[idempotent(key_from = …)]`, queue consumers): the runner and
+    /// its types.
+    pub use crate::call;
+    pub use crate::derive::{DeriveSecret, DerivedKey, Idempotent, SecretError};
+    pub use crate::duration::{DurationError, parse_duration};
+    pub use crate::engine::{DEFAULT_LEASE, DEFAULT_TTL, Drained, Engine, EngineBuilder};
+    pub use crate::fingerprint::Fingerprint;
+    pub use crate::http::{ConfigError, DEFAULT_MAX_REQUEST, DEFAULT_MAX_RESPONSE};
+    pub use crate::key::{IdempotencyKey, KeyError};
+    pub use crate::problem::Problem;
+    pub use crate::scope::{Scope, ScopeError, ScopeValue};
+    #[cfg(feature = "mysql")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+    pub use crate::store::MySqlStore;
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub use crate::store::PostgresStore;
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[cfg_attr(
+        docsrs,
+        doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
+    )]
+    pub use crate::store::SetupError;
+    #[cfg(feature = "sqlite")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    pub use crate::store::SqliteStore;
+    pub use crate::store::{MemoryStore, Store, StoreError, Sweeper};
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub use crate::store::{RedisSetupError, RedisStore, RedisStoreBuilder};
+    pub use crate::tx::{CommitPath, TxOptions};
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[cfg_attr(
+        docsrs,
+        doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
+    )]
+    pub use crate::tx::{Transaction, TxDatabase};
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[cfg_attr(
+        docsrs,
+        doc(cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql")))
+    )]
+    pub use ::sqlx;
+}
+
 /// The request driver the adapters share.
 pub mod driver {
     pub use crate::http::driver::*;

@@ -56,8 +56,37 @@ fn use_names(tree: &UseTree, parent: Option<String>, out: &mut Vec<String>) {
 fn root_names(lib: &Path) -> Vec<String> {
     let text = std::fs::read_to_string(lib).unwrap_or_else(|e| panic!("{}: {e}", lib.display()));
     let file = syn::parse_file(&text).unwrap_or_else(|e| panic!("{}: {e}", lib.display()));
+    item_names(&file.items)
+}
+
+/// The items of core's `__private::exports` module (`idempotent-core/src/adapter.rs`), which
+/// each adapter re-exports at its root with a glob.
+fn adapter_exports() -> Vec<syn::Item> {
+    let path = workspace().join("idempotent-core/src/adapter.rs");
+    let text = std::fs::read_to_string(&path).expect("adapter.rs");
+    let file = syn::parse_file(&text).expect("adapter.rs parses");
+    file.items
+        .into_iter()
+        .find_map(|item| match item {
+            Item::Mod(m) if m.ident == "exports" => m.content.map(|(_, items)| items),
+            _ => None,
+        })
+        .expect("adapter.rs has `pub mod exports { … }`")
+}
+
+/// [`root_names`] of a file's items: `kind name [cfg] [hidden]`, sorted; the adapters' glob
+/// of core's `exports` is listed name by name.
+fn item_names(items: &[syn::Item]) -> Vec<String> {
     let mut lines = BTreeSet::new();
-    for item in &file.items {
+    for item in items {
+        if let Item::Use(u) = item {
+            let mut names = Vec::new();
+            use_names(&u.tree, None, &mut names);
+            if names == ["exports::*"] {
+                lines.extend(item_names(&adapter_exports()));
+                continue;
+            }
+        }
         let (vis, attrs, kind, names): (&Visibility, &[syn::Attribute], &str, Vec<String>) =
             match item {
                 Item::Use(u) => {

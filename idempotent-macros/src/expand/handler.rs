@@ -37,7 +37,9 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
     let scope_var = hidden("__idempotent_scope");
     let route = hidden("__IDEMPOTENT_ROUTE");
 
-    let scope_expr = scope_expr(&p, scope.as_ref());
+    // The scope through core's function mode runtime, which the adapter re-exports: one
+    // `scope_of` for handlers and functions alike.
+    let scope_expr = scope_expr(&quote!(#p::call), scope.as_ref());
     let ttl = opt_ms(&p, ttl_ms);
     let lease = opt_ms(&p, lease_ms);
     let required = key == KeyReq::Required;

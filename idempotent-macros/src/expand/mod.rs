@@ -164,7 +164,7 @@ mod tests {
             ),
         );
         assert!(
-            out.contains(":: idempotent_axum :: __private :: scope_of (& account_id)"),
+            out.contains(":: idempotent_axum :: __private :: call :: scope_of (& account_id)"),
             "{out}"
         );
         assert!(out.contains("from_millis (3600000u64)"), "{out}");
@@ -189,7 +189,7 @@ mod tests {
             ),
         );
         assert!(
-            custom.contains("my_axum :: __private :: unscoped ()"),
+            custom.contains("my_axum :: __private :: call :: unscoped ()"),
             "{custom}"
         );
         // Actix: the context is the only extractor and carries the parameters as one tuple.
