@@ -4,20 +4,15 @@
 //!
 //! - the request driver (`driver`): one request's life from its head to its answer,
 //!   generic over an adapter's `driver::Glue`;
-//! - what the driver is made of (`Route`, `Step`, `Reply`, `Capture`, …);
+//! - what the driver is made of, as an adapter names it (`Route`, `Reply`, `Recorder`, …;
+//!   `Capture` because a `Recorder` is made with one);
 //! - function mode's runtime, as its expansion names it (`call`).
 
-pub use crate::duration::format_duration;
 pub use crate::engine::detached::Detached;
-pub use crate::http::capture::{Capture, Recorder, ResponsePlan};
-pub use crate::http::reply::{FIRST_EXECUTION, Reply, Step, TxReply};
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub use crate::http::reply::{TxStep, begin_transactional, finish_transactional};
-pub use crate::http::request::{
-    FINGERPRINT_INLINE_MAX, RequestHead, check_content_length, check_key, connection_options,
-    is_safe_method, is_stored_header,
-};
-pub use crate::http::route::{Route, RoutePolicy, idempotent_context};
+pub use crate::http::capture::{Capture, Recorder};
+pub use crate::http::reply::{FIRST_EXECUTION, Reply};
+pub use crate::http::request::{RequestHead, is_safe_method};
+pub use crate::http::route::{Route, idempotent_context};
 
 /// What each adapter re-exports at its root (`pub use idempotent_core::__private::exports::*;`),
 /// so a user depends on one adapter crate and finds the core types there: one list for both.

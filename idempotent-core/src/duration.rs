@@ -77,15 +77,8 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
     Ok(Duration::from_millis(millis))
 }
 
-/// Formats a duration in the same grammar, choosing the largest exact unit.
-///
-/// ```
-/// # use std::time::Duration;
-/// # use idempotent_core::__private::format_duration;
-/// assert_eq!(format_duration(Duration::from_secs(86_400)), "1d");
-/// assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
-/// ```
-pub fn format_duration(d: Duration) -> String {
+/// Formats a duration in the same grammar, choosing the largest exact unit (`1d`, `1500ms`).
+pub(crate) fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
     for (unit, per) in [
         ("d", 86_400_000),
@@ -103,6 +96,21 @@ pub fn format_duration(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn format_picks_the_largest_exact_unit() {
+        assert_eq!(format_duration(Duration::from_secs(86_400)), "1d");
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
+    }
+
+    proptest::proptest! {
+        /// Any whole number of milliseconds up to a year formats into text that parses back.
+        #[test]
+        fn formatted_durations_parse_back(ms in 1_u64..=365 * 86_400_000) {
+            let d = Duration::from_millis(ms);
+            proptest::prop_assert_eq!(parse_duration(&format_duration(d)), Ok(d));
+        }
+    }
 
     #[test]
     fn grammar() {

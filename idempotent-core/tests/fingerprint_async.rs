@@ -2,7 +2,8 @@
 //! computed off the async worker, so the worker's other tasks keep running meanwhile.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::__private::{FINGERPRINT_INLINE_MAX, RequestHead};
+use idempotent_core::__private::RequestHead;
+use idempotent_core::http::FINGERPRINT_INLINE_MAX;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 

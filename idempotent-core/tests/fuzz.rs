@@ -15,7 +15,6 @@
 //! (`PROPTEST_RNG_SEED` pins one).
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::__private::format_duration;
 use idempotent_core::http::MAX_KEY_LEN;
 use idempotent_core::{fingerprint::*, *};
 use proptest::prelude::*;
@@ -379,8 +378,7 @@ fn fuzz_duration_parser() {
                     !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()),
                     "{text:?}"
                 );
-                // The formatted form parses back to the same duration.
-                prop_assert_eq!(parse_duration(&format_duration(d)), Ok(d));
+                // (That its formatted form parses back is `duration.rs`'s own test.)
             }
             Ok(())
         },

@@ -9,7 +9,7 @@ use std::pin::Pin;
 /// How a claimed execution's response is recorded, decided from its status and declared size
 /// (the same rules for every adapter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResponsePlan {
+pub(crate) enum ResponsePlan {
     /// The route does not store this status (5xx, 408/409/425/429): release the key, then send
     /// the response untouched.
     Release,
@@ -28,16 +28,7 @@ pub enum ResponsePlan {
 
 impl ResponsePlan {
     /// The plan for a response with `status` and, if known, an exact body size.
-    ///
-    /// ```
-    /// use idempotent_core::{engine::Policy, __private::ResponsePlan};
-    /// let p = Policy::default();
-    /// assert_eq!(ResponsePlan::new(&p, 503, Some(10), 100), ResponsePlan::Release);
-    /// assert_eq!(ResponsePlan::new(&p, 201, Some(10), 100), ResponsePlan::Collect);
-    /// assert_eq!(ResponsePlan::new(&p, 200, Some(101), 100), ResponsePlan::Oversized { size: 101 });
-    /// assert_eq!(ResponsePlan::new(&p, 200, None, 100), ResponsePlan::Stream);
-    /// ```
-    pub fn new(policy: &Policy, status: u16, exact_size: Option<u64>, limit: usize) -> Self {
+    pub(crate) fn new(policy: &Policy, status: u16, exact_size: Option<u64>, limit: usize) -> Self {
         if !policy.stores(status) {
             return ResponsePlan::Release;
         }
@@ -332,6 +323,24 @@ impl Capture {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plans() {
+        let p = Policy::default();
+        assert_eq!(
+            ResponsePlan::new(&p, 503, Some(10), 100),
+            ResponsePlan::Release
+        );
+        assert_eq!(
+            ResponsePlan::new(&p, 201, Some(10), 100),
+            ResponsePlan::Collect
+        );
+        assert_eq!(
+            ResponsePlan::new(&p, 200, Some(101), 100),
+            ResponsePlan::Oversized { size: 101 }
+        );
+        assert_eq!(ResponsePlan::new(&p, 200, None, 100), ResponsePlan::Stream);
+    }
 
     #[test]
     fn capture_limits() {

@@ -33,6 +33,7 @@ pub use crate::engine::{ConfigError, MAX_DURATION, MIN_DURATION};
 pub use crate::key::MAX_KEY_LEN;
 pub use crate::problem::PROBLEM_BASE;
 pub use config::{Config, ConfigBuilder};
+pub use request::FINGERPRINT_INLINE_MAX;
 pub(crate) use request::{
     RequestHead, check_content_length, check_key, connection_options, is_safe_method,
     is_stored_header,

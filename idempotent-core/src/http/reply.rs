@@ -5,8 +5,6 @@ use crate::engine::{Begin, Execution, Unprotected};
 use crate::problem::Problem;
 use crate::store::record::{StoredOutcome, StoredResponse};
 use std::borrow::Cow;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-use {super::capture::Capture, crate::engine::Engine, crate::tx::TxOptions};
 
 /// A response the library produces itself (a replay or a problem), on plain types.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,7 +83,7 @@ pub const FIRST_EXECUTION: (&str, &str) = (IDEMPOTENT_REPLAYED, "false");
 /// What to do with a request after [`Engine::begin`]. Deliberately exhaustive: an adapter
 /// matches all three, with no wildcard arm for a variant it does not know.
 #[derive(Debug)]
-pub enum Step {
+pub(crate) enum Step {
     /// Run the handler under this execution, capture its response, finish the execution.
     Execute(Execution),
     /// Run the handler without a record (no key on an optional route, or fail-open).
@@ -119,111 +117,6 @@ impl From<Begin> for Step {
             }
             Begin::Draining => Step::Respond(Reply::problem(&Problem::shutting_down())),
             Begin::Misconfigured(_) => Step::Respond(Reply::problem(&Problem::misconfigured())),
-        }
-    }
-}
-
-/// What an adapter does next on a transactional route ([`TxBegin`](crate::tx::TxBegin) on the
-/// wire): run the handler with the execution's transaction, or answer.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-#[derive(Debug)]
-// Made and taken apart once per request: boxing the large variant would only add an allocation.
-#[allow(clippy::large_enum_variant)]
-pub enum TxStep<DB: crate::tx::TxDatabase> {
-    /// Run the handler with this transaction (under [`TxExecution::run`](crate::tx::TxExecution::run)),
-    /// read its whole response, then [`finish_transactional`].
-    Run(crate::tx::TxExecution<DB>, crate::Transaction<DB>),
-    /// Answer with this; the handler does not run.
-    Respond(Reply),
-}
-
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-impl<DB: crate::tx::TxDatabase> From<crate::tx::TxBegin<DB>> for TxStep<DB> {
-    fn from(begin: crate::tx::TxBegin<DB>) -> Self {
-        match begin {
-            crate::tx::TxBegin::Run(mut execution) => match execution.transaction() {
-                Some(tx) => TxStep::Run(execution, tx),
-                // A fresh execution always holds its transaction.
-                None => TxStep::Respond(Reply::problem(&Problem::misconfigured())),
-            },
-            crate::tx::TxBegin::Respond(begin) => match Step::from(begin) {
-                Step::Respond(reply) => TxStep::Respond(reply),
-                // `begin_transactional` never answers with these.
-                Step::Execute(_) | Step::Unprotected => {
-                    TxStep::Respond(Reply::problem(&Problem::misconfigured()))
-                }
-            },
-            // The engine logged which database the route wants and what the store is; the
-            // client is told nothing of the server's wiring.
-            crate::tx::TxBegin::WrongStore { .. } => {
-                TxStep::Respond(Reply::problem(&Problem::misconfigured()))
-            }
-        }
-    }
-}
-
-/// Begins a transactional route's request: claimed under `options` when `request` is
-/// protected, or with a transaction and no record (`None`: a safe method, or no key where it
-/// is optional).
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub async fn begin_transactional<DB: crate::tx::TxDatabase>(
-    engine: &Engine,
-    request: Option<crate::engine::ExecuteRequest>,
-    policy: &crate::engine::Policy,
-    options: &TxOptions,
-) -> TxStep<DB> {
-    let begin = match request {
-        Some(request) => {
-            engine
-                .begin_transactional::<DB>(request, policy, options)
-                .await
-        }
-        None => engine.begin_unprotected::<DB>(policy).await,
-    };
-    TxStep::from(begin)
-}
-
-/// What the client gets after [`finish_transactional`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TxReply {
-    /// Send the handler's response (its body as read); `first_execution`: add
-    /// [`FIRST_EXECUTION`] (the response was stored).
-    Send {
-        /// Whether the response was stored with the commit.
-        first_execution: bool,
-    },
-    /// Answer with this instead (the commit failed: nothing of the handler's is sent).
-    Respond(Reply),
-}
-
-/// Finishes a transactional execution with the handler's whole response: stores it (up to
-/// `limit` bytes; larger ones store the oversized marker) and commits, or rolls back when the
-/// route does not store its status. Nothing can be sent before COMMIT, so the adapter reads
-/// the whole body first (a failed body: [`TxExecution::abort`](crate::tx::TxExecution::abort)
-/// and [`Problem::response_failed`]).
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub async fn finish_transactional<'a, DB: crate::tx::TxDatabase>(
-    execution: crate::tx::TxExecution<DB>,
-    status: u16,
-    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
-    body: &[u8],
-    limit: usize,
-) -> TxReply {
-    let mut capture = Capture::new(status, headers, limit);
-    capture.push(body);
-    let protected = execution.is_protected();
-    match execution.finish(capture.finish()).await {
-        crate::tx::TxFinished::Committed => TxReply::Send {
-            first_execution: protected,
-        },
-        crate::tx::TxFinished::RolledBack => TxReply::Send {
-            first_execution: false,
-        },
-        crate::tx::TxFinished::Failed(_) => {
-            TxReply::Respond(Reply::problem(&Problem::store_unavailable()))
-        }
-        crate::tx::TxFinished::Escaped => {
-            TxReply::Respond(Reply::problem(&Problem::misconfigured()))
         }
     }
 }

@@ -24,13 +24,7 @@ pub fn is_safe_method(method: &str) -> bool {
 /// compared case-insensitively. A response may make any other header hop-by-hop by naming it
 /// in its `Connection` header (RFC 9110 §7.6.1): [`connection_options`] reads those names, and
 /// the copy a replay is made from ([`Capture`](crate::__private::Capture)) drops them too.
-///
-/// ```
-/// use idempotent_core::__private::is_stored_header;
-/// assert!(is_stored_header("content-type") && is_stored_header("Location"));
-/// assert!(!is_stored_header("Set-Cookie") && !is_stored_header("transfer-encoding"));
-/// ```
-pub fn is_stored_header(name: &str) -> bool {
+pub(crate) fn is_stored_header(name: &str) -> bool {
     const NEVER: [&str; 13] = [
         "connection",
         "keep-alive",
@@ -52,13 +46,7 @@ pub fn is_stored_header(name: &str) -> bool {
 /// The header names a `Connection` header value lists (RFC 9110 §7.6.1: `Connection: X-Hop,
 /// keep-alive` makes `X-Hop` and `Keep-Alive` hop-by-hop for this response): its
 /// comma-separated elements, without the spaces and tabs around them, empty ones skipped.
-///
-/// ```
-/// use idempotent_core::__private::connection_options;
-/// let names: Vec<&[u8]> = connection_options(b"X-Hop, ,\tkeep-alive ").collect();
-/// assert_eq!(names, [&b"X-Hop"[..], b"keep-alive"]);
-/// ```
-pub fn connection_options(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub(crate) fn connection_options(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     value
         .split(|&b| b == b',')
         .map(|element| element.trim_ascii())
@@ -70,14 +58,7 @@ pub fn connection_options(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 ///
 /// # Errors
 /// The 400 problem to answer with.
-///
-/// ```
-/// use idempotent_core::{IdempotencyKey, engine::KeyRequirement, __private::check_key};
-/// let missing = IdempotencyKey::from_header_values::<&[u8]>([]);
-/// assert_eq!(check_key(&missing, KeyRequirement::Required).unwrap_err().status, 400);
-/// assert!(check_key(&missing, KeyRequirement::Optional).is_ok());
-/// ```
-pub fn check_key(
+pub(crate) fn check_key(
     key: &Result<IdempotencyKey, KeyError>,
     requirement: KeyRequirement,
 ) -> Result<(), Box<Problem>> {
@@ -93,7 +74,7 @@ pub fn check_key(
 ///
 /// # Errors
 /// The 413 problem.
-pub fn check_content_length(value: Option<&[u8]>, limit: usize) -> Result<(), Box<Problem>> {
+pub(crate) fn check_content_length(value: Option<&[u8]>, limit: usize) -> Result<(), Box<Problem>> {
     let declared = value
         .and_then(|v| std::str::from_utf8(v).ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
@@ -204,6 +185,22 @@ impl RequestHead<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stored_headers_connection_options_and_key_checks() {
+        assert!(is_stored_header("content-type") && is_stored_header("Location"));
+        assert!(!is_stored_header("Set-Cookie") && !is_stored_header("transfer-encoding"));
+        let names: Vec<&[u8]> = connection_options(b"X-Hop, ,\tkeep-alive ").collect();
+        assert_eq!(names, [&b"X-Hop"[..], b"keep-alive"]);
+        let missing = IdempotencyKey::from_header_values::<&[u8]>([]);
+        assert_eq!(
+            check_key(&missing, KeyRequirement::Required)
+                .unwrap_err()
+                .status,
+            400
+        );
+        assert!(check_key(&missing, KeyRequirement::Optional).is_ok());
+    }
     use crate::http::capture::Capture;
     use crate::store::record::StoredOutcome;
 
