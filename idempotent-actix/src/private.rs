@@ -17,7 +17,7 @@ use std::task::Poll;
 
 pub use ::core::time::Duration;
 pub use actix_web::HttpResponse as Output;
-pub use idempotent_core::__private::Route;
+pub use idempotent_core::__private::{Route, RouteArgs};
 pub use idempotent_core::CommitPath as Commit;
 pub use idempotent_core::engine::KeyRequirement as Key;
 

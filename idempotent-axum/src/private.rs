@@ -16,7 +16,7 @@ use std::future::Future;
 
 pub use ::core::time::Duration;
 pub use axum::response::Response as Output;
-pub use idempotent_core::__private::Route;
+pub use idempotent_core::__private::{Route, RouteArgs};
 pub use idempotent_core::CommitPath as Commit;
 pub use idempotent_core::engine::KeyRequirement as Key;
 

@@ -12,7 +12,7 @@ pub use crate::engine::detached::Detached;
 pub use crate::http::capture::{Capture, Recorder};
 pub use crate::http::reply::{FIRST_EXECUTION, Reply};
 pub use crate::http::request::{RequestHead, is_safe_method};
-pub use crate::http::route::{Route, idempotent_context};
+pub use crate::http::route::{Route, RouteArgs, idempotent_context};
 
 /// What each adapter re-exports at its root (`pub use idempotent_core::__private::exports::*;`),
 /// so a user depends on one adapter crate and finds the core types there: one list for both.
@@ -69,7 +69,7 @@ pub mod driver {
 
 /// Function mode's runtime.
 pub mod call {
-    pub use crate::call::{CallError, Calls, Function, Input};
+    pub use crate::call::{CallError, Calls, Function, FunctionArgs, Input};
     pub use crate::scope::ScopeValue;
     pub use ::core::time::Duration;
 

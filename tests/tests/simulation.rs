@@ -42,7 +42,7 @@
 
 use bytes::Bytes;
 use idempotent_core::__private::driver::{self, Glue};
-use idempotent_core::__private::{FIRST_EXECUTION, Recorder, Reply, RequestHead, Route};
+use idempotent_core::__private::{FIRST_EXECUTION, Recorder, Reply, RequestHead, Route, RouteArgs};
 use idempotent_core::clock::Clock;
 use idempotent_core::engine::KeyRequirement;
 use idempotent_core::engine::{Begin, ExecuteRequest, Policy};
@@ -795,14 +795,14 @@ fn request(key: usize) -> ExecuteRequest {
 }
 
 /// The simulated route, as `#[idempotent(ttl = "24h", lease = "2s")]` declares it.
-static ROUTE: Route = Route::new(
-    "sim",
-    Some(TTL),
-    Some(LEASE),
-    KeyRequirement::Required,
-    false,
-    None,
-);
+static ROUTE: Route = Route::new(RouteArgs {
+    name: "sim",
+    ttl: Some(TTL),
+    lease: Some(LEASE),
+    key: KeyRequirement::Required,
+    store_server_errors: false,
+    max_response: None,
+});
 
 /// A response on plain types, for the HTTP driver.
 struct SimResponse {

@@ -849,14 +849,30 @@ pub struct Function {
     wait: Option<Duration>,
 }
 
+/// What `#[idempotent(key_from = …)]` wrote for a function, by name (`None`: the [`Calls`]'
+/// default), so its three durations can never be swapped unnoticed. Not a stable API.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct FunctionArgs {
+    /// The function's stable `name = "…"`.
+    pub name: &'static str,
+    /// `ttl = "…"`.
+    pub ttl: Option<Duration>,
+    /// `lease = "…"`.
+    pub lease: Option<Duration>,
+    /// `wait = "…"`.
+    pub wait: Option<Duration>,
+}
+
 impl Function {
-    /// The function `name` with its arguments (`None`: the [`Calls`]' default).
-    pub const fn new(
-        name: &'static str,
-        ttl: Option<Duration>,
-        lease: Option<Duration>,
-        wait: Option<Duration>,
-    ) -> Self {
+    /// The function with the arguments its attribute wrote.
+    pub const fn new(args: FunctionArgs) -> Self {
+        let FunctionArgs {
+            name,
+            ttl,
+            lease,
+            wait,
+        } = args;
         Function {
             name,
             ttl,

@@ -238,7 +238,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
 mod tests {
     use super::*;
     use crate::engine::KeyRequirement;
-    use crate::http::route::Route;
+    use crate::http::route::{Route, RouteArgs};
 
     #[test]
     fn settings_are_checked_once() {
@@ -281,26 +281,26 @@ mod tests {
         let config = ConfigBuilder::<Config>::new(long_lease)
             .build()
             .expect("valid");
-        let route = Route::new(
-            "create_charge",
-            Some(Duration::from_secs(60)),
-            None,
-            KeyRequirement::Required,
-            false,
-            None,
-        );
+        let route = Route::new(RouteArgs {
+            name: "create_charge",
+            ttl: Some(Duration::from_secs(60)),
+            lease: None,
+            key: KeyRequirement::Required,
+            store_server_errors: false,
+            max_response: None,
+        });
         assert!(matches!(
             route.resolve(&config),
             Err(ConfigError::TtlShorterThanLease { .. })
         ));
-        let fine = Route::new(
-            "r",
-            None,
-            Some(Duration::from_secs(1)),
-            KeyRequirement::Optional,
-            true,
-            Some(9),
-        );
+        let fine = Route::new(RouteArgs {
+            name: "r",
+            ttl: None,
+            lease: Some(Duration::from_secs(1)),
+            key: KeyRequirement::Optional,
+            store_server_errors: true,
+            max_response: Some(9),
+        });
         let p = fine.resolve(&config).expect("valid");
         assert_eq!(p.policy.lease, Duration::from_secs(1));
         assert_eq!(p.policy.ttl, DEFAULT_TTL);
@@ -319,7 +319,14 @@ mod tests {
             .lease(lease)
             .build()
             .expect("valid");
-        let plain = Route::new("r", None, None, KeyRequirement::Required, false, None);
+        let plain = Route::new(RouteArgs {
+            name: "r",
+            ttl: None,
+            lease: None,
+            key: KeyRequirement::Required,
+            store_server_errors: false,
+            max_response: None,
+        });
         let config = Config::new(engine.clone());
         assert_eq!(config.ttl(), lease);
         let resolved = plain.resolve(&config).expect("resolves");

@@ -27,6 +27,24 @@ pub struct Route {
     reported_secret: AtomicBool,
 }
 
+/// What `#[idempotent(…)]` wrote for a route, by name (`None`: the [`Config`]'s default), so
+/// two settings of one type can never be swapped unnoticed.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteArgs {
+    /// The handler's name, for logs.
+    pub name: &'static str,
+    /// `ttl = "…"`.
+    pub ttl: Option<Duration>,
+    /// `lease = "…"`.
+    pub lease: Option<Duration>,
+    /// `key = "required" | "optional"`.
+    pub key: KeyRequirement,
+    /// `store_server_errors`.
+    pub store_server_errors: bool,
+    /// `max_response = "…"`.
+    pub max_response: Option<usize>,
+}
+
 /// A route's arguments resolved against the application's [`Config`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoutePolicy {
@@ -37,15 +55,16 @@ pub struct RoutePolicy {
 }
 
 impl Route {
-    /// A route named `name` (the handler's name, for logs) with its arguments.
-    pub const fn new(
-        name: &'static str,
-        ttl: Option<Duration>,
-        lease: Option<Duration>,
-        key: KeyRequirement,
-        store_server_errors: bool,
-        max_response: Option<usize>,
-    ) -> Self {
+    /// A route with the arguments its attribute wrote.
+    pub const fn new(args: RouteArgs) -> Self {
+        let RouteArgs {
+            name,
+            ttl,
+            lease,
+            key,
+            store_server_errors,
+            max_response,
+        } = args;
         Route {
             name,
             ttl,

@@ -99,7 +99,12 @@ pub(super) fn generate(plan: FunctionPlan) -> TokenStream {
         #(#outer)*
         #vis #new_sig {
             #(#inner)*
-            static #statik: #p::Function = #p::Function::new(#name, #ttl, #lease, #wait);
+            static #statik: #p::Function = #p::Function::new(#p::FunctionArgs {
+                name: #name,
+                ttl: #ttl,
+                lease: #lease,
+                wait: #wait,
+            });
             let #call = match #statik.call::<_, #err>(#scope_expr, &#key_expr, &[#(#inputs),*]) {
                 ::core::result::Result::Ok(#made) => #made,
                 ::core::result::Result::Err(#refused) => return ::core::result::Result::Err(#refused),

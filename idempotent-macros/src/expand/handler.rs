@@ -122,8 +122,14 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
             #(#stmts)*
         }
     };
-    let route_new =
-        quote!(#p::Route::new(#name, #ttl, #lease, #key, #store_server_errors, #max_response));
+    let route_new = quote!(#p::Route::new(#p::RouteArgs {
+        name: #name,
+        ttl: #ttl,
+        lease: #lease,
+        key: #key,
+        store_server_errors: #store_server_errors,
+        max_response: #max_response,
+    }));
     let (route_new, call) = match (&transaction, &tx_param) {
         (
             Some(Transactional {
