@@ -91,3 +91,104 @@ pub mod call {
         Ok(crate::scope::Scope::unscoped())
     }
 }
+
+/// Defines an adapter's `Idempotency` (the configuration an application installs once) and
+/// its `IdempotencyBuilder`: the same type, methods and docs for every adapter, written once.
+/// `$krate` is the adapter's crate name (for the doc example), `install` how an application
+/// installs it (`.layer(idempotency.layer())`), `drain` when to call `drain` on that framework.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! __idempotency_type {
+    ($krate:ident, install = $install:literal, drain = $drain:literal) => {
+        /// The runtime configuration of `#[idempotent]` handlers: the store (through its
+        /// engine), the default ttl, the size limits and fail-open (the default lease, the
+        /// derive secret and the sweeper are the engine's: [`Engine::builder`](crate::Engine::builder)).
+        #[doc = concat!("Install it with ", $install, "; at shutdown, [`Idempotency::drain`] waits")]
+        /// for executions still running (a client that went away does not stop them).
+        ///
+        /// ```
+        /// use std::time::Duration;
+        #[doc = concat!("use ", stringify!($krate), "::{Engine, Idempotency, MemoryStore};")]
+        ///
+        /// // HTTP settings on the configuration:
+        /// let idempotency = Idempotency::builder(MemoryStore::new())
+        ///     .ttl(Duration::from_secs(3600))
+        ///     .build()?;
+        /// // Engine-wide ones (the default lease, the derive secret) on the engine it is built over:
+        /// let engine = Engine::builder(MemoryStore::new()).lease(Duration::from_secs(10)).build()?;
+        /// let idempotency = Idempotency::builder_from_engine(engine)
+        ///     .ttl(Duration::from_secs(3600))
+        ///     .build()?;
+        /// # let _ = idempotency;
+        #[doc = concat!("# Ok::<(), ", stringify!($krate), "::ConfigError>(())")]
+        /// ```
+        #[derive(Clone)]
+        pub struct Idempotency {
+            pub(crate) config: ::std::sync::Arc<$crate::http::Config>,
+        }
+
+        /// Builds an [`Idempotency`]; unusable values (a zero or over-long duration, a ttl
+        /// shorter than the lease, a zero size) are refused once by `build`, never per request.
+        pub type IdempotencyBuilder = $crate::http::ConfigBuilder<Idempotency>;
+
+        impl ::core::convert::From<$crate::http::Config> for Idempotency {
+            fn from(config: $crate::http::Config) -> Self {
+                Idempotency {
+                    config: ::std::sync::Arc::new(config),
+                }
+            }
+        }
+
+        impl ::core::fmt::Debug for Idempotency {
+            fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                f.debug_struct("Idempotency")
+                    .field("config", &self.config)
+                    .finish()
+            }
+        }
+
+        impl Idempotency {
+            /// Configuration over `store` with the defaults: ttl 24 h, lease 30 s (the
+            /// engine's), responses up to 1 MiB stored, request bodies up to 2 MiB, fail closed.
+            pub fn new(store: impl $crate::Store) -> Self {
+                Self::from_engine($crate::Engine::new(store))
+            }
+
+            /// Configuration with the defaults over an engine you built (to share one store
+            /// between several apps, for example).
+            pub fn from_engine(engine: $crate::Engine) -> Self {
+                $crate::http::Config::new(engine).into()
+            }
+
+            /// Starts a configuration over `store` whose defaults you set.
+            pub fn builder(store: impl $crate::Store) -> IdempotencyBuilder {
+                $crate::http::ConfigBuilder::new($crate::Engine::new(store))
+            }
+
+            /// Starts a configuration over an engine you built.
+            pub fn builder_from_engine(engine: $crate::Engine) -> IdempotencyBuilder {
+                $crate::http::ConfigBuilder::new(engine)
+            }
+
+            /// The engine.
+            pub fn engine(&self) -> &$crate::Engine {
+                self.config.engine()
+            }
+
+            /// The settings.
+            pub fn config(&self) -> &$crate::http::Config {
+                &self.config
+            }
+
+            /// Waits, at most `timeout`, for executions still running, and starts no new ones
+            /// (requests arriving meanwhile get a 503 problem with `Retry-After`). Executions
+            /// still running at the bound are logged and stay in progress until their leases
+            /// end.
+            ///
+            #[doc = $drain]
+            pub async fn drain(&self, timeout: ::core::time::Duration) -> $crate::engine::Drained {
+                self.engine().drain(timeout).await
+            }
+        }
+    };
+}

@@ -346,7 +346,7 @@ fn execute<G: Glue, Fut: Future<Output = G::Response>>(
 }
 
 /// Finishes a claimed execution with the handler's response and returns what the client gets,
-/// following the [`ResponsePlan`]; a streamed body is recorded as it goes ([`Glue::tee`]).
+/// following its response plan (released, collected, oversized or streamed); a streamed body is recorded as it goes ([`Glue::tee`]).
 ///
 /// Not an `async fn` (see [`Job::run`]).
 #[allow(
