@@ -1162,7 +1162,7 @@ async fn frozen_past_its_lease(database: &str, path: &[&str]) {
     let held = charges_held(&other.base, std::slice::from_ref(op)).await;
     if plain {
         // The fence refuses the late record, not the late write: plain mode's documented
-        // limit, and why local writes belong in the transactional mode (DESIGN §4).
+        // limit, and why local writes belong in the transactional mode (`docs/semantics.md#transactional-mode`).
         let late: Value = serde_json::from_str(&late_body).unwrap();
         assert_ne!(late["id"], taken["id"]);
         let mut expected = vec![late["id"].as_str().unwrap(), taken["id"].as_str().unwrap()];

@@ -417,3 +417,107 @@ fn no_circles_and_no_imports_through_the_crate_root() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// The source files a map leaves out (issue 50, item 2): every `.rs` file under `src/` of
+/// each published crate and of the admin tool (`<crate>/src/<path>`), and every conformance
+/// suite (`tests/tests/*_conformance.rs`, named by its `tests/<name>` path in the tests' own
+/// map), must appear in backticks in its map. A file added without a word about where it fits
+/// fails here.
+fn unmapped(architecture: &str, tests_readme: &str) -> Vec<String> {
+    let root = workspace();
+    let mut missing = Vec::new();
+    for krate in PUBLISHED.iter().copied().chain(["idempotent-admin"]) {
+        for file in rust_files(&root.join(krate).join("src")) {
+            let path = format!("{krate}/src/{}", file.display());
+            if !architecture.contains(&format!("`{path}`")) {
+                missing.push(format!("ARCHITECTURE.md does not name `{path}`"));
+            }
+        }
+    }
+    for file in rust_files(&root.join("tests/tests")) {
+        let name = file.display().to_string();
+        if name.ends_with("_conformance.rs") && !tests_readme.contains(&format!("`tests/{name}`")) {
+            missing.push(format!("tests/README.md does not list `tests/{name}`"));
+        }
+    }
+    missing
+}
+
+#[test]
+fn every_source_file_and_conformance_suite_is_on_a_map() {
+    let root = workspace();
+    let architecture =
+        std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let tests_readme =
+        std::fs::read_to_string(root.join("tests/README.md")).expect("tests/README.md");
+    let missing = unmapped(&architecture, &tests_readme);
+    assert!(missing.is_empty(), "{}", missing.join("\n"));
+    // The check can fail: the same maps without one file's name, and without one suite's.
+    let without = architecture.replace("`idempotent-core/src/jcs.rs`", "");
+    assert_eq!(
+        unmapped(&without, &tests_readme),
+        ["ARCHITECTURE.md does not name `idempotent-core/src/jcs.rs`"]
+    );
+    let without = tests_readme.replace("`tests/redis_conformance.rs`", "");
+    assert_eq!(
+        unmapped(&architecture, &without),
+        ["tests/README.md does not list `tests/redis_conformance.rs`"]
+    );
+}
+
+/// The code and the documents cite only documents in the repository (issue 50, item 2): a
+/// reference to a design file that is not here (`DESIGN.md`) sends a reader nowhere.
+#[test]
+fn citations_stay_inside_the_repository() {
+    let root = workspace();
+    let mut files = Vec::new();
+    for dir in [
+        "idempotent-core",
+        "idempotent-macros",
+        "idempotent-axum",
+        "idempotent-actix",
+        "idempotent-client",
+        "idempotent-admin",
+        "examples",
+        "tests",
+        "docs",
+    ] {
+        let mut todo = vec![root.join(dir)];
+        while let Some(d) = todo.pop() {
+            for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+                let path = entry.expect("dir entry").path();
+                if path.is_dir() {
+                    todo.push(path);
+                } else if path
+                    .extension()
+                    .is_some_and(|e| e == "rs" || e == "md" || e == "txt")
+                {
+                    files.push(path);
+                }
+            }
+        }
+    }
+    for doc in [
+        "README.md",
+        "ARCHITECTURE.md",
+        "SECURITY.md",
+        "CHANGELOG.md",
+        "BENCHMARKS.md",
+    ] {
+        files.push(root.join(doc));
+    }
+    assert!(files.len() > 100, "only {} files read", files.len());
+    // Spelled in two pieces, so this file does not cite it either.
+    let outside = [["DESIGN", ".md §"].concat(), ["DESIGN", " §"].concat()];
+    let cites: Vec<String> = files
+        .iter()
+        .filter(|f| {
+            std::fs::read_to_string(f).is_ok_and(|t| outside.iter().any(|o| t.contains(o.as_str())))
+        })
+        .map(|f| f.strip_prefix(&root).unwrap_or(f).display().to_string())
+        .collect();
+    assert!(
+        cites.is_empty(),
+        "cite docs/semantics.md, ARCHITECTURE.md or SECURITY.md instead of the design file outside the repository: {cites:?}"
+    );
+}

@@ -1,5 +1,6 @@
-//! Transactional mode (DESIGN.md §4): the handler writes through a transaction on the store's
-//! own database, and its stored response commits **with** those writes, in the same commit.
+//! Transactional mode (`docs/semantics.md#transactional-mode` in the repository): the handler
+//! writes through a transaction on the store's own database, and its stored response commits
+//! **with** those writes, in the same commit.
 //!
 //! Commit if and only if the response is stored: a stored response (2xx, 3xx, 4xx other than
 //! 408/409/425/429) commits the handler's writes together with the record; a releasing one

@@ -2,7 +2,8 @@
 //! exposing the same routes (`axum_app`, `actix_app`), on the memory, SQLite, PostgreSQL,
 //! MySQL (MariaDB) and Redis (standalone and cluster) stores, through real servers on
 //! 127.0.0.1 with a real HTTP client (and raw TCP where the
-//! framing itself is under test): every row of DESIGN.md §1's table, the exactly-once cases
+//! framing itself is under test): every row of the table in
+//! `docs/semantics.md#the-contract-on-the-wire`, the exactly-once cases
 //! (client timeouts and disconnects, path parameters, streamed responses) and the failure
 //! modes. A difference between the two frameworks on the wire is a bug; `wire_parity` compares
 //! them byte for byte where the library writes the response.

@@ -1,6 +1,7 @@
-//! Transactional mode (DESIGN.md §4) on real databases, through the engine: commit iff the
-//! response is stored, both commit paths, concurrent duplicates, a stale owner, a session
-//! frozen inside its transaction, a killed connection, a store on another database.
+//! Transactional mode (`docs/semantics.md#transactional-mode`) on real databases, through the
+//! engine: commit iff the response is stored, both commit paths, concurrent duplicates, a
+//! stale owner, a session frozen inside its transaction, a killed connection, a store on
+//! another database.
 //!
 //! This file holds the shared harness (requests, options and policies, a test database with
 //! its business table, one request run through a transaction); the cases live in topic
