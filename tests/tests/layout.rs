@@ -1,9 +1,10 @@
 //! The shape of the workspace, checked: the names each published crate exports at its root
-//! (so a new export is a visible diff in `tests/public-api/`), and the paths `ARCHITECTURE.md`
-//! names (so the map cannot point at a file that moved).
+//! and in each public module (so a new export is a visible diff in `tests/public-api/`), the
+//! paths `ARCHITECTURE.md` names (so the map cannot point at a file that moved) and the files
+//! it must name, and the crates' `use crate::…` edges (no circle, nothing through a root).
 //!
-//! After an intended change to a root: `PUBLIC_API=overwrite cargo test --test layout`, then
-//! review the diff of `tests/public-api/`.
+//! After an intended change to the public names: `PUBLIC_API=overwrite cargo test --test
+//! layout`, then review the diff of `tests/public-api/`.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -128,6 +129,55 @@ fn item_names(items: &[syn::Item]) -> Vec<String> {
     lines.into_iter().collect()
 }
 
+/// The public surface of a crate one module deep and further (issue 50, item 4): the root's
+/// names as [`item_names`] lists them, then, for each public module that is not hidden, its
+/// own names prefixed with its path (`engine: struct Policy`), its public modules likewise.
+/// A name added to `idempotent_core::engine` is a diff in the golden file, as one added at the
+/// root is.
+fn public_names(src: &Path) -> Vec<String> {
+    let lib = src.join("lib.rs");
+    let text = std::fs::read_to_string(&lib).unwrap_or_else(|e| panic!("{}: {e}", lib.display()));
+    let file = syn::parse_file(&text).unwrap_or_else(|e| panic!("{}: {e}", lib.display()));
+    let mut lines = item_names(&file.items);
+    module_names(&file.items, src, "", &mut lines);
+    lines
+}
+
+/// The names of `items`' public, not hidden modules (files under `dir`, or inline), each line
+/// prefixed with the module's path from the root.
+fn module_names(items: &[Item], dir: &Path, prefix: &str, out: &mut Vec<String>) {
+    for item in items {
+        let Item::Mod(m) = item else { continue };
+        if !matches!(m.vis, Visibility::Public(_)) || hidden(&m.attrs) {
+            continue;
+        }
+        let name = m.ident.to_string();
+        let path = format!("{prefix}{name}");
+        let (items, child_dir) = match &m.content {
+            Some((_, items)) => (items.clone(), dir.join(&name)),
+            None => {
+                let file = [
+                    dir.join(format!("{name}.rs")),
+                    dir.join(&name).join("mod.rs"),
+                ]
+                .into_iter()
+                .find(|f| f.exists())
+                .unwrap_or_else(|| panic!("module {path}: no file under {}", dir.display()));
+                let text = std::fs::read_to_string(&file).expect("module source");
+                let parsed =
+                    syn::parse_file(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+                (parsed.items, dir.join(&name))
+            }
+        };
+        out.extend(
+            item_names(&items)
+                .into_iter()
+                .map(|line| format!("{path}: {line}")),
+        );
+        module_names(&items, &child_dir, &format!("{path}::"), out);
+    }
+}
+
 const PUBLISHED: [&str; 5] = [
     "idempotent-core",
     "idempotent-macros",
@@ -137,13 +187,31 @@ const PUBLISHED: [&str; 5] = [
 ];
 
 #[test]
-fn public_roots_are_as_recorded() {
+fn public_names_are_as_recorded() {
     let root = workspace();
     let overwrite = std::env::var_os("PUBLIC_API").is_some_and(|v| v == "overwrite");
     let mut differ = Vec::new();
     for krate in PUBLISHED {
-        let names = root_names(&root.join(krate).join("src/lib.rs"));
+        let names = public_names(&root.join(krate).join("src"));
         assert!(!names.is_empty(), "{krate}: no public names read");
+        if krate == "idempotent-core" {
+            // Every public module is read, not only the root.
+            for module in [
+                "call",
+                "clock",
+                "engine",
+                "fingerprint",
+                "http",
+                "observe",
+                "store",
+                "tx",
+            ] {
+                assert!(
+                    names.iter().any(|l| l.starts_with(&format!("{module}: "))),
+                    "no names read from idempotent_core::{module}"
+                );
+            }
+        }
         let listing = names.join("\n") + "\n";
         let golden = root.join("tests/public-api").join(format!("{krate}.txt"));
         if overwrite {
@@ -153,7 +221,7 @@ fn public_roots_are_as_recorded() {
         let recorded = std::fs::read_to_string(&golden).unwrap_or_default();
         if recorded != listing {
             differ.push(format!(
-                "{krate}: its root exports changed; if intended, run with PUBLIC_API=overwrite and review the diff\n--- recorded\n{recorded}--- now\n{listing}"
+                "{krate}: its public names changed; if intended, run with PUBLIC_API=overwrite and review the diff\n--- recorded\n{recorded}--- now\n{listing}"
             ));
         }
     }
