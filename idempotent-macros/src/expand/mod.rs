@@ -179,7 +179,7 @@ mod tests {
             "{out}"
         );
         assert!(
-            out.contains(":: idempotent_axum :: __private :: Route :: new (\"h\" ,"),
+            out.contains(":: idempotent_axum :: __private :: Route :: new (:: idempotent_axum :: __private :: RouteArgs { name : \"h\" ,"),
             "{out}"
         );
         let custom = expand_str(
@@ -269,7 +269,10 @@ mod tests {
             item.clone(),
         )
         .to_string();
-        assert!(out.contains("Function :: new (\"billing.book\" ,"), "{out}");
+        assert!(
+            out.contains("Function :: new (:: idempotent_core :: __private :: call :: FunctionArgs { name : \"billing.book\" ,"),
+            "{out}"
+        );
         assert!(!out.contains("module_path"), "{out}");
         let unnamed =
             expand_function(quote!(key_from = "msg.id", unscoped), item.clone()).to_string();
