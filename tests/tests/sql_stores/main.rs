@@ -41,6 +41,12 @@ fn handled() -> Handled<()> {
     }
 }
 
+/// An engine without the sweeper every engine starts with its first request (the sweeper's
+/// deletes would be counted with the statements a request sends).
+fn unswept(store: impl Store) -> Engine {
+    Engine::builder(store).no_sweeper().build().unwrap()
+}
+
 /// First execution: claim + complete; replay: one statement. Counted at the store.
 async fn round_trips(engine: &Engine, sent: impl Fn() -> u64, first_cost: u64) {
     let key = unique_key("rt");

@@ -8,7 +8,7 @@ use super::*;
 async fn sqlite_round_trips() {
     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
     store.migrate().await.unwrap();
-    let engine = Engine::new(store.clone());
+    let engine = unswept(store.clone());
     // SQLite: read (miss) + INSERT … RETURNING + complete; replays are the read alone.
     round_trips(&engine, || store.statements_sent(), 3).await;
 }
@@ -23,7 +23,7 @@ async fn postgres_round_trips_and_no_write_on_replay() {
     let pool = pg_pool(4).await;
     let table = unique_table("rt");
     let store = pg_store(pool.clone(), &table).await;
-    let engine = Engine::new(store.clone());
+    let engine = unswept(store.clone());
     round_trips(&engine, || store.statements_sent(), 2).await;
 
     // A replay must not lock or rewrite the row: `ON CONFLICT DO UPDATE … WHERE false` would
@@ -70,7 +70,7 @@ async fn postgres_complete_is_a_hot_update() {
     let pool = pg_pool(1).await;
     let table = unique_table("hot");
     let store = pg_store(pool.clone(), &table).await;
-    let engine = Engine::new(store);
+    let engine = unswept(store);
     for _ in 0..50 {
         let key = unique_key("hot");
         let out = engine
@@ -124,7 +124,7 @@ async fn mysql_round_trips_and_no_lock_on_replay() {
     let pool = mysql_pool(4).await;
     let table = unique_table("rt");
     let store = mysql_store(pool.clone(), &table).await;
-    let engine = Engine::new(store.clone());
+    let engine = unswept(store.clone());
     warm_up(&engine).await;
     round_trips(&engine, || store.statements_sent(), 3).await;
 
