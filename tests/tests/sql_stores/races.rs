@@ -165,6 +165,57 @@ async fn sqlite_instances_migrate_a_new_file_at_once() {
     }
 }
 
+/// Instances starting at once on a new table: every migration succeeds (sqlx's own lock is no
+/// lock on MariaDB, whose `GET_LOCK(name, -1)` answers at once: before the store's lock, two
+/// runs inserted version 1 into the migrations table and one failed with a duplicate key).
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_instances_migrate_a_new_table_at_once() {
+    let pools = [
+        mysql_pool(2).await,
+        mysql_pool(2).await,
+        mysql_pool(2).await,
+    ];
+    for round in 0..10 {
+        let table = unique_table("mig");
+        let stores: Vec<_> = pools
+            .iter()
+            .map(|pool| {
+                idempotent_core::MySqlStore::builder(pool.clone())
+                    .table(&table)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let migrated =
+            futures_util::future::join_all(stores.iter().map(|store| store.migrate())).await;
+        for (i, migrated) in migrated.into_iter().enumerate() {
+            if let Err(e) = migrated {
+                panic!("round {round}, instance {i}: {e}");
+            }
+        }
+        let key = RecordKey::new(
+            Scope::new("s").unwrap(),
+            IdempotencyKey::parse(b"k").unwrap(),
+        );
+        let claimed = stores[2]
+            .claim(ClaimRequest {
+                key: &key,
+                fingerprint: &fp("migrated"),
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+                max_stored: 0,
+            })
+            .await
+            .unwrap();
+        assert!(matches!(claimed, ClaimOutcome::Claimed(_)), "{claimed:?}");
+        mysql_drop(&pools[0], &table).await;
+    }
+}
+
 #[test]
 fn sqlite_two_processes_race_one_winner_per_key() {
     let dir = tempfile::tempdir().unwrap();

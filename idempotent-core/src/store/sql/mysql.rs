@@ -259,9 +259,11 @@ impl MySqlStore {
         }
     }
 
-    /// Runs the store's migrations: the table and its expiry index (safe to call from every
-    /// instance at start-up: sqlx serialises concurrent runs with a named lock). Applied
-    /// versions are tracked in `<table>_migrations`, apart from your own migrations.
+    /// Runs the store's migrations: the table and its expiry index. Safe to call from every
+    /// instance at start-up: concurrent runs on one table are serialised by a named lock the
+    /// store takes, waiting up to 300 s for another instance's run (not by sqlx's own, which MariaDB does not
+    /// wait for: it answers `GET_LOCK(name, -1)` at once). Applied versions are tracked in
+    /// `<table>_migrations`, apart from your own migrations.
     ///
     /// # Errors
     /// [`SetupError::Database`] or [`SetupError::Migrate`]; [`SetupError::Database`] with a
@@ -277,7 +279,40 @@ impl MySqlStore {
                 AutocommitOff,
             ))));
         }
-        drop(conn);
+        // The lock is the session's: the migrations run on this connection, and it is given
+        // back (or the connection closed) whatever they do.
+        let name = format!("{}.{}", "idempotent-migrate", self.sql.table);
+        let got: Option<i64> =
+            sqlx::query_scalar("SELECT GET_LOCK(SHA1(CONCAT(IFNULL(DATABASE(), ''), '.', ?)), ?)")
+                .bind(&name)
+                .bind(MIGRATION_LOCK_WAIT.as_secs())
+                .fetch_one(&mut *conn)
+                .await?;
+        if got != Some(1) {
+            return Err(SetupError::Database(sqlx::Error::Configuration(Box::new(
+                MigrationLockBusy,
+            ))));
+        }
+        let migrated = self.run_migrations(&mut conn).await;
+        let released =
+            sqlx::query("SELECT RELEASE_LOCK(SHA1(CONCAT(IFNULL(DATABASE(), ''), '.', ?)))")
+                .bind(&name)
+                .execute(&mut *conn)
+                .await;
+        if released.is_err() {
+            // A session that still holds the lock must not go back to the pool.
+            drop(conn.detach());
+        }
+        migrated?;
+        released?;
+        Ok(())
+    }
+
+    /// The migrations themselves, on `conn` (which holds the migration lock).
+    async fn run_migrations(
+        &self,
+        conn: &mut sqlx::pool::PoolConnection<sqlx::MySql>,
+    ) -> Result<(), SetupError> {
         let sql = include_str!("../../../migrations/mysql/0001_create_records.sql")
             .replace("{table}", &format!("`{}`", self.sql.table))
             .replace("{name}", &self.sql.table);
@@ -290,7 +325,10 @@ impl MySqlStore {
             true,
         )]);
         migrator.dangerous_set_table_name(format!("{}_migrations", self.sql.table));
-        migrator.run(&self.pool).await?;
+        // `run` takes an `Acquire`, whose future over a borrowed connection is not `Send`
+        // (sqlx's "implementation of `Acquire` is not general enough"); `run_direct` is what
+        // `run` calls, the way sqlx's own `migrate!` callers get around it.
+        migrator.run_direct(None, &mut **conn, false).await?;
         Ok(())
     }
 
@@ -721,6 +759,16 @@ fn push_hex(sql: &mut String, bytes: &[u8]) {
     "the MySQL store's sessions run with autocommit off, so its writes would never commit; give it a pool whose sessions autocommit (MySQL's default)"
 )]
 struct AutocommitOff;
+
+/// How long [`MySqlStore::migrate`] waits for another instance's migrations of the same table
+/// (the named lock that serialises them): 300 s.
+const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(300);
+
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "another session held the MySQL store's migration lock for over 300 s; is a migration of this table stuck?"
+)]
+struct MigrationLockBusy;
 
 /// What an insert-shaped claim did.
 pub(crate) enum Inserted {
