@@ -1015,31 +1015,54 @@ async fn status_of(base: &str, op: &Op) -> (u16, String) {
 /// inside it is ended by PostgreSQL: 503, nothing committed, the key free again, so no charge
 /// is written twice and none is lost (the documented limit: such a handler takes a longer
 /// lease, or two commits). MySQL does the same with the session's `wait_timeout`.
+///
+/// The three paths run side by side, each on servers and a key of its own: they mostly wait.
 async fn slower_than_its_lease(database: &str) {
-    for path in [&["--plain"][..], &["--commit", "two"]] {
-        let flags = [&["--lease", "2s", "--work-delay", "6s"][..], path].concat();
-        let a = start(Bin::Axum, database, &flags);
-        let b = start(Bin::Actix, database, &flags);
-        let op = &operations(1)[0];
-        let first = charge_on(&a.base, op);
-        // Past the lease twice over, and well before the handler ends.
-        for wait in [2500, 2000] {
-            tokio::time::sleep(Duration::from_millis(wait)).await;
-            let (status, body) = status_of(&b.base, op).await;
-            assert_eq!(status, 409, "{path:?}: {body}");
+    let heartbeat = |path: &'static [&'static str]| {
+        let database = database.to_owned();
+        tokio::spawn(async move { heartbeat_keeps_its_lease(&database, path).await })
+    };
+    let plain = heartbeat(&["--plain"]);
+    let two = heartbeat(&["--commit", "two"]);
+    let single = tokio::spawn(single_commit_idle_past_its_lease(database.to_owned()));
+    // A panic in one of them fails the test with its message.
+    for task in [plain, two, single] {
+        if let Err(e) = task.await {
+            std::panic::resume_unwind(e.into_panic());
         }
-        let first = first.await.unwrap().unwrap();
-        assert_eq!(first.status(), 201, "{path:?}");
-        let first: Value = first.json().await.unwrap();
-        let (status, replay) = status_of(&b.base, op).await;
-        assert_eq!(status, 201);
-        let replay: Value = serde_json::from_str(&replay).unwrap();
-        assert_eq!(replay["id"], first["id"], "{path:?}");
-        let held = charges_held(&a.base, std::slice::from_ref(op)).await;
-        assert_eq!(held.len(), 1, "{path:?}");
     }
+}
+
+/// A plain or two-commit handler three times as slow as its lease keeps it: a duplicate on the
+/// other instance gets 409 twice past the lease, then the replay; one charge.
+async fn heartbeat_keeps_its_lease(database: &str, path: &[&str]) {
+    let flags = [&["--lease", "2s", "--work-delay", "6s"][..], path].concat();
+    let a = start(Bin::Axum, database, &flags);
+    let b = start(Bin::Actix, database, &flags);
+    let op = &operations(1)[0];
+    let first = charge_on(&a.base, op);
+    // Past the lease twice over, and well before the handler ends.
+    for wait in [2500, 2000] {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let (status, body) = status_of(&b.base, op).await;
+        assert_eq!(status, 409, "{path:?}: {body}");
+    }
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), 201, "{path:?}");
+    let first: Value = first.json().await.unwrap();
+    let (status, replay) = status_of(&b.base, op).await;
+    assert_eq!(status, 201);
+    let replay: Value = serde_json::from_str(&replay).unwrap();
+    assert_eq!(replay["id"], first["id"], "{path:?}");
+    let held = charges_held(&a.base, std::slice::from_ref(op)).await;
+    assert_eq!(held.len(), 1, "{path:?}");
+}
+
+/// A single-commit handler idle past its lease is ended by the database (503, nothing
+/// committed), and the key is free for a server whose lease covers the idle time.
+async fn single_commit_idle_past_its_lease(database: String) {
     let single = ["--lease", "1s", "--work-delay", "3s", "--commit", "single"];
-    let a = start(Bin::Axum, database, &single);
+    let a = start(Bin::Axum, &database, &single);
     let op = &operations(1)[0];
     let (status, body) = status_of(&a.base, op).await;
     assert_eq!(status, 503, "single commit, idle past its lease: {body}");
@@ -1051,11 +1074,15 @@ async fn slower_than_its_lease(database: &str) {
     );
     // Nothing holds the key: a server whose lease covers the handler's idle time runs it once.
     drop(a);
-    let a = start(
-        Bin::Axum,
-        database,
-        &["--lease", "5s", "--work-delay", "3s"],
-    );
+    let a = tokio::task::spawn_blocking(move || {
+        start(
+            Bin::Axum,
+            &database,
+            &["--lease", "5s", "--work-delay", "3s"],
+        )
+    })
+    .await
+    .unwrap();
     let (status, body) = status_of(&a.base, op).await;
     assert_eq!(status, 201, "{body}");
     let held = charges_held(&a.base, std::slice::from_ref(op)).await;
