@@ -8,6 +8,10 @@ use proc_macro2::{Span, TokenStream};
 use quote::quote;
 use syn::{FnArg, ItemFn, Pat, Type};
 
+/// The most parameters of an Actix handler that `#[cfg]` may gate: the function is expanded
+/// once per combination of them (2⁴ = 16 copies, of which the compiler keeps one).
+pub(crate) const MAX_GATED_ACTIX_PARAMETERS: usize = 4;
+
 /// The attribute that was written: which crate re-exports it, and so where the generated
 /// code finds its runtime unless `crate = "…"` says otherwise.
 #[derive(Debug, Clone, Copy)]
@@ -229,14 +233,14 @@ fn handler(
                 .iter()
                 .filter_map(|t| t.attrs.iter().find(|a| a.path().is_ident("cfg")))
                 .collect();
-            if let Some(first_over) = gated.get(crate::expand::MAX_GATED_ACTIX_PARAMETERS) {
+            if let Some(first_over) = gated.get(MAX_GATED_ACTIX_PARAMETERS) {
                 errors.push(syn::Error::new_spanned(
                     first_over,
                     format!(
                         "`{}` gates {} parameters with `#[cfg]`; an Actix handler may gate at most {} (it is expanded once per combination of them)",
                         func.sig.ident,
                         gated.len(),
-                        crate::expand::MAX_GATED_ACTIX_PARAMETERS,
+                        MAX_GATED_ACTIX_PARAMETERS,
                     ),
                 ));
             }

@@ -42,6 +42,9 @@ use std::time::Duration;
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Default lease: how long a crashed attempt blocks retries.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The most a record's response may hold by default: 1 MiB (the HTTP routes' default
+/// [`max_response`](crate::http::DEFAULT_MAX_RESPONSE) is this value).
+pub(crate) const DEFAULT_MAX_STORED: usize = 1 << 20;
 /// Default interval of the engine's automatic sweeper ([`EngineBuilder::sweep_every`]): 60 s.
 pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -158,7 +161,7 @@ impl Default for Policy {
             key: KeyRequirement::Required,
             fail_open: false,
             route: "",
-            max_stored: crate::http::DEFAULT_MAX_RESPONSE,
+            max_stored: DEFAULT_MAX_STORED,
         }
     }
 }
@@ -469,8 +472,6 @@ impl Engine {
         self.inner.derive_secret.as_ref()
     }
 
-    /// Sets the interval of the sweeper the first request starts (`None`: no sweeper); the
-    /// HTTP configuration calls it when it is built.
     /// The ttl of routes and functions that set none: 24 h ([`DEFAULT_TTL`]), or the engine's
     /// lease when that is longer (a ttl under the lease would be refused).
     pub(crate) fn default_ttl(&self) -> Duration {

@@ -242,11 +242,15 @@ mod tests {
 
     #[test]
     fn settings_are_checked_once() {
-        let engine = || Engine::new(crate::MemoryStore::new());
+        let engine = || Engine::new(crate::store::MemoryStore::new());
         let build = |f: fn(ConfigBuilder) -> ConfigBuilder| f(ConfigBuilder::new(engine())).build();
         assert!(build(|b| b).is_ok());
         // The lease is the engine's, checked where it is set.
-        let lease = |d| Engine::builder(crate::MemoryStore::new()).lease(d).build();
+        let lease = |d| {
+            Engine::builder(crate::store::MemoryStore::new())
+                .lease(d)
+                .build()
+        };
         assert!(matches!(
             lease(Duration::ZERO),
             Err(ConfigError::TooShort { what: "lease", .. })
@@ -274,7 +278,7 @@ mod tests {
             })
         );
         // A route's own ttl is checked against the engine's lease when resolved.
-        let long_lease = Engine::builder(crate::MemoryStore::new())
+        let long_lease = Engine::builder(crate::store::MemoryStore::new())
             .lease(Duration::from_secs(300))
             .build()
             .expect("valid");
@@ -315,7 +319,7 @@ mod tests {
     #[test]
     fn the_default_ttl_covers_a_long_engine_lease() {
         let lease = Duration::from_secs(2 * 86_400);
-        let engine = Engine::builder(crate::MemoryStore::new())
+        let engine = Engine::builder(crate::store::MemoryStore::new())
             .lease(lease)
             .build()
             .expect("valid");
@@ -344,7 +348,7 @@ mod tests {
         assert!(plain.resolve(&built).is_ok());
         // The common case keeps its 24 h.
         assert_eq!(
-            Config::new(Engine::new(crate::MemoryStore::new())).ttl(),
+            Config::new(Engine::new(crate::store::MemoryStore::new())).ttl(),
             DEFAULT_TTL
         );
     }

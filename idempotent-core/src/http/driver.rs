@@ -565,7 +565,7 @@ mod transactional {
     enum TxStep<DB: crate::tx::TxDatabase> {
         /// Run the handler with this transaction (under [`TxExecution::run`](crate::tx::TxExecution::run)),
         /// read its whole response, then [`finish_transactional`].
-        Run(crate::tx::TxExecution<DB>, crate::Transaction<DB>),
+        Run(crate::tx::TxExecution<DB>, crate::tx::Transaction<DB>),
         /// Answer with this; the handler does not run.
         Respond(Reply),
     }

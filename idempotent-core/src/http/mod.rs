@@ -49,7 +49,7 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
 /// Default limit on stored responses: 1 MiB.
-pub const DEFAULT_MAX_RESPONSE: usize = 1 << 20;
+pub const DEFAULT_MAX_RESPONSE: usize = crate::engine::DEFAULT_MAX_STORED;
 /// Default limit on request bodies read for fingerprinting: 2 MiB.
 pub const DEFAULT_MAX_REQUEST: usize = 2 << 20;
 /// Default time allowed to read a request body for fingerprinting: 30 s.

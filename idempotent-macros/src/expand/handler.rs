@@ -5,7 +5,7 @@
 
 use super::{bind_context, hidden, opt_ms, scope_expr, split_attrs, take_params};
 use crate::args::{Commit, KeyReq};
-use crate::validate::{Framework, HandlerPlan, Transactional};
+use crate::validate::{Framework, HandlerPlan, MAX_GATED_ACTIX_PARAMETERS, Transactional};
 use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, format_ident, quote};
 use syn::{ItemFn, ReturnType, Type};
@@ -174,10 +174,6 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
     });
     quote!(#(#copies)*)
 }
-
-/// The most parameters of an Actix handler that `#[cfg]` may gate: the function is expanded
-/// once per combination of them (2⁴ = 16 copies, of which the compiler keeps one).
-pub(crate) const MAX_GATED_ACTIX_PARAMETERS: usize = 4;
 
 /// Actix: the handler takes one extractor, the hidden context, which extracts the handler's
 /// own parameters as one tuple; each parameter is then bound by a `let` of its own that

@@ -6,8 +6,6 @@
 mod function;
 mod handler;
 
-pub(crate) use handler::MAX_GATED_ACTIX_PARAMETERS;
-
 use crate::args::{self, ScopePath};
 use crate::validate::{self, Entry, Plan};
 use proc_macro2::{Span, TokenStream};
