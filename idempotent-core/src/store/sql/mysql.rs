@@ -279,8 +279,12 @@ impl MySqlStore {
                 AutocommitOff,
             ))));
         }
-        // The lock is the session's: the migrations run on this connection, and it is given
-        // back (or the connection closed) whatever they do.
+        // The lock is the session's: the migrations run on this connection, which is closed,
+        // never pooled, when it is dropped. A caller that gives up while GET_LOCK waits (a
+        // start-up timeout), a failed migration (sqlx leaves its own lock held then) or a failed
+        // release would otherwise put a session holding a lock back in the pool, and every
+        // other instance's migration would wait for it.
+        conn.close_on_drop();
         let name = format!("{}.{}", "idempotent-migrate", self.sql.table);
         let got: Option<i64> =
             sqlx::query_scalar("SELECT GET_LOCK(SHA1(CONCAT(IFNULL(DATABASE(), ''), '.', ?)), ?)")
@@ -299,10 +303,7 @@ impl MySqlStore {
                 .bind(&name)
                 .execute(&mut *conn)
                 .await;
-        if released.is_err() {
-            // A session that still holds the lock must not go back to the pool.
-            drop(conn.detach());
-        }
+        drop(conn);
         migrated?;
         released?;
         Ok(())
