@@ -1036,9 +1036,23 @@ async fn slower_than_its_lease(database: &str) {
 /// A plain or two-commit handler three times as slow as its lease keeps it: a duplicate on the
 /// other instance gets 409 twice past the lease, then the replay; one charge.
 async fn heartbeat_keeps_its_lease(database: &str, path: &[&str]) {
-    let flags = [&["--lease", "2s", "--work-delay", "6s"][..], path].concat();
-    let a = start(Bin::Axum, database, &flags);
-    let b = start(Bin::Actix, database, &flags);
+    let flags: Vec<String> = [&["--lease", "2s", "--work-delay", "6s"][..], path]
+        .concat()
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    // Started off the runtime's workers (a start waits for the server's first line), so the
+    // timed steps of the paths beside this one are never held up behind it.
+    let database = database.to_owned();
+    let (a, b) = tokio::task::spawn_blocking(move || {
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        (
+            start(Bin::Axum, &database, &flags),
+            start(Bin::Actix, &database, &flags),
+        )
+    })
+    .await
+    .unwrap();
     let op = &operations(1)[0];
     let first = charge_on(&a.base, op);
     // Past the lease twice over, and well before the handler ends.
@@ -1062,7 +1076,10 @@ async fn heartbeat_keeps_its_lease(database: &str, path: &[&str]) {
 /// committed), and the key is free for a server whose lease covers the idle time.
 async fn single_commit_idle_past_its_lease(database: String) {
     let single = ["--lease", "1s", "--work-delay", "3s", "--commit", "single"];
-    let a = start(Bin::Axum, &database, &single);
+    let db = database.clone();
+    let a = tokio::task::spawn_blocking(move || start(Bin::Axum, &db, &single))
+        .await
+        .unwrap();
     let op = &operations(1)[0];
     let (status, body) = status_of(&a.base, op).await;
     assert_eq!(status, 503, "single commit, idle past its lease: {body}");

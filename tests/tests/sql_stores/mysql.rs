@@ -119,7 +119,7 @@ async fn mysql_refuses_sessions_without_autocommit() {
 async fn mysql_reserved_table_names_are_quoted() {
     let pool = mysql_pool(2).await;
     let store = mysql_store(pool.clone(), "order").await;
-    let engine = Engine::new(store.clone());
+    let engine = unswept(store.clone());
     warm_up(&engine).await;
     round_trips(&engine, || store.statements_sent(), 3).await;
     assert_eq!(store.purge_expired(10).await.unwrap(), 0);
