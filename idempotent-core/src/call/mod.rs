@@ -374,8 +374,11 @@ pub struct Calls {
 }
 
 impl Calls {
-    /// Calls over `engine` (whose lease and derive secret they use, [`Engine::builder`]):
-    /// ttl 24 h (or the engine's lease, if that is longer), [`Concurrent::Refuse`].
+    /// Calls over `engine` (whose lease, derive secret and sweeper they use,
+    /// [`Engine::builder`]): ttl 24 h (or the engine's lease, if that is longer),
+    /// [`Concurrent::Refuse`]. The engine's first call starts its sweeper (every 60 s by
+    /// default; [`EngineBuilder::no_sweeper`](crate::engine::EngineBuilder::no_sweeper) for
+    /// none), as its first HTTP request would.
     pub fn new(engine: Engine) -> Self {
         Calls {
             ttl: engine.default_ttl(),
