@@ -291,25 +291,40 @@ pub(crate) fn flood(chunk: bytes::Bytes) -> impl futures_util::Stream<Item = byt
     })
 }
 
-/// Stamps out each test for both frameworks: `module::name` runs as `on_axum::name` and
-/// `on_actix::name`, each with its optional attributes (the PostgreSQL switch).
+/// Runs one case on both frameworks at once (a case mostly waits: on leases, timeouts, slow
+/// handlers, so the two overlap instead of queueing), and fails with the framework's name
+/// when either does; both run to their end first.
+pub(crate) async fn on_each(case: impl Fn(Fw) -> std::pin::Pin<Box<dyn Future<Output = ()>>>) {
+    use futures_util::FutureExt;
+    use std::panic::AssertUnwindSafe;
+    let (axum, actix) = tokio::join!(
+        AssertUnwindSafe(case(Fw::Axum)).catch_unwind(),
+        AssertUnwindSafe(case(Fw::Actix)).catch_unwind()
+    );
+    let mut failed = Vec::new();
+    for (fw, result) in [("Axum", axum), ("Actix", actix)] {
+        if let Err(panic) = result {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "(a panic that is not a message)".to_owned());
+            failed.push(format!("on {fw}: {message}"));
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// Stamps out each case as one test, `on_both::name`, that runs `module::name` on Axum and on
+/// Actix-web side by side ([`on_each`]), with its optional attributes (the PostgreSQL switch).
 macro_rules! on_both {
     ($($(#[$attr:meta])* $module:ident :: $name:ident),* $(,)?) => {
-        mod on_axum {
+        mod on_both {
             $(
                 $(#[$attr])*
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    super::$module::$name(super::Fw::Axum).await;
-                }
-            )*
-        }
-        mod on_actix {
-            $(
-                $(#[$attr])*
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$module::$name(super::Fw::Actix).await;
+                    super::on_each(|fw| Box::pin(super::$module::$name(fw))).await;
                 }
             )*
         }
