@@ -784,23 +784,50 @@ async fn handler_errors_carry_no_database_text(bin: Bin) {
 }
 
 /// Stamps out each case for both binaries: `axum::name` and `actix::name`.
+/// Runs one case against both binaries side by side, each on a thread and a tokio runtime of
+/// its own (as two tests would run: a case blocks its runtime's workers now and then, starting
+/// a server or running the client, and must never hold up the other's timed steps), and fails
+/// naming the binary when either does; both run to their end first. A case mostly waits on its
+/// server (handler delays, crashes and restarts), so the two overlap instead of queueing.
+fn on_both_binaries<F>(case: fn(Bin) -> F)
+where
+    F: Future<Output = ()> + 'static,
+{
+    let run = |bin: Bin| {
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(case(bin));
+        })
+    };
+    let (axum, actix) = (run(Bin::Axum), run(Bin::Actix));
+    let mut failed = Vec::new();
+    for (bin, thread) in [("charges-axum", axum), ("charges-actix", actix)] {
+        if let Err(panic) = thread.join() {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "(a panic that is not a message)".to_owned());
+            failed.push(format!("on {bin}: {message}"));
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// Stamps out each case as one test that runs it against both binaries ([`on_both_binaries`]),
+/// with its optional attributes (the database switches).
 macro_rules! both_binaries {
     ($($(#[$attr:meta])* $name:ident),* $(,)?) => {
-        mod axum {
+        mod both {
             $(
                 $(#[$attr])*
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Bin::Axum).await;
-                }
-            )*
-        }
-        mod actix {
-            $(
-                $(#[$attr])*
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Bin::Actix).await;
+                #[test]
+                fn $name() {
+                    super::on_both_binaries(super::$name);
                 }
             )*
         }
