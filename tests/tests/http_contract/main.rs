@@ -291,19 +291,28 @@ pub(crate) fn flood(chunk: bytes::Bytes) -> impl futures_util::Stream<Item = byt
     })
 }
 
-/// Runs one case on both frameworks at once (a case mostly waits: on leases, timeouts, slow
-/// handlers, so the two overlap instead of queueing), and fails with the framework's name
-/// when either does; both run to their end first.
-pub(crate) async fn on_each(case: impl Fn(Fw) -> std::pin::Pin<Box<dyn Future<Output = ()>>>) {
-    use futures_util::FutureExt;
-    use std::panic::AssertUnwindSafe;
-    let (axum, actix) = tokio::join!(
-        AssertUnwindSafe(case(Fw::Axum)).catch_unwind(),
-        AssertUnwindSafe(case(Fw::Actix)).catch_unwind()
-    );
+/// Runs one case on both frameworks side by side, each on a thread and a tokio runtime of its
+/// own (as two tests would run), and fails naming the framework when either does; both run to
+/// their end first. A case mostly waits (on leases, timeouts, slow handlers), so the two
+/// overlap instead of queueing.
+pub(crate) fn on_each<F>(case: fn(Fw) -> F)
+where
+    F: Future<Output = ()> + 'static,
+{
+    let run = |fw: Fw| {
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(case(fw));
+        })
+    };
+    let (axum, actix) = (run(Fw::Axum), run(Fw::Actix));
     let mut failed = Vec::new();
-    for (fw, result) in [("Axum", axum), ("Actix", actix)] {
-        if let Err(panic) = result {
+    for (fw, thread) in [("Axum", axum), ("Actix", actix)] {
+        if let Err(panic) = thread.join() {
             let message = panic
                 .downcast_ref::<String>()
                 .cloned()
@@ -322,9 +331,9 @@ macro_rules! on_both {
         mod on_both {
             $(
                 $(#[$attr])*
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::on_each(|fw| Box::pin(super::$module::$name(fw))).await;
+                #[test]
+                fn $name() {
+                    super::on_each(super::$module::$name);
                 }
             )*
         }
