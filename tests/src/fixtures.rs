@@ -76,6 +76,31 @@ impl Fixture for Sqlite {
     }
 }
 
+/// A [`StallingProxy`](crate::stall::StallingProxy) in front of the database that `url`
+/// names, and a pool of up to `max` connections through it that hands out connections
+/// untested (a connection the proxy froze is used as it is). `upstream` is the database's
+/// address, which `url` must name.
+///
+/// # Panics
+/// When `url` does not name `upstream`, or the database does not answer through the proxy.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub async fn pool_through_proxy<DB: sqlx::Database>(
+    url: &str,
+    upstream: &str,
+    max: u32,
+) -> (crate::stall::StallingProxy, sqlx::Pool<DB>) {
+    let proxy = crate::stall::StallingProxy::start(upstream.parse().expect("an address")).await;
+    let through = url.replace(upstream, &proxy.addr().to_string());
+    assert_ne!(through, url, "the database URL must name {upstream}");
+    let pool = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .connect(&through)
+        .await
+        .expect("the database answers through the proxy");
+    (proxy, pool)
+}
+
 /// PostgreSQL from `DATABASE_URL`: a fresh table per store in schema `idempotent_test`.
 #[cfg(feature = "postgres")]
 #[derive(Default)]

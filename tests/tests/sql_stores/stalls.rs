@@ -14,24 +14,15 @@ use super::*;
     ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
 )]
 async fn mysql_a_heartbeat_frozen_holding_the_row_lock_is_ended_by_the_server() {
-    use idempotent_tests::stall::StallingProxy;
     let table = unique_table("frozen");
     let pool = mysql_pool(2).await;
     let store = mysql_store(pool.clone(), &table).await;
-    let proxy = StallingProxy::start("127.0.0.1:3306".parse().unwrap()).await;
-    let url = mysql_url().replace("127.0.0.1:3306", &proxy.addr().to_string());
-    assert_ne!(url, mysql_url(), "MYSQL_URL must name 127.0.0.1:3306");
-    let frozen = MySqlStore::builder(
-        sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .test_before_acquire(false)
-            .connect(&url)
-            .await
-            .unwrap(),
-    )
-    .table(&table)
-    .build()
-    .unwrap();
+    let (proxy, frozen_pool) =
+        pool_through_proxy::<sqlx::MySql>(&mysql_url(), "127.0.0.1:3306", 1).await;
+    let frozen = MySqlStore::builder(frozen_pool)
+        .table(&table)
+        .build()
+        .unwrap();
     let key = unique_key("frozen");
     let lease = Duration::from_secs(60);
     let req = ClaimRequest {
@@ -201,28 +192,16 @@ async fn warm<DB: sqlx::Database>(pool: sqlx::Pool<DB>) -> sqlx::Pool<DB> {
     ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
 )]
 async fn postgres_a_pool_gone_silent_keeps_its_lease() {
-    use idempotent_tests::stall::StallingProxy;
     let table = unique_table("silent");
     let pool = pg_pool(4).await;
     let direct = pg_store(pool.clone(), &table).await;
-    let proxy = StallingProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let url = database_url().replace("127.0.0.1:5432", &proxy.addr().to_string());
-    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
-    let frozen = PostgresStore::builder(
-        warm(
-            sqlx::postgres::PgPoolOptions::new()
-                .max_connections(12)
-                .test_before_acquire(false)
-                .connect(&url)
-                .await
-                .unwrap(),
-        )
-        .await,
-    )
-    .schema("idempotent_test")
-    .table(&table)
-    .build()
-    .unwrap();
+    let (proxy, frozen_pool) =
+        pool_through_proxy::<sqlx::Postgres>(&database_url(), "127.0.0.1:5432", 12).await;
+    let frozen = PostgresStore::builder(warm(frozen_pool).await)
+        .schema("idempotent_test")
+        .table(&table)
+        .build()
+        .unwrap();
     frozen_pool_keeps_its_lease(Arc::new(frozen), Arc::new(direct), &proxy).await;
     pg_drop(&pool, &table).await;
 }
@@ -233,27 +212,15 @@ async fn postgres_a_pool_gone_silent_keeps_its_lease() {
     ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
 )]
 async fn mysql_a_pool_gone_silent_keeps_its_lease() {
-    use idempotent_tests::stall::StallingProxy;
     let table = unique_table("silent");
     let pool = mysql_pool(4).await;
     let direct = mysql_store(pool.clone(), &table).await;
-    let proxy = StallingProxy::start("127.0.0.1:3306".parse().unwrap()).await;
-    let url = mysql_url().replace("127.0.0.1:3306", &proxy.addr().to_string());
-    assert_ne!(url, mysql_url(), "MYSQL_URL must name 127.0.0.1:3306");
-    let frozen = MySqlStore::builder(
-        warm(
-            sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(12)
-                .test_before_acquire(false)
-                .connect(&url)
-                .await
-                .unwrap(),
-        )
-        .await,
-    )
-    .table(&table)
-    .build()
-    .unwrap();
+    let (proxy, frozen_pool) =
+        pool_through_proxy::<sqlx::MySql>(&mysql_url(), "127.0.0.1:3306", 12).await;
+    let frozen = MySqlStore::builder(warm(frozen_pool).await)
+        .table(&table)
+        .build()
+        .unwrap();
     frozen_pool_keeps_its_lease(Arc::new(frozen), Arc::new(direct), &proxy).await;
     mysql_drop(&pool, &table).await;
 }

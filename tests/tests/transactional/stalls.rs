@@ -19,7 +19,6 @@ use super::*;
     ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
 )]
 async fn postgres_owner_stalled_before_commit_never_blocks_its_key() {
-    use idempotent_tests::stall::StallingProxy;
     let lease = Duration::from_secs(1);
     let p = policy(lease);
     let two = options(CommitPath::Two);
@@ -27,15 +26,8 @@ async fn postgres_owner_stalled_before_commit_never_blocks_its_key() {
     let (db, store) = pg_db(pg_pool(2).await).await;
     let before = db.rows().await;
     // The owner: the same table, through the proxy.
-    let proxy = StallingProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let url = database_url().replace("127.0.0.1:5432", &proxy.addr().to_string());
-    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
-    let owner_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .test_before_acquire(false)
-        .connect(&url)
-        .await
-        .unwrap();
+    let (proxy, owner_pool) =
+        pool_through_proxy::<sqlx::Postgres>(&database_url(), "127.0.0.1:5432", 2).await;
     let (schema, table) = store.table().split_once('.').unwrap();
     let owner_store = PostgresStore::builder(owner_pool)
         .schema(schema)
@@ -210,17 +202,9 @@ async fn silent_begin_keeps_the_lease<DB: TxDatabase>(
     ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
 )]
 async fn postgres_a_silent_begin_keeps_the_two_commit_lease() {
-    use idempotent_tests::stall::StallingProxy;
     let (_db, store) = pg_db(pg_pool(2).await).await;
-    let proxy = StallingProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let url = database_url().replace("127.0.0.1:5432", &proxy.addr().to_string());
-    assert_ne!(url, database_url(), "DATABASE_URL must name 127.0.0.1:5432");
-    let owner_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .test_before_acquire(false)
-        .connect(&url)
-        .await
-        .unwrap();
+    let (proxy, owner_pool) =
+        pool_through_proxy::<sqlx::Postgres>(&database_url(), "127.0.0.1:5432", 2).await;
     let (schema, table) = store.table().split_once('.').unwrap();
     let owner = PostgresStore::builder(owner_pool)
         .schema(schema)
@@ -243,17 +227,9 @@ async fn postgres_a_silent_begin_keeps_the_two_commit_lease() {
     ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
 )]
 async fn mysql_a_silent_begin_keeps_the_two_commit_lease() {
-    use idempotent_tests::stall::StallingProxy;
     let (db, store) = mysql_db(mysql_pool(2).await).await;
-    let proxy = StallingProxy::start("127.0.0.1:3306".parse().unwrap()).await;
-    let url = mysql_url().replace("127.0.0.1:3306", &proxy.addr().to_string());
-    assert_ne!(url, mysql_url(), "MYSQL_URL must name 127.0.0.1:3306");
-    let owner_pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(2)
-        .test_before_acquire(false)
-        .connect(&url)
-        .await
-        .unwrap();
+    let (proxy, owner_pool) =
+        pool_through_proxy::<sqlx::MySql>(&mysql_url(), "127.0.0.1:3306", 2).await;
     let owner = MySqlStore::builder(owner_pool)
         .table(store.table())
         .build()
