@@ -210,7 +210,12 @@ where
         match prepared.await {
             Prepared::Reply(reply) => crate::response::reply(reply),
             Prepared::Pass => handler().await,
-            Prepared::Run(job) => detached(job.run::<Actix, _>(handler)).await,
+            Prepared::Run(mut job) => {
+                // Dropped with this future (the client went away): a wait for a duplicate's
+                // answer ends; a claimed execution runs on, detached.
+                let _caller = job.caller();
+                detached(job.run::<Actix, _>(handler)).await
+            }
         }
     }
 }

@@ -173,7 +173,12 @@ where
         match driver::prepare(config, route, ctx.head.get(), ctx.key, ctx.body, scope).await {
             Prepared::Reply(reply) => crate::response::reply(reply),
             Prepared::Pass => handler().await,
-            Prepared::Run(job) => Detached::new(job.run::<Axum, _>(handler)).await,
+            Prepared::Run(mut job) => {
+                // Dropped with this future (the client went away): a wait for a duplicate's
+                // answer ends; a claimed execution runs on, detached.
+                let _caller = job.caller();
+                Detached::new(job.run::<Axum, _>(handler)).await
+            }
         }
     }
 }

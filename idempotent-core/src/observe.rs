@@ -60,8 +60,30 @@ pub const REQUESTS_TOTAL: &str = "idempotent_requests_total";
 pub const STORE_SECONDS: &str = "idempotent_store_duration_seconds";
 /// Gauge of requests being claimed or executed.
 pub const IN_FLIGHT: &str = "idempotent_in_flight";
-/// Counter of notable events, labels `route` and `event`.
+/// Counter of notable events, labels `route` and `event` (`wait_started` among them: a
+/// request began to wait for a running duplicate's answer).
 pub const EVENTS_TOTAL: &str = "idempotent_events_total";
+/// Counter of ended waits for a running duplicate's answer, labels `route` and `outcome`
+/// ([`WAIT_OUTCOMES`]).
+pub const WAITS_TOTAL: &str = "idempotent_waits_total";
+/// Histogram of how long those waits took in seconds, labels `route` and `outcome`.
+pub const WAIT_SECONDS: &str = "idempotent_wait_duration_seconds";
+/// The values of the waits' `outcome` label:
+/// - `replayed`: the first attempt's answer was stored, and replayed;
+/// - `ran`: the record was released (a 5xx, a panic) or its lease ran out, and this request
+///   claimed it and ran the handler;
+/// - `timed_out`: still in progress at the deadline (409);
+/// - `over_bound`: no place to wait (too many waiters on the record or in the engine; 409 at once);
+/// - `gone`: the client went away;
+/// - `other`: another answer (the key reused for another request, the store failing, a drain).
+pub const WAIT_OUTCOMES: [&str; 6] = [
+    "replayed",
+    "ran",
+    "timed_out",
+    "over_bound",
+    "gone",
+    "other",
+];
 
 /// The values of the `outcome` label and span field:
 /// - `executed`: the handler ran under a claimed record;
@@ -269,6 +291,13 @@ pub(crate) async fn timed<T>(operation: &'static str, fut: impl Future<Output = 
     let out = fut.await;
     store_time(operation, start.elapsed());
     out
+}
+
+/// Counts an ended wait and its time.
+pub(crate) fn wait_ended(route: &'static str, outcome: &'static str, took: Duration) {
+    metrics::counter!(WAITS_TOTAL, "route" => route, "outcome" => outcome).increment(1);
+    metrics::histogram!(WAIT_SECONDS, "route" => route, "outcome" => outcome)
+        .record(took.as_secs_f64());
 }
 
 /// Counts a notable event.

@@ -258,6 +258,18 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
             ),
         ));
     }
+    if let (Some((wait, wspan)), Some((lease, _))) = (args.wait, args.lease)
+        && wait > lease
+    {
+        errors.push(syn::Error::new(
+            wspan,
+            format!(
+                "`wait` ({}) is longer than `lease` ({}); a duplicate waits at most as long as the lease of the attempt it waits for",
+                fmt_ms(wait),
+                fmt_ms(lease)
+            ),
+        ));
+    }
     (args, errors)
 }
 
@@ -474,6 +486,14 @@ mod tests {
         assert!(
             errs(quote!(unscoped, ttl = "1m", lease = "2m"))[0]
                 .contains("shorter than `lease` (2m)")
+        );
+        assert!(
+            errs(quote!(unscoped, wait = "3s", lease = "2s"))[0]
+                .contains("`wait` (3s) is longer than `lease` (2s)")
+        );
+        assert!(
+            errs(quote!(unscoped, wait = "2s", lease = "2s")).is_empty(),
+            "a wait as long as the lease is accepted"
         );
         assert!(errs(quote!(unscoped = "yes"))[0].contains("takes no value"));
         assert!(errs(quote!(scope = "a-b"))[0].contains("not a parameter name"));

@@ -76,6 +76,14 @@ where
 }"#,
         ),
         (
+            "axum_plain_route_that_waits",
+            Entry::Axum,
+            r#"scope = "a", lease = "10s", wait = "2s""#,
+            r#"async fn h(a: A, Json(b): Json<B>) -> Json<B> {
+    Json(b)
+}"#,
+        ),
+        (
             "axum_transactional_two_commits_with_context",
             Entry::Axum,
             r#"scope = "a", commit = "two", wait = "5s""#,

@@ -55,7 +55,7 @@ use validate::Entry;
 /// | `store_server_errors` | store and replay 5xx too (Stripe style) instead of releasing the key | off |
 /// | `max_response = "1MiB"` | larger responses are sent but not stored; retries get a 410 problem | the configuration's (1 MiB) |
 /// | `commit = "single"` / `"two"` | transactional handlers (a `Transaction<DB>` parameter): the claim inside the handler's transaction (one commit), or committed first | the configuration's (single) |
-/// | `wait = "5s"` | transactional, single commit on PostgreSQL: how long a duplicate waits for the first to commit (then replays) before 409 | the configuration's (50 ms) |
+/// | `wait = "5s"` | how long a duplicate that finds the first attempt running waits for its answer (then replays it, or runs the handler if the first released the key: a 5xx, a panic) before 409; at most the lease (a longer literal pair is a compile error); woken by the store's change notifications | plain routes: the configuration's (zero: 409 at once); transactional: the configuration's `transaction_wait` (50 ms) |
 /// | `crate = "path"` | where the adapter crate is, if renamed | `::idempotent_axum` |
 /// | `key_from = "msg.id"`, `name = "…"` | make an idempotent *function* instead (function mode, see `idempotent_core::idempotent`); `name` without `key_from` is refused: a handler's records belong to its caller's scope and request, not to a name | |
 ///
@@ -80,7 +80,7 @@ use validate::Entry;
 /// Unknown or duplicate arguments, malformed or out-of-bounds durations, zero sizes, a scope
 /// that names no parameter (the error lists the parameters), two `Transaction` or two
 /// `Idempotent` parameters,
-/// sqlx's own `Transaction<'_, DB>`, `commit` or `wait` without a transaction, `scope` together with `unscoped`
+/// sqlx's own `Transaction<'_, DB>`, `commit` without a transaction, a `wait` longer than the `lease`, `scope` together with `unscoped`
 /// or neither, function mode's `name` or `store_errors` without `key_from`, a `ttl` shorter
 /// than a `lease` written next to it, a function that is not
 /// a free `async fn`, more extractors than axum takes beside the hidden context (15: axum's
@@ -227,7 +227,7 @@ pub fn idempotent_actix(args: TokenStream, item: TokenStream) -> TokenStream {
 /// | `scope = "param"` / `"param.field"` | the caller, as for handlers | required, or `unscoped` |
 /// | `unscoped` | every caller shares one namespace | |
 /// | `ttl = "7d"`, `lease = "30s"` | as for handlers | the runner's (24 h, 30 s) |
-/// | `wait = "5s"` | a concurrent duplicate waits that long for the first to finish (polling the store) and returns its output, instead of [`CallError::InProgress`] at once | the runner's (refuse at once) |
+/// | `wait = "5s"` | a concurrent duplicate waits that long (at most the lease) for the first to finish and returns its output, instead of [`CallError::InProgress`] at once | the runner's (refuse at once) |
 /// | `store_errors` | an `Err` whose `E: StoredError` says it is final is stored and returned on redelivery, instead of releasing the key | off |
 /// | `crate = "path"` | where the crate is, if renamed | `::idempotent_core` (or the adapter whose attribute was written) |
 ///

@@ -66,6 +66,8 @@ pub(crate) struct HandlerPlan {
     pub(crate) scope: Option<(ScopePath, Span)>,
     pub(crate) ttl_ms: Option<u64>,
     pub(crate) lease_ms: Option<u64>,
+    /// `wait = "…"`: how long a duplicate waits for the running attempt's answer.
+    pub(crate) wait_ms: Option<u64>,
     pub(crate) key: KeyReq,
     pub(crate) store_server_errors: bool,
     pub(crate) max_response: Option<u64>,
@@ -80,7 +82,6 @@ pub(crate) struct Transactional {
     /// The index of the `Transaction<DB>` parameter among the inputs.
     pub(crate) param: usize,
     pub(crate) commit: Option<Commit>,
-    pub(crate) wait_ms: Option<u64>,
 }
 
 /// An idempotent function: run at most once per (scope, key) under the runner it is passed.
@@ -189,10 +190,7 @@ fn handler(
         None
     });
     if tx.is_none() {
-        for (name, span) in [
-            ("commit", args.commit.map(|c| c.1)),
-            ("wait", args.wait.map(|w| w.1)),
-        ] {
+        for (name, span) in [("commit", args.commit.map(|c| c.1))] {
             if let Some(span) = span {
                 errors.push(syn::Error::new(
                     span,
@@ -257,13 +255,13 @@ fn handler(
         scope: args.scope,
         ttl_ms: args.ttl.map(|t| t.0),
         lease_ms: args.lease.map(|l| l.0),
+        wait_ms: args.wait.map(|w| w.0),
         key: args.key.map_or(KeyReq::Required, |k| k.0),
         store_server_errors: args.store_server_errors.is_some(),
         max_response: args.max_response.map(|m| m.0),
         transaction: tx.map(|param| Transactional {
             param,
             commit: args.commit.map(|c| c.0),
-            wait_ms: args.wait.map(|w| w.0),
         }),
         context,
     })
@@ -512,7 +510,7 @@ mod tests {
         assert_eq!(h.key, KeyReq::Optional);
         let tx = h.transaction.expect("transactional");
         assert_eq!(
-            (tx.param, tx.commit, tx.wait_ms),
+            (tx.param, tx.commit, h.wait_ms),
             (1, Some(Commit::Two), Some(5_000))
         );
         // `key_from` on an adapter's attribute: function mode, through that adapter.

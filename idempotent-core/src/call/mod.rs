@@ -85,7 +85,10 @@
 //! Two deliveries of one message at once (two consumers, a redelivery while the first still
 //! runs): the second gets [`CallError::InProgress`] at once ([`Concurrent::Refuse`], the
 //! default: nack and let the broker redeliver later), or waits, bounded, for the first to
-//! finish and returns its output ([`Concurrent::Wait`]; it polls the store).
+//! finish and returns its output ([`Concurrent::Wait`]: woken by the store's change
+//! notifications, as an HTTP route's `wait` is, see [`Policy::wait`]; a transactional call
+//! polls the store). The wait is at most the lease: a longer one is refused
+//! ([`CallError::Misconfigured`]).
 
 use crate::derive::Idempotent;
 use crate::engine::{Begin, ConfigError, Engine, ExecuteRequest, Policy};
@@ -114,7 +117,7 @@ pub enum Concurrent {
     /// [`CallError::InProgress`] at once.
     #[default]
     Refuse,
-    /// Wait up to this long for the first to finish, polling the store, then return its
+    /// Wait up to this long (at most the lease) for the first to finish, then return its
     /// output (or run, if it released the key); [`CallError::InProgress`] after that.
     Wait(Duration),
 }
@@ -423,6 +426,12 @@ impl Calls {
             // stores with byte budgets charge it when it is stored, so a consumer's messages in
             // flight are not bounded by a reservation each.
             max_stored: 0,
+            // Plain calls wait in the engine, woken by the store's notifications
+            // (transactional calls poll, `go_tx`).
+            wait: match call.concurrent.unwrap_or(self.concurrent) {
+                Concurrent::Wait(wait) => wait,
+                Concurrent::Refuse => Duration::ZERO,
+            },
             ..Policy::default()
         }
     }
@@ -496,7 +505,8 @@ impl Calls {
     {
         let policy = self.policy(&call);
         policy.check()?;
-        let mut waiting = Waiting::new(call.concurrent.unwrap_or(self.concurrent));
+        // The engine waited already, per the policy's wait: what it answers is final.
+        let mut waiting = Waiting::new(Concurrent::Refuse);
         loop {
             let mut execution = match self.engine.begin(Self::request(&call), &policy).await {
                 Begin::Claimed(execution) => execution,

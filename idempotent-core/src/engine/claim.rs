@@ -8,7 +8,10 @@
 //! A record whose lease or ttl ran out is taken over: the new claim's token fences out the
 //! old attempt's late writes (`store/fence.rs`).
 
-use super::{ConfigError, Engine, ExecuteRequest, Execution, InFlight, KeyRequirement, Policy};
+use super::wait::{Pause, WaitEnd, Waiting};
+use super::{
+    ConfigError, Engine, ExecuteRequest, Execution, Gone, InFlight, KeyRequirement, Policy,
+};
 use crate::key::KeyError;
 use crate::observe::{self, RequestOutcome};
 use crate::store::record::{RecordKey, StoredOutcome};
@@ -83,21 +86,36 @@ impl Engine {
     /// how to answer without running it (except [`Begin::Unprotected`], which says to run it
     /// without a record).
     ///
+    /// With a [`Policy::wait`], a request that finds its record in progress waits for that
+    /// attempt's answer (woken by the store's change notifications, [`crate::store::Changes`],
+    /// and looking again at a capped interval) and answers with what it then finds: the stored
+    /// outcome ([`Begin::Replay`]), or the record to run under ([`Begin::Claimed`]) if the other
+    /// attempt released it or its lease ran out; [`Begin::InProgress`] at the deadline, or at
+    /// once past the engine's bounds ([`EngineBuilder::max_waiting`](super::EngineBuilder::max_waiting)).
+    /// Dropping the future ends the wait.
+    ///
     /// Traced and counted ([`crate::observe`]): a span per request, its outcome, the claim's
-    /// latency.
+    /// latency, and a wait's outcome and time.
     pub async fn begin(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
+        self.begin_traced(req, policy, None).await
+    }
+
+    /// [`Engine::begin`], whose wait also ends when `gone` resolves.
+    pub(crate) async fn begin_traced(
+        &self,
+        req: ExecuteRequest,
+        policy: &Policy,
+        gone: Option<Gone>,
+    ) -> Begin {
         self.inner.auto_sweep.ensure(&self.inner.store);
         let span = self.span(&req, policy);
         let start = std::time::Instant::now();
         let mut begin = self
-            .begin_untraced(req, policy)
+            .begin_or_gone(req, policy, gone)
             .instrument(span.clone())
             .await;
         let outcome = begin.observed_outcome();
         let store = touched_store(&begin).then(|| start.elapsed());
-        if let Some(took) = store {
-            observe::store_time("claim", took);
-        }
         observe::outcome(&span, policy.route, outcome, store);
         if let Begin::Claimed(execution) = &mut begin {
             execution.observe(span);
@@ -118,7 +136,22 @@ impl Engine {
         span
     }
 
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) async fn begin_untraced(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
+        self.begin_or_gone(req, policy, None).await
+    }
+
+    /// [`Engine::begin_untraced`], whose wait ([`Policy::wait`]) also ends when `gone`
+    /// resolves (the client went away).
+    pub(crate) async fn begin_or_gone(
+        &self,
+        req: ExecuteRequest,
+        policy: &Policy,
+        mut gone: Option<Gone>,
+    ) -> Begin {
         let key = match req.key {
             Ok(key) => key,
             Err(KeyError::Missing) if policy.key == KeyRequirement::Optional => {
@@ -130,13 +163,65 @@ impl Engine {
             tracing::error!(route = policy.route, error = %e, "idempotency: policy out of bounds; refused");
             return Begin::Misconfigured(e);
         }
-        // Counted before the claim, so a drain that starts meanwhile either sees this request
-        // (and waits for it) or this request sees the drain (and backs out).
+        let key = RecordKey::new(req.scope, key);
+        let mut waiting: Option<Waiting> = None;
+        loop {
+            if let Some(waiting) = &mut waiting {
+                waiting.mark();
+            }
+            let begin = self.claim_once(&key, &req.fingerprint, policy).await;
+            let Begin::InProgress { retry_after } = begin else {
+                if let Some(waiting) = waiting {
+                    waiting.end(match &begin {
+                        Begin::Replay(_) => WaitEnd::Replayed,
+                        Begin::Claimed(_) => WaitEnd::Ran,
+                        _ => WaitEnd::Other,
+                    });
+                }
+                return begin;
+            };
+            if policy.wait.is_zero() {
+                return begin;
+            }
+            let waiter = match &mut waiting {
+                Some(waiter) => waiter,
+                None => match Waiting::start(&self.inner, &key, policy.wait, policy.route) {
+                    // Watching from now on: one more look at once, since the record may have
+                    // changed (and its notification gone out) before the watch began.
+                    Some(waiter) => {
+                        waiting = Some(waiter);
+                        continue;
+                    }
+                    None => return begin,
+                },
+            };
+            match waiter.pause(retry_after, &mut gone).await {
+                Pause::Again => {}
+                ended @ (Pause::Deadline | Pause::Gone) => {
+                    if let Some(waiting) = waiting {
+                        waiting.end(match ended {
+                            Pause::Gone => WaitEnd::Gone,
+                            _ => WaitEnd::TimedOut,
+                        });
+                    }
+                    return begin;
+                }
+            }
+        }
+    }
+
+    /// One claim of `key`'s record: counted in flight while it runs (so a drain that starts
+    /// meanwhile either sees it, and waits for it, or it sees the drain, and backs out).
+    async fn claim_once(
+        &self,
+        key: &RecordKey,
+        fingerprint: &crate::fingerprint::Fingerprint,
+        policy: &Policy,
+    ) -> Begin {
         let slot = InFlight::enter(Arc::clone(&self.inner));
         if self.is_draining() {
             return Begin::Draining;
         }
-        let key = RecordKey::new(req.scope, key);
         // The store starts the lease somewhere during the claim's round trip: the half-lease
         // margin counts from before it was sent, never from its answer.
         let sent = tokio::time::Instant::now();
@@ -144,13 +229,14 @@ impl Engine {
             .inner
             .store
             .claim(ClaimRequest {
-                key: &key,
-                fingerprint: &req.fingerprint,
+                key,
+                fingerprint,
                 lease: policy.lease,
                 ttl: policy.ttl,
                 max_stored: policy.max_stored as u64,
             })
             .await;
+        observe::store_time("claim", sent.elapsed());
         match claim {
             Ok(ClaimOutcome::Claimed(lease)) => {
                 if lease.took_over {
@@ -160,7 +246,13 @@ impl Engine {
                         "idempotency: took over a record whose lease or ttl had run out"
                     );
                 }
-                Begin::Claimed(Execution::claimed(slot, sent, key, lease.token, *policy))
+                Begin::Claimed(Execution::claimed(
+                    slot,
+                    sent,
+                    key.clone(),
+                    lease.token,
+                    *policy,
+                ))
             }
             Ok(ClaimOutcome::Replay(outcome)) => Begin::Replay(outcome),
             Ok(ClaimOutcome::InProgress { retry_after }) => Begin::InProgress { retry_after },

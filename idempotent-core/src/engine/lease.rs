@@ -316,6 +316,10 @@ impl Execution {
             Poll::Pending
         })
         .await;
+        if result.is_ok() {
+            // Waiters on this record in this process look again at once.
+            slot.engine.changed(key);
+        }
         match (result, outcome) {
             (Ok(()), Some(_)) => Recorded::Stored,
             (Ok(()), None) => Recorded::Released,
@@ -645,6 +649,9 @@ async fn heartbeat(
             settle_failed = true;
             match tokio::time::timeout(bound, write).await {
                 Ok(Ok(())) => {
+                    if let Some(changes) = store.changes() {
+                        changes.notify_key(&key);
+                    }
                     tracing::warn!(
                         route,
                         "idempotency: a streamed response did not move for a lease (its client stopped reading, or it produced nothing); stored as not replayable"

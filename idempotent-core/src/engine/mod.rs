@@ -10,6 +10,7 @@ mod claim;
 pub(crate) mod detached;
 mod flight;
 mod lease;
+mod wait;
 
 pub use claim::{Begin, Unprotected};
 pub(crate) use flight::{AutoSweep, InFlight};
@@ -25,6 +26,8 @@ pub(crate) use lease::Progress;
 )]
 pub(crate) use lease::write_bound;
 pub use lease::{Execution, PanicPayload};
+pub(crate) use wait::Gone;
+pub use wait::{DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_PER_KEY};
 
 use crate::derive::DeriveSecret;
 use crate::fingerprint::Fingerprint;
@@ -86,6 +89,16 @@ pub enum ConfigError {
         /// The lease.
         lease: Duration,
     },
+    /// The wait is longer than the lease.
+    #[error(
+        "`wait` ({wait:?}) is longer than `lease` ({lease:?}); a duplicate waits at most as long as the lease of the attempt it waits for"
+    )]
+    WaitLongerThanLease {
+        /// The wait.
+        wait: Duration,
+        /// The lease.
+        lease: Duration,
+    },
     /// A size limit is zero.
     #[error("`{what}` must be at least 1 byte")]
     ZeroSize {
@@ -101,6 +114,16 @@ pub(crate) fn check_ttl_and_lease(ttl: Duration, lease: Duration) -> Result<(), 
     check_duration("lease", lease)?;
     if ttl < lease {
         return Err(ConfigError::TtlShorterThanLease { ttl, lease });
+    }
+    Ok(())
+}
+
+/// A wait longer than the lease is refused: a waiter outliving the lease of the attempt it
+/// waits for would take the record over (and run the handler) while its own client waits, which
+/// a retry after the lease does too, with nothing gained by waiting.
+pub(crate) fn check_wait(wait: Duration, lease: Duration) -> Result<(), ConfigError> {
+    if wait > lease {
+        return Err(ConfigError::WaitLongerThanLease { wait, lease });
     }
     Ok(())
 }
@@ -150,6 +173,11 @@ pub struct Policy {
     /// ([`ClaimRequest::max_stored`](crate::store::ClaimRequest::max_stored)). Default
     /// [`DEFAULT_MAX_RESPONSE`](crate::http::DEFAULT_MAX_RESPONSE) (1 MiB).
     pub max_stored: usize,
+    /// How long a request that finds its record in progress waits for that attempt's answer
+    /// (then replays it, or runs the handler if the attempt released the key) before it is
+    /// answered "in progress" (HTTP 409). Default zero: answered at once. At most the lease
+    /// ([`Policy::check`]). See [`Engine::begin`].
+    pub wait: Duration,
 }
 
 impl Default for Policy {
@@ -162,19 +190,22 @@ impl Default for Policy {
             fail_open: false,
             route: "",
             max_stored: DEFAULT_MAX_STORED,
+            wait: Duration::ZERO,
         }
     }
 }
 
 impl Policy {
     /// Checks the ttl and lease: each from [`MIN_DURATION`] to [`MAX_DURATION`], the ttl at
-    /// least the lease. [`Engine::begin`] refuses a policy that fails this
-    /// ([`Begin::Misconfigured`]) rather than run under a lease that cannot hold.
+    /// least the lease, and the wait at most the lease. [`Engine::begin`] refuses a policy
+    /// that fails this ([`Begin::Misconfigured`]) rather than run under a lease that cannot
+    /// hold.
     ///
     /// # Errors
     /// The first rule broken.
     pub fn check(&self) -> Result<(), ConfigError> {
-        check_ttl_and_lease(self.ttl, self.lease)
+        check_ttl_and_lease(self.ttl, self.lease)?;
+        check_wait(self.wait, self.lease)
     }
 
     /// Whether an outcome with `status` is stored (else the key is released).
@@ -297,6 +328,12 @@ pub(crate) struct Inner {
         allow(dead_code)
     )]
     pub(crate) waiters: std::sync::Mutex<std::collections::HashMap<RecordKey, usize>>,
+    /// The hub of waiters whose store has none ([`Store::changes`]).
+    local_changes: crate::store::Changes,
+    /// Requests waiting for a running duplicate's answer ([`Policy::wait`]), and the bounds.
+    waiting: std::sync::atomic::AtomicUsize,
+    max_waiting: usize,
+    max_waiting_per_key: usize,
 }
 
 impl std::fmt::Debug for Engine {
@@ -318,6 +355,8 @@ pub struct EngineBuilder {
     lease: Duration,
     derive_secret: Option<DeriveSecret>,
     sweep_every: Option<Duration>,
+    max_waiting: usize,
+    max_waiting_per_key: usize,
 }
 
 impl std::fmt::Debug for EngineBuilder {
@@ -326,6 +365,8 @@ impl std::fmt::Debug for EngineBuilder {
             .field("lease", &self.lease)
             .field("derive_secret", &self.derive_secret.is_some())
             .field("sweep_every", &self.sweep_every)
+            .field("max_waiting", &self.max_waiting)
+            .field("max_waiting_per_key", &self.max_waiting_per_key)
             .finish_non_exhaustive()
     }
 }
@@ -358,6 +399,22 @@ impl EngineBuilder {
     /// batches per round. A store that deletes expired records itself (Redis) gets none.
     pub fn sweep_every(mut self, interval: Duration) -> Self {
         self.sweep_every = Some(interval);
+        self
+    }
+
+    /// At most this many requests wait for a running duplicate's answer ([`Policy::wait`]) in
+    /// this engine at once (default 1,024, [`DEFAULT_MAX_WAITING`]); more are answered "in
+    /// progress" at once. A waiter holds no store connection, only a task and a few hundred
+    /// bytes. 0: none waits.
+    pub fn max_waiting(mut self, n: usize) -> Self {
+        self.max_waiting = n;
+        self
+    }
+
+    /// At most this many requests wait on one record in this engine (default 32,
+    /// [`DEFAULT_MAX_WAITING_PER_KEY`]); more are answered "in progress" at once.
+    pub fn max_waiting_per_key(mut self, n: usize) -> Self {
+        self.max_waiting_per_key = n;
         self
     }
 
@@ -397,6 +454,10 @@ impl EngineBuilder {
                 log_key,
                 auto_sweep,
                 waiters: std::sync::Mutex::default(),
+                local_changes: crate::store::Changes::in_process(Duration::from_secs(1)),
+                waiting: std::sync::atomic::AtomicUsize::new(0),
+                max_waiting: self.max_waiting,
+                max_waiting_per_key: self.max_waiting_per_key,
             }),
         }
     }
@@ -454,6 +515,8 @@ impl Engine {
             lease: DEFAULT_LEASE,
             derive_secret: None,
             sweep_every: Some(DEFAULT_SWEEP_EVERY),
+            max_waiting: DEFAULT_MAX_WAITING,
+            max_waiting_per_key: DEFAULT_MAX_WAITING_PER_KEY,
         }
     }
 
@@ -476,6 +539,11 @@ impl Engine {
     /// lease when that is longer (a ttl under the lease would be refused).
     pub(crate) fn default_ttl(&self) -> Duration {
         DEFAULT_TTL.max(self.lease())
+    }
+
+    /// Requests waiting for a running duplicate's answer now ([`Policy::wait`]).
+    pub fn waiting(&self) -> usize {
+        self.inner.waiting.load(Ordering::SeqCst)
     }
 
     /// Executions claimed (or being claimed) and not yet finished.

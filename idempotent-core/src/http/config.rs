@@ -21,6 +21,7 @@ pub struct Config {
     pub(super) fail_open: bool,
     pub(super) commit: Option<CommitPath>,
     pub(super) tx_wait: Duration,
+    pub(super) wait: Duration,
     pub(super) max_waiters: usize,
     pub(super) tx_read_first: bool,
 }
@@ -47,6 +48,7 @@ impl Config {
             fail_open: false,
             commit: None,
             tx_wait: DEFAULT_TX_WAIT,
+            wait: Duration::ZERO,
             max_waiters: DEFAULT_MAX_WAITERS,
             tx_read_first: true,
         }
@@ -86,6 +88,11 @@ impl Config {
     /// default, [`DEFAULT_COMMIT`](crate::tx::DEFAULT_COMMIT)).
     pub fn commit_path(&self) -> Option<CommitPath> {
         self.commit
+    }
+
+    /// The `wait` of plain routes whose attribute sets none ([`ConfigBuilder::wait`]).
+    pub fn wait(&self) -> Duration {
+        self.wait
     }
 
     /// Default [`TxOptions::wait`](crate::tx::TxOptions::wait).
@@ -189,8 +196,20 @@ impl<T: From<Config>> ConfigBuilder<T> {
         self
     }
 
-    /// At most this many requests per key wait in this process (default 4); more get 409 at
-    /// once. 0: none waits.
+    /// How long a request that finds its record in progress waits for that attempt's answer
+    /// (then replays it, or runs the handler if the attempt released the key) before it gets
+    /// 409, for plain routes whose attribute sets no `wait` (default zero: 409 at once; see
+    /// [`Policy::wait`](crate::engine::Policy::wait)). At most the engine's lease. The bounds
+    /// on waiters are the engine's
+    /// ([`EngineBuilder::max_waiting`](crate::engine::EngineBuilder::max_waiting)).
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.config.wait = wait;
+        self
+    }
+
+    /// Single commit on PostgreSQL: at most this many requests per key wait on the record's
+    /// row lock in this process (default 4; each holds a pooled connection while it waits);
+    /// more get 409 at once. 0: none waits.
     pub fn max_waiters(mut self, n: usize) -> Self {
         self.config.max_waiters = n;
         self
@@ -213,6 +232,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
     pub fn build(self) -> Result<T, ConfigError> {
         let c = self.config;
         check_ttl_and_lease(c.ttl, c.engine.lease())?;
+        crate::engine::check_wait(c.wait, c.engine.lease())?;
         if c.max_response == 0 {
             return Err(ConfigError::ZeroSize {
                 what: "max_response",

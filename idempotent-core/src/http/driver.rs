@@ -217,12 +217,32 @@ pub enum Prepared {
 }
 
 /// A protected request, ready to be claimed.
-#[derive(Debug)]
 pub struct Job {
     engine: Engine,
     request: ExecuteRequest,
     resolved: RoutePolicy,
+    /// Resolves when the request's client is gone ([`Job::caller`]).
+    gone: Option<crate::engine::Gone>,
 }
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("request", &self.request)
+            .field("resolved", &self.resolved)
+            .field("watches_caller", &self.gone.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Held by the request's own future while its [`Job`] runs detached: dropped (the client went
+/// away, and the server dropped the request's future), it ends the job's wait for a running
+/// duplicate's answer at once. A job that already claimed its record runs on regardless.
+#[must_use = "the wait ends when this is dropped"]
+#[derive(Debug)]
+pub struct CallerGuard(
+    #[allow(dead_code, reason = "held for its drop")] Option<tokio::sync::oneshot::Sender<()>>,
+);
 
 /// The engine's view of a request: its scope, key and fingerprint (a large body's computed off
 /// the async worker).
@@ -276,6 +296,7 @@ pub fn prepare<'a>(
                 engine: config.engine().clone(),
                 request,
                 resolved,
+                gone: None,
             }),
             Err(reply) => Prepared::Reply(reply),
         }
@@ -283,6 +304,20 @@ pub fn prepare<'a>(
 }
 
 impl Job {
+    /// The guard the request's own future holds while this job runs detached, so that the
+    /// client going away ends a wait for a duplicate's answer ([`CallerGuard`]); nothing
+    /// (no allocation) on a route that does not wait.
+    pub fn caller(&mut self) -> CallerGuard {
+        if self.resolved.policy.wait.is_zero() {
+            return CallerGuard(None);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        self.gone = Some(Box::pin(async move {
+            let _ = rx.await;
+        }));
+        CallerGuard(Some(tx))
+    }
+
     /// Claim → execute → store → replay around `handler`. Run it detached from the request
     /// (spawned, or in [`Detached`](crate::__private::Detached)): once the key is claimed the handler
     /// runs to the end and its outcome is stored even if the client goes away. A panic in the
@@ -309,7 +344,10 @@ impl Job {
         handler: impl FnOnce() -> Fut,
     ) -> impl Future<Output = G::Response> {
         async move {
-            match Step::from(self.engine.begin(self.request, &self.resolved.policy).await) {
+            let begin = self
+                .engine
+                .begin_traced(self.request, &self.resolved.policy, self.gone);
+            match Step::from(begin.await) {
                 Step::Respond(reply) => G::reply(reply),
                 Step::Unprotected => handler().await,
                 Step::Execute(execution) => {

@@ -3,7 +3,7 @@
 use super::config::Config;
 use super::is_safe_method;
 use crate::derive::Idempotent;
-use crate::engine::{ConfigError, KeyRequirement, Policy, check_ttl_and_lease};
+use crate::engine::{ConfigError, KeyRequirement, Policy};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::problem::Problem;
 use crate::scope::{Scope, ScopeError};
@@ -79,6 +79,14 @@ impl Route {
         }
     }
 
+    /// The attribute's `wait` (`None` takes the configuration's
+    /// [`wait`](crate::http::ConfigBuilder::wait)).
+    #[must_use]
+    pub const fn wait(mut self, wait: Option<Duration>) -> Self {
+        self.wait = wait;
+        self
+    }
+
     /// The attribute's `commit` and `wait` of a transactional route (`None` takes the
     /// configuration's default).
     #[must_use]
@@ -130,8 +138,9 @@ impl Route {
             fail_open: config.fail_open,
             route: self.name,
             max_stored: max_response,
+            wait: self.wait.unwrap_or(config.wait),
         };
-        match check_ttl_and_lease(policy.ttl, policy.lease) {
+        match policy.check() {
             Ok(()) => Ok(RoutePolicy {
                 policy,
                 max_response,

@@ -192,6 +192,8 @@ struct Inner {
     /// Wall and monotonic time read together when the store was built (see `Now::anchor`).
     anchor: (SystemTime, Instant),
     clock: Arc<dyn Clock>,
+    /// Wakes requests waiting on a record (in process: the store lives in one).
+    changes: super::Changes,
 }
 
 /// One shard of the scopes' usage, found by the scope's hash under the store's hasher (taken
@@ -322,6 +324,7 @@ impl MemoryStoreBuilder {
                 last_room_purge: Mutex::new(None),
                 anchor: (self.clock.now(), self.clock.instant()),
                 clock: self.clock,
+                changes: super::Changes::in_process(std::time::Duration::from_secs(1)),
             }),
         }
     }
@@ -961,6 +964,10 @@ fn wall_later(t: SystemTime, d: Duration) -> SystemTime {
 
 #[async_trait::async_trait]
 impl Store for MemoryStore {
+    fn changes(&self) -> Option<&super::Changes> {
+        Some(&self.inner.changes)
+    }
+
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         let refused = |refused| match refused {
             Refused::Full => StoreError::Capacity {

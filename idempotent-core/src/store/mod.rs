@@ -1,6 +1,7 @@
 //! The `Store` trait: what every store (memory, SQLite, PostgreSQL, MySQL, Redis) promises, the records
 //! stores keep, the stores themselves and the sweeper that purges them.
 
+pub(crate) mod changes;
 pub(crate) mod fence;
 pub(crate) mod memory;
 pub(crate) mod record;
@@ -21,6 +22,7 @@ pub(crate) mod sweeper;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisSetupError, RedisStore, RedisStoreBuilder};
+pub use changes::{ChangeId, Changes, Watch};
 pub use fence::{Lease, LeaseToken};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{Record, RecordKey, RecordState, StoredOutcome, StoredResponse, retry_after_secs};
@@ -265,6 +267,15 @@ pub trait Store: Send + Sync + 'static {
     fn expires_by_itself(&self) -> bool {
         false
     }
+
+    /// The store's change notifications ([`Changes`]), which wake requests waiting for a
+    /// running duplicate's answer (a route's `wait`). `None` (the default): the engine keeps a
+    /// hub of its own, so waiters in its process still wake when it completes or releases, and
+    /// poll at most every second for the rest. Wrappers that forward to a store should forward
+    /// this too.
+    fn changes(&self) -> Option<&Changes> {
+        None
+    }
 }
 
 #[async_trait::async_trait]
@@ -314,5 +325,8 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     fn expires_by_itself(&self) -> bool {
         (**self).expires_by_itself()
+    }
+    fn changes(&self) -> Option<&Changes> {
+        (**self).changes()
     }
 }

@@ -287,6 +287,10 @@ impl<DB: TxDatabase> TxExecution<DB> {
             },
         };
         observe::store_time("commit", commit_started.elapsed());
+        if finished.is_ok() {
+            // Waiters on this record in this process look again at once.
+            self_changed(&store, key);
+        }
         match finished {
             Ok(()) => {
                 if let Claim::Two(execution) = claim {
@@ -542,8 +546,15 @@ impl Engine {
         if matches!(req.key, Err(KeyError::Missing)) && policy.key == KeyRequirement::Optional {
             return self.begin_unprotected_on::<DB>(store, policy).await;
         }
+        // Two commits wait for a duplicate's answer as plain routes do, for the transactional
+        // wait; single commit waits on the record's row lock instead (`begin_single`).
+        let wait = match options.commit {
+            CommitPath::Two => options.wait,
+            CommitPath::Single => Duration::ZERO,
+        };
         let policy = Policy {
             fail_open: false,
+            wait,
             ..*policy
         };
         // What the complete needs must be there before any handler runs.
@@ -722,5 +733,12 @@ impl Engine {
                 }
             }
         }
+    }
+}
+
+/// Wakes the waiters on `key` in this process (the record was just committed).
+fn self_changed(store: &impl Store, key: &RecordKey) {
+    if let Some(changes) = store.changes() {
+        changes.notify_key(key);
     }
 }

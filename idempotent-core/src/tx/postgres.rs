@@ -251,7 +251,13 @@ impl TxDatabase for sqlx::Postgres {
                 ));
             }
         }
-        sql.push_str(&format!(", {}::float8);\nCOMMIT;\nBEGIN", millis(ttl)));
+        // The record's waiters, here and in other instances, wake when this commits.
+        sql.push_str(&format!(
+            ", {}::float8);\nSELECT pg_notify('{}', '{}');\nCOMMIT;\nBEGIN",
+            millis(ttl),
+            store.sql.channel,
+            crate::store::ChangeId::of(key).to_hex()
+        ));
         store.sent.bump();
         match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
             // `tx` is dropped: the ROLLBACK of the empty transaction is queued.

@@ -18,6 +18,7 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
         scope,
         ttl_ms,
         lease_ms,
+        wait_ms,
         key,
         store_server_errors,
         max_response,
@@ -131,12 +132,7 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
         max_response: #max_response,
     }));
     let (route_new, call) = match (&transaction, &tx_param) {
-        (
-            Some(Transactional {
-                commit, wait_ms, ..
-            }),
-            Some(t),
-        ) => {
+        (Some(Transactional { commit, .. }), Some(t)) => {
             let commit = match commit {
                 Some(Commit::Two) => quote!(::core::option::Option::Some(#p::Commit::Two)),
                 Some(Commit::Single) => {
@@ -144,7 +140,7 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
                 }
                 None => quote!(::core::option::Option::None),
             };
-            let wait = opt_ms(&p, *wait_ms);
+            let wait = opt_ms(&p, wait_ms);
             let (attrs, pat, ty) = (&t.attrs, &t.pat, &t.ty);
             (
                 quote!(#route_new.transactional(#commit, #wait)),
@@ -153,7 +149,13 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
         }
         // A closure that makes the future: a replay never builds (or moves) it.
         _ => (
-            route_new,
+            match wait_ms {
+                Some(_) => {
+                    let wait = opt_ms(&p, wait_ms);
+                    quote!(#route_new.wait(#wait))
+                }
+                None => route_new,
+            },
             quote!(#p::run(#ctx, &#route, #scope_var, move || #body)),
         ),
     };

@@ -17,6 +17,7 @@ use scripts::scripts;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 mod connection;
+mod listen;
 mod scripts;
 use std::time::{Duration, SystemTime};
 
@@ -70,6 +71,7 @@ pub struct RedisStoreBuilder {
     response_timeout: Duration,
     connection_timeout: Duration,
     bounds: ScopeBounds,
+    change_poll: Duration,
 }
 
 /// One caller's bounds in Redis (see [`RedisStore`]'s "Per caller bounds").
@@ -90,11 +92,21 @@ impl Default for RedisStoreBuilder {
                 records: 100_000,
                 bytes: 32 * 1024 * 1024,
             },
+            change_poll: Duration::from_secs(1),
         }
     }
 }
 
 impl RedisStoreBuilder {
+    /// The longest a request waiting for a running duplicate's answer (a route's `wait`) goes
+    /// without looking at the store again, when no notification woke it (default 1 s;
+    /// a subscriber connection wakes waiters when a record changes, so this only bounds how late a lost notification is found). At least 10 ms.
+    #[must_use]
+    pub fn change_poll(mut self, every: Duration) -> Self {
+        self.change_poll = every.max(Duration::from_millis(10));
+        self
+    }
+
     /// The prefix of every record's key (default `idempotent:`), so one server can hold the
     /// records of several services: `<prefix>{<scope>}:<key>` (see [`RedisStore::redis_key`]).
     #[must_use]
@@ -239,6 +251,7 @@ impl RedisStoreBuilder {
             wait,
             self.response_timeout,
             self.bounds,
+            (vec![url.to_owned()], self.change_poll),
         ))
     }
 
@@ -252,6 +265,7 @@ impl RedisStoreBuilder {
     ) -> Result<RedisStore, RedisSetupError> {
         let (prefix, wait) = self.checked()?;
         let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
+        let urls = nodes.iter().map(|n| (*n).to_owned()).collect();
         let client = redis::cluster::ClusterClient::builder(nodes)
             .response_timeout(self.response_timeout)
             .connection_timeout(self.connection_timeout)
@@ -277,7 +291,51 @@ impl RedisStoreBuilder {
             wait,
             self.response_timeout,
             self.bounds,
+            (urls, self.change_poll),
         ))
+    }
+}
+
+/// The keys a script on `key`'s record takes: the record's, and its scope's usage when
+/// the scope is counted.
+fn keys_of(prefix: &str, key: &RecordKey) -> Keys {
+    fn escape(out: &mut Vec<u8>, s: &str) {
+        for b in s.bytes() {
+            match b {
+                b'%' => out.extend_from_slice(b"%25"),
+                b'}' => out.extend_from_slice(b"%7D"),
+                b => out.push(b),
+            }
+        }
+    }
+    let mut scope = Vec::with_capacity(key.scope.as_str().len());
+    escape(&mut scope, key.scope.as_str());
+    let mut tag = Vec::with_capacity(prefix.len() + scope.len() + key.key.as_str().len() + 16);
+    tag.extend_from_slice(prefix.as_bytes());
+    tag.push(b'{');
+    tag.extend_from_slice(scope.len().to_string().as_bytes());
+    tag.push(b':');
+    tag.extend_from_slice(&scope);
+    if key.scope.is_shared() {
+        tag.push(b':');
+        escape(&mut tag, key.key.as_str());
+        tag.push(b'}');
+        return Keys {
+            record: tag,
+            usage: None,
+        };
+    }
+    tag.push(b'}');
+    let mut record = tag.clone();
+    record.push(b':');
+    escape(&mut record, key.key.as_str());
+    let mut members = tag.clone();
+    members.extend_from_slice(b"#z");
+    let mut charges = tag;
+    charges.extend_from_slice(b"#u");
+    Keys {
+        record,
+        usage: Some((members, charges)),
     }
 }
 
@@ -391,6 +449,8 @@ pub struct RedisStore {
     response_timeout: Duration,
     /// Each counted scope's bounds.
     bounds: ScopeBounds,
+    /// Wakes requests waiting on a record: fed by a subscriber connection (`listen`).
+    changes: crate::store::Changes,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -419,11 +479,14 @@ impl RedisStore {
         wait: Option<Wait>,
         response_timeout: Duration,
         bounds: ScopeBounds,
+        (urls, change_poll): (Vec<String>, Duration),
     ) -> Self {
+        let prefix: std::sync::Arc<str> = prefix.into();
         RedisStore {
+            changes: listen::changes(std::sync::Arc::clone(&prefix), urls, change_poll),
             conn,
             durable,
-            prefix: prefix.into(),
+            prefix,
             wait,
             short_waits: std::sync::Arc::default(),
             response_timeout,
@@ -489,45 +552,7 @@ impl RedisStore {
     /// The keys a script on `key`'s record takes: the record's, and its scope's usage when
     /// the scope is counted.
     fn keys(&self, key: &RecordKey) -> Keys {
-        fn escape(out: &mut Vec<u8>, s: &str) {
-            for b in s.bytes() {
-                match b {
-                    b'%' => out.extend_from_slice(b"%25"),
-                    b'}' => out.extend_from_slice(b"%7D"),
-                    b => out.push(b),
-                }
-            }
-        }
-        let mut scope = Vec::with_capacity(key.scope.as_str().len());
-        escape(&mut scope, key.scope.as_str());
-        let mut tag =
-            Vec::with_capacity(self.prefix.len() + scope.len() + key.key.as_str().len() + 16);
-        tag.extend_from_slice(self.prefix.as_bytes());
-        tag.push(b'{');
-        tag.extend_from_slice(scope.len().to_string().as_bytes());
-        tag.push(b':');
-        tag.extend_from_slice(&scope);
-        if key.scope.is_shared() {
-            tag.push(b':');
-            escape(&mut tag, key.key.as_str());
-            tag.push(b'}');
-            return Keys {
-                record: tag,
-                usage: None,
-            };
-        }
-        tag.push(b'}');
-        let mut record = tag.clone();
-        record.push(b':');
-        escape(&mut record, key.key.as_str());
-        let mut members = tag.clone();
-        members.extend_from_slice(b"#z");
-        let mut charges = tag;
-        charges.extend_from_slice(b"#u");
-        Keys {
-            record,
-            usage: Some((members, charges)),
-        }
+        keys_of(&self.prefix, key)
     }
 
     /// Runs one of the store's scripts on the record's node.
@@ -1012,6 +1037,10 @@ impl Store for RedisStore {
         }
     }
 
+    fn changes(&self) -> Option<&crate::store::Changes> {
+        Some(&self.changes)
+    }
+
     fn expires_by_itself(&self) -> bool {
         true
     }
@@ -1091,6 +1120,7 @@ mod tests {
             None,
             Duration::from_secs(5),
             RedisStoreBuilder::default().bounds,
+            (Vec::new(), Duration::from_secs(1)),
         )
     }
 

@@ -183,7 +183,8 @@ end
 return 0
 ";
 
-/// Fenced: the record becomes done with the outcome; expires no sooner than ttl after now.
+/// Fenced: the record becomes done with the outcome; expires no sooner than ttl after now; its
+/// waiters are woken (`listen`).
 /// ARGV: token, status, headers, body, oversized size or '', ttl ms, then for a counted scope
 /// what the stored record is charged (it settles the claim's reservation). Returns 1, or 0
 /// (stale).
@@ -195,13 +196,16 @@ if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'ov', ARGV[5]) end
 redis.call('HDEL', KEYS[1], 'lu')
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
 usage_set(tonumber(ARGV[7]), nex, nex)
+redis.call('PUBLISH', 'idempotent:changes', KEYS[1])
 return 1
 ";
 
-/// Fenced: deletes the record. ARGV: token. Returns 1, or 0 (stale).
+/// Fenced: deletes the record, and wakes its waiters (`listen`). ARGV: token. Returns 1, or 0
+/// (stale).
 pub(super) const RELEASE: &str = "
 redis.call('DEL', KEYS[1])
 usage_drop()
+redis.call('PUBLISH', 'idempotent:changes', KEYS[1])
 return 1
 ";
 

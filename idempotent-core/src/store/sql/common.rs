@@ -331,6 +331,10 @@ macro_rules! sql_store_common {
                 fn transactional(&self) -> Option<&dyn std::any::Any> {
                     Some(self)
                 }
+
+                fn changes(&self) -> Option<&crate::store::Changes> {
+                    Some(&self.changes)
+                }
             }
         };
     };

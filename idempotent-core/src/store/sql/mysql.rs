@@ -100,6 +100,10 @@ pub struct MySqlStore {
     autocommit_checked: Arc<std::sync::atomic::AtomicBool>,
     /// The connections fenced writes (renewals, completes, releases) run on.
     pub(crate) fenced: Arc<super::FencedConns>,
+    /// Wakes requests waiting on a record: in process (the engines over this store), and
+    /// every 250 ms at most for answers from other instances. MySQL has no notifications, and
+    /// waiting on the record's named lock would hold a pooled connection per waiter.
+    pub(crate) changes: crate::store::Changes,
 }
 
 /// Builds a [`MySqlStore`].
@@ -107,9 +111,19 @@ pub struct MySqlStore {
 pub struct MySqlStoreBuilder {
     pool: MySqlPool,
     table: String,
+    change_poll: std::time::Duration,
 }
 
 impl MySqlStoreBuilder {
+    /// The longest a request waiting for a running duplicate's answer (a route's `wait`) goes
+    /// without looking at the store again, when no notification woke it (default 250 ms;
+    /// MySQL has no notifications: a waiter on another instance finds the answer by looking again, first after 20 ms, then at doubling pauses up to this). At least 10 ms.
+    #[must_use]
+    pub fn change_poll(mut self, every: std::time::Duration) -> Self {
+        self.change_poll = every.max(std::time::Duration::from_millis(10));
+        self
+    }
+
     /// The table's name (default `idempotency_records`), in the pool's database.
     #[must_use]
     pub fn table(mut self, table: &str) -> Self {
@@ -129,6 +143,7 @@ impl MySqlStoreBuilder {
             sent: Arc::default(),
             autocommit_checked: Arc::default(),
             fenced: Arc::new(super::FencedConns::new(true)),
+            changes: crate::store::Changes::in_process(self.change_poll),
         })
     }
 }
@@ -256,6 +271,7 @@ impl MySqlStore {
         MySqlStoreBuilder {
             pool,
             table: "idempotency_records".into(),
+            change_poll: std::time::Duration::from_millis(250),
         }
     }
 

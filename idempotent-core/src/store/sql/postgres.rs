@@ -50,6 +50,8 @@ pub struct PostgresStore {
     pub(crate) server_utf8: Arc<std::sync::atomic::AtomicBool>,
     /// The connections fenced writes (renewals, completes, releases) run on.
     pub(crate) fenced: Arc<super::FencedConns>,
+    /// Wakes requests waiting on a record: fed by a `LISTEN` connection (`pg_listen`).
+    pub(crate) changes: crate::store::Changes,
 }
 
 /// Builds a [`PostgresStore`].
@@ -58,9 +60,19 @@ pub struct PostgresStoreBuilder {
     pool: PgPool,
     schema: String,
     table: String,
+    change_poll: std::time::Duration,
 }
 
 impl PostgresStoreBuilder {
+    /// The longest a request waiting for a running duplicate's answer (a route's `wait`) goes
+    /// without looking at the store again, when no notification woke it (default 1 s;
+    /// a `LISTEN` connection wakes waiters when a record changes, so this only bounds how late a lost notification is found). At least 10 ms.
+    #[must_use]
+    pub fn change_poll(mut self, every: std::time::Duration) -> Self {
+        self.change_poll = every.max(std::time::Duration::from_millis(10));
+        self
+    }
+
     /// The schema holding the table (default `public`); created by [`PostgresStore::migrate`].
     #[must_use]
     pub fn schema(mut self, schema: &str) -> Self {
@@ -82,9 +94,12 @@ impl PostgresStoreBuilder {
     pub fn build(self) -> Result<PostgresStore, SetupError> {
         let schema = identifier(&self.schema)?;
         let name = identifier(&self.table)?;
+        let sql = Statements::new(&schema, &name);
+        let changes = super::pg_listen::changes(&self.pool, sql.channel.clone(), self.change_poll);
         Ok(PostgresStore {
             pool: self.pool,
-            sql: Arc::new(Statements::new(&schema, &name)),
+            sql: Arc::new(sql),
+            changes,
             sent: Arc::default(),
             pin_isolation: Arc::default(),
             functions_ready: Arc::default(),
@@ -99,6 +114,8 @@ pub(crate) struct Statements {
     schema: String,
     name: String,
     pub(crate) table: String,
+    /// The channel of change notifications (`pg_listen`).
+    pub(crate) channel: String,
     claim: Arc<str>,
     pub(crate) tx_read: Arc<str>,
     pub(crate) tx_claim: Arc<str>,
@@ -114,7 +131,19 @@ pub(crate) struct Statements {
 impl Statements {
     fn new(schema: &str, name: &str) -> Self {
         let t = format!("{schema}.{name}");
-        let s = |sql: &str| -> Arc<str> { sql.replace("{t}", &t).replace("{now}", NOW).into() };
+        let channel = super::pg_listen::channel(&t);
+        // Wakes the record's waiters, in this and every other instance, when the statement
+        // that changed it commits (`pg_listen`).
+        let notify = format!(
+            "SELECT pg_notify('{channel}', {}) FROM changed",
+            super::pg_listen::change_id_sql("changed.scope", "changed.key")
+        );
+        let s = |sql: &str| -> Arc<str> {
+            sql.replace("{t}", &t)
+                .replace("{now}", NOW)
+                .replace("{notify}", &notify)
+                .into()
+        };
         Statements {
             schema: schema.to_owned(),
             name: name.to_owned(),
@@ -233,13 +262,18 @@ impl Statements {
             // The claim already set expires_at to now + lease + ttl, so for a handler that
             // finishes within its lease the GREATEST leaves the indexed column unchanged and
             // the update can be HOT (no index insertions; see the fillfactor migration).
-            complete: s("UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
+            // Its notification is sent with it (one row when it applied, none when fenced out).
+            complete: s("WITH changed AS (UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
                     oversized = $7, completed_at = {now}, locked_until = NULL,
                     expires_at = GREATEST(expires_at, {now} + $8::float8 * interval '1 millisecond')
-                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}"),
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
+                RETURNING scope, key)
+                {notify}"),
             // Fenced like complete: a stale owner cannot delete the new owner's record.
-            release: s("DELETE FROM {t}
-                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}"),
+            release: s("WITH changed AS (DELETE FROM {t}
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
+                RETURNING scope, key)
+                {notify}"),
             // Fenced heartbeat; keeps the record alive at least as long as its lease. Like the
             // take-over, it never waits on the row's lock: the lock's holder is almost always
             // this execution's own complete on the two-commit path, its COMMIT on its way (or
@@ -278,6 +312,7 @@ impl Statements {
                     (extract(epoch FROM completed_at) * 1000)::int8 AS completed_at,
                     (extract(epoch FROM expires_at) * 1000)::int8 AS expires_at"),
             table: t,
+            channel,
         }
     }
 }
@@ -297,6 +332,7 @@ impl PostgresStore {
             pool,
             schema: "public".into(),
             table: "idempotency_records".into(),
+            change_poll: std::time::Duration::from_millis(1000),
         }
     }
 

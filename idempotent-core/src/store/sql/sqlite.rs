@@ -55,6 +55,10 @@ pub struct SqliteStore {
     /// The longest a single-commit transactional handler may run
     /// ([`SqliteStoreBuilder::max_transaction`]).
     pub(crate) max_transaction: Duration,
+    /// Wakes requests waiting on a record: in process (the engines over this store), and
+    /// every 250 ms at most for answers from other processes on the file (SQLite has no
+    /// notifications).
+    pub(crate) changes: crate::store::Changes,
 }
 
 /// The order in which this process's transactional executions take SQLite's one write lock,
@@ -90,9 +94,19 @@ pub struct SqliteStoreBuilder {
     clock: Option<String>,
     queue: Option<Duration>,
     max_transaction: Duration,
+    change_poll: std::time::Duration,
 }
 
 impl SqliteStoreBuilder {
+    /// The longest a request waiting for a running duplicate's answer (a route's `wait`) goes
+    /// without looking at the store again, when no notification woke it (default 250 ms;
+    /// waiters in this process are woken at once; one in another process on the file finds the answer by looking again, first after 20 ms, then at doubling pauses up to this). At least 10 ms.
+    #[must_use]
+    pub fn change_poll(mut self, every: std::time::Duration) -> Self {
+        self.change_poll = every.max(std::time::Duration::from_millis(10));
+        self
+    }
+
     /// The table's name (default `idempotency_records`).
     #[must_use]
     pub fn table(mut self, table: &str) -> Self {
@@ -191,6 +205,7 @@ impl SqliteStoreBuilder {
                 self.queue
                     .map(|wait| (Arc::new(tokio::sync::Semaphore::new(1)), wait)),
             ),
+            changes: crate::store::Changes::in_process(self.change_poll),
         })
     }
 }
@@ -302,6 +317,7 @@ impl SqliteStore {
             clock: None,
             queue: None,
             max_transaction: DEFAULT_BUSY_TIMEOUT,
+            change_poll: std::time::Duration::from_millis(250),
         }
     }
 

@@ -1,0 +1,126 @@
+//! The PostgreSQL store's change notifications: its complete and release statements (and the
+//! transactional complete-and-commit batch) send `pg_notify(channel, id)` themselves, delivered
+//! when they commit; one `LISTEN` connection per store, started by the first waiter and kept
+//! while anyone waits, feeds the store's [`Changes`] hub.
+//!
+//! The listener's connection is its own (a one-connection pool with the store pool's
+//! options), so it never takes a connection from the pool the handlers use. When that
+//! connection is lost (the server restarted, `pg_terminate_backend`), the listener connects
+//! again and wakes every waiter: notifications sent meanwhile are lost, so everyone looks
+//! again.
+
+use crate::store::changes::ListenerHandle;
+use crate::store::{ChangeId, Changes};
+use sha2::{Digest, Sha256};
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use std::time::Duration;
+
+/// The longest the listener waits for a message before it checks whether its store is gone
+/// and whether anyone still waits.
+const CHECK_EVERY: Duration = Duration::from_secs(5);
+/// How long a listener nobody needs stays connected.
+const IDLE_FOR: Duration = Duration::from_secs(60);
+/// The pause before connecting again after a failure.
+const RECONNECT_AFTER: Duration = Duration::from_millis(200);
+
+/// The notification channel of the table `table` (schema-qualified): `idempotent_` and 20 hex
+/// digits of its SHA-256, short of PostgreSQL's 63-byte identifier limit for any table name.
+pub(crate) fn channel(table: &str) -> String {
+    let digest = Sha256::digest(table.as_bytes());
+    let hex: String = digest[..10].iter().map(|b| format!("{b:02x}")).collect();
+    format!("idempotent_{hex}")
+}
+
+/// SQL computing a record's [`ChangeId`](crate::store::ChangeId) in hex from the scope and
+/// key expressions `scope` and `key` (the same bytes [`ChangeId::of`](crate::store::ChangeId::of)
+/// hashes: the scope's UTF-8 length in decimal, `:`, the scope, the key).
+pub(crate) fn change_id_sql(scope: &str, key: &str) -> String {
+    format!(
+        "left(encode(sha256(convert_to(octet_length(convert_to({scope}, 'UTF8'))::text || ':' || {scope} || {key}, 'UTF8')), 'hex'), 32)"
+    )
+}
+
+/// The hub of a store on `pool` notified on `channel`.
+pub(crate) fn changes(pool: &PgPool, channel: String, poll_cap: Duration) -> Changes {
+    let options = (*pool.connect_options()).clone();
+    Changes::with_listener(poll_cap, ChangeId::of, move |handle| {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .test_before_acquire(false)
+            .connect_lazy_with(options.clone());
+        tokio::spawn(listen(pool, channel.clone(), handle));
+    })
+}
+
+/// Runs a store's listener until its store is gone or nobody has waited for [`IDLE_FOR`].
+async fn listen(pool: PgPool, channel: String, handle: ListenerHandle) {
+    let mut idle_since: Option<tokio::time::Instant> = None;
+    'connect: loop {
+        if handle.store_gone() {
+            return;
+        }
+        let mut listener = match connect(&pool, &channel).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(error = %error, "idempotency: the PostgreSQL change listener could not connect; waiters poll meanwhile");
+                if !handle.anyone_waits() {
+                    return;
+                }
+                tokio::time::sleep(RECONNECT_AFTER).await;
+                continue;
+            }
+        };
+        // Whatever was sent before LISTEN took effect is unknown: everyone looks again.
+        handle.connected();
+        loop {
+            match tokio::time::timeout(CHECK_EVERY, listener.try_recv()).await {
+                Ok(Ok(Some(notification))) => handle.received(notification.payload()),
+                // The connection was lost and made again (eager reconnect): look again.
+                Ok(Ok(None)) => handle.connected(),
+                Ok(Err(error)) => {
+                    tracing::warn!(error = %error, "idempotency: the PostgreSQL change listener lost its connection; connecting again");
+                    drop(listener);
+                    tokio::time::sleep(RECONNECT_AFTER).await;
+                    continue 'connect;
+                }
+                Err(_) => {}
+            }
+            if handle.store_gone() {
+                return;
+            }
+            if handle.anyone_waits() {
+                idle_since = None;
+            } else if idle_since
+                .get_or_insert_with(tokio::time::Instant::now)
+                .elapsed()
+                >= IDLE_FOR
+            {
+                return;
+            }
+        }
+    }
+}
+
+async fn connect(pool: &PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(channel).await?;
+    Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn channels_are_short_identifiers_per_table() {
+        let a = channel("public.idempotency_records");
+        assert!(a.len() <= 63 && a.starts_with("idempotent_"));
+        assert!(
+            a.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        );
+        assert_ne!(a, channel("other.idempotency_records"));
+        assert_eq!(channel(&"x".repeat(200)).len(), 31);
+    }
+}
