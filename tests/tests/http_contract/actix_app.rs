@@ -275,6 +275,28 @@ async fn derive(
     HttpResponse::build(status).body(idem.derive("payment-provider").to_string())
 }
 
+/// A slow charge whose duplicates wait 5 s for its answer (`waits`).
+#[idempotent(scope = "account_id", lease = "10s", wait = "5s")]
+async fn waited(
+    app: web::Data<App>,
+    AccountId(account_id): AccountId,
+    v: web::Json<Value>,
+) -> HttpResponse {
+    let (status, body) = crate::waits::work(&app, &account_id, &v).await;
+    HttpResponse::build(StatusCode::from_u16(status).unwrap()).json(body)
+}
+
+/// The same, waiting as the configuration says.
+#[idempotent(scope = "account_id", lease = "10s")]
+async fn waited_by_default(
+    app: web::Data<App>,
+    AccountId(account_id): AccountId,
+    v: web::Json<Value>,
+) -> HttpResponse {
+    let (status, body) = crate::waits::work(&app, &account_id, &v).await;
+    HttpResponse::build(StatusCode::from_u16(status).unwrap()).json(body)
+}
+
 fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/charges", web::post().to(create_charge))
         .route("/v1/charges", web::get().to(list))
@@ -297,7 +319,9 @@ fn routes(cfg: &mut web::ServiceConfig) {
         .route("/tx/postgres", web::post().to(tx_postgres))
         .route("/tx/mysql", web::post().to(tx_mysql))
         .route("/derive", web::post().to(derive))
-        .route("/derive", web::get().to(derive));
+        .route("/derive", web::get().to(derive))
+        .route("/wait", web::post().to(waited))
+        .route("/wait/default", web::post().to(waited_by_default));
 }
 
 /// Serves the routes on 127.0.0.1 in a thread of its own (an actix system with one worker),

@@ -289,6 +289,28 @@ async fn tx_mysql(
     status_of(&v)
 }
 
+/// A slow charge whose duplicates wait 5 s for its answer (`waits`).
+#[idempotent(scope = "account_id", lease = "10s", wait = "5s")]
+async fn waited(
+    State(app): State<App>,
+    AccountId(account_id): AccountId,
+    Json(v): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let (status, body) = crate::waits::work(&app, &account_id, &v).await;
+    (StatusCode::from_u16(status).unwrap(), Json(body))
+}
+
+/// The same, waiting as the configuration says.
+#[idempotent(scope = "account_id", lease = "10s")]
+async fn waited_by_default(
+    State(app): State<App>,
+    AccountId(account_id): AccountId,
+    Json(v): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let (status, body) = crate::waits::work(&app, &account_id, &v).await;
+    (StatusCode::from_u16(status).unwrap(), Json(body))
+}
+
 fn router(app: &App, idempotency: &Idempotency) -> Router {
     let nested = Router::new().route("/orders/{order}/refund", post(refund_order));
     Router::new()
@@ -312,6 +334,8 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
         .route("/tx/postgres", post(tx_postgres))
         .route("/tx/mysql", post(tx_mysql))
         .route("/derive", post(derive).get(derive))
+        .route("/wait", post(waited))
+        .route("/wait/default", post(waited_by_default))
         .layer(idempotency.layer())
         // Outside the idempotency layer, as an application would put it: the fingerprint
         // sees the decoded body.

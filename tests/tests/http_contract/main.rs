@@ -25,6 +25,7 @@ mod hostile;
 mod parity;
 mod streams;
 mod transactional;
+mod waits;
 mod wire;
 
 use idempotent_core::http::{Config, ConfigBuilder};
@@ -399,4 +400,27 @@ on_both!(
     hostile::scope_and_key_values_never_collide,
     hostile::function_namespaces_are_no_caller_identity,
     hostile::one_caller_cannot_fill_the_memory_store,
+    waits::waits_on_memory,
+    waits::waits_on_sqlite,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    waits::waits_on_postgres,
+    #[cfg_attr(
+        not(mysql_db),
+        ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+    )]
+    waits::waits_on_mysql,
+    #[cfg_attr(
+        not(redis_standalone),
+        ignore = "set REDIS_URL=redis://… to run the Redis tests"
+    )]
+    waits::waits_on_redis_standalone,
+    #[cfg_attr(
+        not(redis_cluster),
+        ignore = "set REDIS_CLUSTER_URL=redis+cluster://host:port,… to run the Redis Cluster tests"
+    )]
+    waits::waits_on_redis_cluster,
+    waits::waits_end_at_deadlines_bounds_and_departures,
 );
