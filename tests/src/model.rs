@@ -39,6 +39,12 @@
 //!   MySQL's `wait_timeout`), after which its commit fails.
 //! - a client that gives up: every schedule in which it sends nothing more is explored (its
 //!   requests are steps it may or may not take), so giving up needs no step of its own.
+//! - **waiting duplicates** (with [`ProtocolModel::wait`]): a request that meets the record in
+//!   progress waits at its server instead of a 409. It wakes at any step (a notification, a
+//!   lost one and the capped poll, the lease's end: every schedule is explored) and claims
+//!   again, answering with what that claim finds (the stored response, or running the handler
+//!   after a release or a lapsed lease), or gives up at its deadline (409); its server can be
+//!   killed while it waits.
 //!
 //! The record's ttl is not modelled: a key used after its record expired is a new request by
 //! definition, so no invariant below spans it.
@@ -47,7 +53,8 @@
 //! [`STORED_NEVER_CHANGES`], [`REPLAY_EQUALS_STORED`], [`FENCED_WRITES_NEVER_LAND`],
 //! [`NO_CLAIM_AFTER_STORED`], [`TAKEOVER_ONLY_AFTER_A_LEASE`], [`COMMITS_AT_MOST_ONCE`]
 //! (transactional modes), [`OVERLAP_ONLY_AFTER_LOST_LEASE`],
-//! [`NO_LEASE_LOST_TO_A_SILENT_RENEWAL`], and [`RUNS_NEVER_OVERLAP`]: the
+//! [`NO_LEASE_LOST_TO_A_SILENT_RENEWAL`], [`WAITERS_ANSWER_ONLY_THE_STORED`], and
+//! [`RUNS_NEVER_OVERLAP`]: the
 //! last one fails, by design, in one way only, an owner frozen past its lease whose lease is
 //! taken over (plain, two commits) or whose transaction the database ends (single commit) while
 //! it still runs or has yet to start (documented in SECURITY.md); in the transactional modes
@@ -78,6 +85,12 @@ pub const RUNS_NEVER_OVERLAP: &str = "executions never overlap";
 /// on that attempt and renews on another connection while the lease still runs.
 pub const NO_LEASE_LOST_TO_A_SILENT_RENEWAL: &str =
     "no lease is lost to a renewal that never answered";
+/// A waiting duplicate is answered only with the record's stored response (or runs the
+/// handler under a claim of its own): never with a response that is not the record's.
+pub const WAITERS_ANSWER_ONLY_THE_STORED: &str =
+    "a waiter is answered only with the stored response";
+/// Reachable with waits: a waiter gets the stored response.
+pub const SOME_WAITER_REPLAYS: &str = "a waiter gets the stored response";
 /// Reachable (a `sometimes` property): a client gets a replay.
 pub const SOME_REPLAY: &str = "a client gets a replay";
 /// Reachable in plain and two-commit mode: a claim takes over a record.
@@ -118,6 +131,9 @@ pub enum SeededBug {
     /// A renewal waits for its answer with no bound (the heartbeat before issue 49): one that
     /// never answers holds the heartbeat for good while the handler runs on.
     UnboundedRenewal,
+    /// A woken waiter answers with the response of the execution whose end woke it, without
+    /// claiming again (trusting the notification, not the store).
+    WaiterTrustsTheNotification,
 }
 
 /// The model's bounds and variant.
@@ -135,6 +151,9 @@ pub struct ProtocolModel {
     pub crashes: u8,
     /// A bug put in on purpose, or none.
     pub bug: Option<SeededBug>,
+    /// How long a duplicate that meets the record in progress waits, in ticks (0: a 409 at
+    /// once).
+    pub wait: u8,
 }
 
 impl ProtocolModel {
@@ -148,7 +167,14 @@ impl ProtocolModel {
             attempts: 3,
             crashes: 2,
             bug: None,
+            wait: 0,
         }
+    }
+
+    /// The same model with duplicates that wait `wait` ticks for the first's answer.
+    pub fn with_wait(mut self, wait: u8) -> Self {
+        self.wait = wait;
+        self
     }
 
     /// The same model with `bug` put in.
@@ -196,6 +222,13 @@ pub enum Server {
         /// Its heartbeat waits for a renewal, sent while its lease still ran, that will never
         /// answer (only with [`SeededBug::UnboundedRenewal`]).
         stuck: bool,
+    },
+    /// A duplicate of `client`'s request waits for the running attempt's answer until `until`.
+    Waiting {
+        /// The client whose request waits.
+        client: u8,
+        /// The tick of its deadline.
+        until: u8,
     },
 }
 
@@ -250,6 +283,12 @@ pub struct State {
     pub took_over: bool,
     /// Ghost: an owner whose heartbeat waited on a silent renewal lost its lease.
     pub lost_to_silent_renewal: bool,
+    /// Ghost: the execution that finished last (stored or released), for the seeded bug.
+    pub last_finished: Option<u8>,
+    /// Ghost: a waiter was answered with something other than the stored response.
+    pub waiter_bad_answer: bool,
+    /// Ghost: a waiter got the stored response.
+    pub waiter_replayed: bool,
 }
 
 /// One step.
@@ -290,6 +329,10 @@ pub enum Action {
     Crash(u8),
     /// Single commit: the database ends `server`'s transaction, which outlived its lease.
     KillTransaction(u8),
+    /// The duplicate waiting at `server` wakes and claims again.
+    Wake(u8),
+    /// The duplicate waiting at `server` reaches its deadline: a 409.
+    Deadline(u8),
 }
 
 impl ProtocolModel {
@@ -311,22 +354,61 @@ impl ProtocolModel {
 
     fn request(&self, s: &mut State, client: u8, server: u8, lost: bool) {
         s.clients[client as usize].sent += 1;
+        self.claim(s, client, server, lost);
+    }
+
+    /// A waiter at `server` wakes.
+    fn wake(&self, s: &mut State, server: u8) {
+        let Server::Waiting { client, .. } = s.servers[server as usize] else {
+            return;
+        };
+        if self.bug == Some(SeededBug::WaiterTrustsTheNotification)
+            && let Some(finished) = s.last_finished
+        {
+            // Answered with what the notification named, the store unread.
+            s.servers[server as usize] = Server::Idle;
+            if s.record.and_then(|r| r.done) != Some(finished) {
+                s.waiter_bad_answer = true;
+            }
+            let c = &mut s.clients[client as usize];
+            c.answer = c.answer.or(Some(finished));
+            return;
+        }
+        self.claim(s, client, server, false);
+    }
+
+    /// `client`'s request (new, or a woken waiter's) claims at `server`.
+    fn claim(&self, s: &mut State, client: u8, server: u8, lost: bool) {
         let claimed_token = s.next_token;
+        let waiter = matches!(s.servers[server as usize], Server::Waiting { .. });
         match s.record {
             Some(rec) if rec.done.is_some() && !self.takes_done(server) => {
                 // A replay: the client gets the stored response.
                 let stored = rec.done;
                 if stored != s.first_stored {
                     s.bad_replay = true;
+                    s.waiter_bad_answer |= waiter;
                 }
                 s.replayed = true;
+                s.waiter_replayed |= waiter;
+                s.servers[server as usize] = Server::Idle;
                 if !lost {
                     let c = &mut s.clients[client as usize];
                     c.answer = c.answer.or(stored);
                 }
                 return;
             }
-            Some(rec) if !self.claimable(&rec, s.now, server) => return, // 409
+            Some(rec) if !self.claimable(&rec, s.now, server) => {
+                // In progress: a 409, or (with a wait) waiting until the deadline.
+                if self.wait > 0 && !lost {
+                    let until = match s.servers[server as usize] {
+                        Server::Waiting { until, .. } => until,
+                        _ => s.now + self.wait,
+                    };
+                    s.servers[server as usize] = Server::Waiting { client, until };
+                }
+                return;
+            }
             Some(rec) => {
                 s.took_over = true;
                 // A take-over: the old owner, if it still holds the claim, loses its lease.
@@ -413,6 +495,7 @@ impl ProtocolModel {
             return;
         };
         s.servers[server as usize] = Server::Idle;
+        s.last_finished = Some(exec);
         let transactional = self.mode != Mode::Plain;
         if !store {
             // A releasing outcome: the transaction (if any) rolls back; the fenced release
@@ -502,6 +585,9 @@ impl Model for ProtocolModel {
             replayed: false,
             took_over: false,
             lost_to_silent_renewal: false,
+            last_finished: None,
+            waiter_bad_answer: false,
+            waiter_replayed: false,
         }]
     }
 
@@ -529,6 +615,16 @@ impl Model for ProtocolModel {
             }
         }
         for (srv, server) in (0u8..).zip(&s.servers) {
+            if let Server::Waiting { until, .. } = *server {
+                actions.push(Action::Wake(srv));
+                if s.now >= until {
+                    actions.push(Action::Deadline(srv));
+                }
+                if s.crashed < self.crashes {
+                    actions.push(Action::Crash(srv));
+                }
+                continue;
+            }
             let Server::Running {
                 started,
                 wrote,
@@ -634,6 +730,8 @@ impl Model for ProtocolModel {
                 }
                 s.servers[server as usize] = Server::Idle;
             }
+            Action::Wake(server) => self.wake(&mut s, server),
+            Action::Deadline(server) => s.servers[server as usize] = Server::Idle,
             Action::KillTransaction(server) => {
                 if let Server::Running { token, .. } = s.servers[server as usize] {
                     self.lose_lease(&mut s, token);
@@ -675,7 +773,16 @@ impl Model for ProtocolModel {
             Property::always(NO_LEASE_LOST_TO_A_SILENT_RENEWAL, |_: &Self, s: &State| {
                 !s.lost_to_silent_renewal
             }),
+            Property::always(WAITERS_ANSWER_ONLY_THE_STORED, |_: &Self, s: &State| {
+                !s.waiter_bad_answer
+            }),
         ];
+        if self.wait > 0 {
+            properties.push(Property::sometimes(
+                SOME_WAITER_REPLAYS,
+                |_: &Self, s: &State| s.waiter_replayed,
+            ));
+        }
         properties.push(Property::sometimes(SOME_REPLAY, |_: &Self, s: &State| {
             s.replayed
         }));
@@ -707,7 +814,7 @@ pub fn representative(s: &State) -> State {
         let mut t = s.clone();
         t.clients.swap(0, 1);
         for server in &mut t.servers {
-            if let Server::Running { client, .. } = server {
+            if let Server::Running { client, .. } | Server::Waiting { client, .. } = server {
                 *client = 1 - *client;
             }
         }

@@ -6,8 +6,9 @@
 use idempotent_tests::model::{
     Action, COMMITS_AT_MOST_ONCE, FENCED_WRITES_NEVER_LAND, Mode, NO_CLAIM_AFTER_STORED,
     NO_LEASE_LOST_TO_A_SILENT_RENEWAL, OVERLAP_ONLY_AFTER_LOST_LEASE, ProtocolModel,
-    REPLAY_EQUALS_STORED, RUNS_NEVER_OVERLAP, SOME_REPLAY, SOME_TAKEOVER, STORED_NEVER_CHANGES,
-    SeededBug, Server, State, TAKEOVER_ONLY_AFTER_A_LEASE, any_lost, representative, running,
+    REPLAY_EQUALS_STORED, RUNS_NEVER_OVERLAP, SOME_REPLAY, SOME_TAKEOVER, SOME_WAITER_REPLAYS,
+    STORED_NEVER_CHANGES, SeededBug, Server, State, TAKEOVER_ONLY_AFTER_A_LEASE,
+    WAITERS_ANSWER_ONLY_THE_STORED, any_lost, representative, running,
 };
 use stateright::{Checker, HasDiscoveries, Model, Path};
 
@@ -44,7 +45,12 @@ fn check_until(model: ProtocolModel, until: HasDiscoveries) -> impl Checker<Prot
 
 /// The model of `mode` checked, with every property of [`SAFE`] asserted to hold.
 fn checked_safe(mode: Mode) -> impl Checker<ProtocolModel> {
-    let checker = check(ProtocolModel::bounded(mode));
+    checked_safe_model(ProtocolModel::bounded(mode))
+}
+
+/// `model` checked, with every property of [`SAFE`] asserted to hold.
+fn checked_safe_model(model: ProtocolModel) -> impl Checker<ProtocolModel> {
+    let checker = check(model);
     for property in SAFE {
         checker.assert_no_discovery(property);
     }
@@ -52,7 +58,8 @@ fn checked_safe(mode: Mode) -> impl Checker<ProtocolModel> {
 }
 
 /// The invariants that hold in every mode.
-const SAFE: [&str; 7] = [
+const SAFE: [&str; 8] = [
+    WAITERS_ANSWER_ONLY_THE_STORED,
     STORED_NEVER_CHANGES,
     REPLAY_EQUALS_STORED,
     FENCED_WRITES_NEVER_LAND,
@@ -154,6 +161,43 @@ fn single_commit_commits_once_even_when_a_frozen_owner_loses_its_transaction() {
         .expect("a frozen owner's transaction ended by the database lets a retry run");
     let shown = assert_frozen_owner(Mode::SingleCommit, &overlap);
     assert!(shown.contains("KillTransaction"), "{shown}");
+}
+
+/// Duplicates that wait for the first's answer (a wait as long as the lease, the longest
+/// allowed): a waiter is answered only with the stored response, the other invariants hold as
+/// without waits, and a waiter does get the stored response; a waiter that trusts the
+/// notification instead of claiming again is caught.
+#[test]
+fn waiting_duplicates_answer_only_the_stored_response() {
+    for mode in [Mode::Plain, Mode::TwoCommits] {
+        // Two requests per client (a waiter is a retry that stays): every waiter outcome
+        // (replay, running after a release or a lapsed lease, deadline, its server killed)
+        // is reached with two; three multiplied the states by 7 and the time by 8 (29 s).
+        let model = ProtocolModel {
+            attempts: 2,
+            ..ProtocolModel::bounded(mode)
+        }
+        .with_wait(2);
+        let checker = checked_safe_model(model);
+        assert!(checker.discovery(SOME_WAITER_REPLAYS).is_some(), "{mode:?}");
+        if mode == Mode::TwoCommits {
+            checker.assert_no_discovery(COMMITS_AT_MOST_ONCE);
+        }
+        let found = ProtocolModel::bounded(mode)
+            .with_wait(2)
+            .with_bug(SeededBug::WaiterTrustsTheNotification)
+            .checker()
+            .finish_when(HasDiscoveries::AnyOf(
+                [WAITERS_ANSWER_ONLY_THE_STORED].into(),
+            ))
+            .spawn_bfs()
+            .join()
+            .discovery(WAITERS_ANSWER_ONLY_THE_STORED)
+            .map(|path| show(&path.into_actions()));
+        let found =
+            found.unwrap_or_else(|| panic!("the seeded waiter bug was not found in {mode:?}"));
+        eprintln!("WaiterTrustsTheNotification in {mode:?}: {found}");
+    }
 }
 
 /// Bugs put in on purpose: each is found, as a counterexample of the invariant it breaks.
