@@ -38,6 +38,11 @@ pub struct Args {
     /// How long the "payment provider" takes per charge.
     #[arg(long, default_value = "0ms", value_parser = charges::parse_delay)]
     pub work_delay: Duration,
+    /// How long a retry that arrives while the first attempt still runs waits for that
+    /// attempt's answer (then replays it) before it gets 409; at most `--lease`. Default
+    /// none (plain) or 50 ms (transactional).
+    #[arg(long, value_parser = charges::parse_delay)]
+    pub wait: Option<Duration>,
     /// Transactional mode (SQLite, PostgreSQL, MySQL): `single` (the claim, the charge and the stored
     /// response in one commit) or `two` (the claim commits first). Default: single.
     #[arg(long, value_parser = parse_commit)]
@@ -202,6 +207,9 @@ pub async fn start<T: From<Config>>(
     let mut config = ConfigBuilder::<T>::new(engine);
     if let Some(commit) = args.commit {
         config = config.commit_path(commit);
+    }
+    if let Some(wait) = args.wait {
+        config = config.wait(wait).transaction_wait(wait);
     }
     let idempotency = config.build().map_err(|e| {
         eprintln!("{name}: invalid configuration: {e}");

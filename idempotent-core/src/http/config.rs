@@ -233,6 +233,7 @@ impl<T: From<Config>> ConfigBuilder<T> {
         let c = self.config;
         check_ttl_and_lease(c.ttl, c.engine.lease())?;
         crate::engine::check_wait(c.wait, c.engine.lease())?;
+        crate::engine::check_wait(c.tx_wait, c.engine.lease())?;
         if c.max_response == 0 {
             return Err(ConfigError::ZeroSize {
                 what: "max_response",
