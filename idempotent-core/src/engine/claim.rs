@@ -190,6 +190,7 @@ impl Engine {
                     // changed (and its notification gone out) before the watch began.
                     Some(waiter) => {
                         waiting = Some(waiter);
+                        self.inner.changes().announce(&key).await;
                         continue;
                     }
                     None => return begin,

@@ -268,6 +268,42 @@ mod tests {
         assert_eq!(ends, ["ran", "replayed"]);
     }
 
+    /// The first attempt's process dies (its execution dropped: no heartbeat, no answer):
+    /// a waiter whose wait ends before the lease does gets "in progress" at its deadline; one
+    /// whose wait outlasts the lease takes the record over and runs; neither hangs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_first_attempt_ends_waits_at_the_deadline_or_the_lease() {
+        let engine = Engine::new(MemoryStore::new());
+        let policy = Policy {
+            lease: Duration::from_millis(600),
+            wait: Duration::from_millis(200),
+            ..Policy::default()
+        };
+        let Begin::Claimed(first) = engine.begin(request("dead"), &policy).await else {
+            panic!("the first claims")
+        };
+        drop(first);
+        let started = tokio::time::Instant::now();
+        let short = engine.begin(request("dead"), &policy).await;
+        assert!(matches!(short, Begin::InProgress { .. }), "{short:?}");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        let long = Policy {
+            wait: Duration::from_millis(600),
+            ..policy
+        };
+        let taken =
+            tokio::time::timeout(Duration::from_secs(5), engine.begin(request("dead"), &long))
+                .await
+                .expect("the waiter hung");
+        assert!(matches!(taken, Begin::Claimed(_)), "{taken:?}");
+        // It took the record over once the lease ended (600 ms after the claim).
+        assert!(
+            started.elapsed() >= Duration::from_millis(390),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deadlines_bounds_and_dropped_waits() {
         let engine = Engine::builder(MemoryStore::new())

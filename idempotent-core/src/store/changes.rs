@@ -102,9 +102,16 @@ pub struct Changes {
 /// How a store names a record in its notifications.
 type IdOf = dyn Fn(&RecordKey) -> ChangeId + Send + Sync;
 
+/// What a store does when a request starts waiting on a record (PostgreSQL marks it, so its
+/// complete notifies).
+type Announce = dyn Fn(&RecordKey) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+    + Send
+    + Sync;
+
 struct Hub {
     keys: Mutex<HashMap<ChangeId, watch::Sender<()>>>,
     id_of: Box<IdOf>,
+    announce: Option<Box<Announce>>,
     poll_cap: Duration,
     listener: Option<Box<StartListener>>,
     /// Whether a listener task runs (set by the task's guard; cleared when it ends, however).
@@ -144,10 +151,35 @@ impl Changes {
             hub: Arc::new(Hub {
                 keys: Mutex::default(),
                 id_of,
+                announce: None,
                 poll_cap,
                 listener,
                 listening: AtomicBool::new(false),
             }),
+        }
+    }
+
+    /// What the store does when a request starts waiting on a record; set while the hub is
+    /// being built.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn with_announce(
+        mut self,
+        announce: impl Fn(&RecordKey) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        if let Some(hub) = Arc::get_mut(&mut self.hub) {
+            hub.announce = Some(Box::new(announce));
+        }
+        self
+    }
+
+    /// Tells the store that a request now waits on `key`'s record (after it watches it, and
+    /// before it looks at the store again).
+    pub async fn announce(&self, key: &RecordKey) {
+        if let Some(announce) = &self.hub.announce {
+            announce(key).await;
         }
     }
 

@@ -251,13 +251,22 @@ impl TxDatabase for sqlx::Postgres {
                 ));
             }
         }
-        // The record's waiters, here and in other instances, wake when this commits.
-        sql.push_str(&format!(
-            ", {}::float8);\nSELECT pg_notify('{}', '{}');\nCOMMIT;\nBEGIN",
-            millis(ttl),
-            store.sql.channel,
-            crate::store::ChangeId::of(key).to_hex()
-        ));
+        sql.push_str(&format!(", {}::float8);\n", millis(ttl)));
+        if store.marks.present(&store.pool).await {
+            // The record's waiters, here and in other instances, wake when this commits (if
+            // any marked it).
+            sql.push_str(&format!(
+                "SELECT pg_notify('{}', '{}') FROM {} WHERE scope = ",
+                store.sql.channel,
+                crate::store::ChangeId::of(key).to_hex(),
+                store.sql.table
+            ));
+            push_text(&mut sql, key.scope.as_str(), utf8(store));
+            sql.push_str(" AND key = ");
+            push_text(&mut sql, key.key.as_str(), utf8(store));
+            sql.push_str(" AND waited;\n");
+        }
+        sql.push_str("COMMIT;\nBEGIN");
         store.sent.bump();
         match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
             // `tx` is dropped: the ROLLBACK of the empty transaction is queued.

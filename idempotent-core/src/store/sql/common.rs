@@ -223,9 +223,10 @@ macro_rules! sql_store_common {
                     } else {
                         0
                     };
+                    let sql = self.complete_sql().await;
                     loop {
                         let done = self
-                            .complete_query(&self.sql.complete, key, token, outcome, ttl)
+                            .complete_query(&sql, key, token, outcome, ttl)
                             .execute(&mut *conn)
                             .await
                             .map_err(db_error);
@@ -272,12 +273,13 @@ macro_rules! sql_store_common {
                     token: LeaseToken,
                 ) -> Result<(), StoreError> {
                     let mut conflicts = 0;
+                    let sql = self.release_sql().await;
                     loop {
                         self.sent.bump();
                         let done = self
                             .fenced
                             .run(&self.pool, async |conn| {
-                                sqlx::query(q(&self.sql.release))
+                                sqlx::query(q(&sql))
                                     .bind(key.scope.as_str())
                                     .bind(key.key.as_str())
                                     .bind(token.as_uuid())

@@ -258,6 +258,16 @@ impl Statements {
 }
 
 impl MySqlStore {
+    /// The complete statement (the same every time here; PostgreSQL's depends on its table).
+    async fn complete_sql(&self) -> Arc<str> {
+        Arc::clone(&self.sql.complete)
+    }
+
+    /// The release statement (see [`Self::complete_sql`]).
+    async fn release_sql(&self) -> Arc<str> {
+        Arc::clone(&self.sql.release)
+    }
+
     /// A store on `pool` with the default table (`idempotency_records`).
     ///
     /// # Errors

@@ -10,10 +10,80 @@
 //! again.
 
 use crate::store::changes::ListenerHandle;
+use crate::store::record::RecordKey;
 use crate::store::{ChangeId, Changes};
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
+
+/// Whether the table has the `waited` column (migration 4) that gates the notifications, found
+/// once per store (and again after [`PostgresStore::migrate`](crate::PostgresStore::migrate)).
+/// Without it, completes and releases notify nobody and waiters mark nothing: other instances'
+/// waiters find answers by polling, and a warning says to run the migrations.
+#[derive(Debug)]
+pub(crate) struct Marks {
+    /// 0 unknown, 1 present, 2 absent.
+    state: AtomicU8,
+    /// [`PostgresStoreBuilder::notify_changes`](crate::store::PostgresStoreBuilder::notify_changes).
+    on: bool,
+    schema: String,
+    name: String,
+}
+
+impl Marks {
+    pub(crate) fn new(on: bool, schema: &str, name: &str) -> Self {
+        Marks {
+            state: AtomicU8::new(0),
+            on,
+            schema: schema.to_owned(),
+            name: name.to_owned(),
+        }
+    }
+
+    /// Whether completes and releases notify (the column is there, notifications are on).
+    pub(crate) async fn present(&self, pool: &PgPool) -> bool {
+        if !self.on {
+            return false;
+        }
+        match self.state.load(Ordering::Acquire) {
+            1 => return true,
+            2 => return false,
+            _ => {}
+        }
+        let found: Result<bool, sqlx::Error> = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+             WHERE table_schema = $1 AND table_name = $2 AND column_name = 'waited')",
+        )
+        .bind(&self.schema)
+        .bind(&self.name)
+        .fetch_one(pool)
+        .await;
+        match found {
+            Ok(true) => {
+                self.state.store(1, Ordering::Release);
+                true
+            }
+            Ok(false) => {
+                if self.state.swap(2, Ordering::AcqRel) != 2 {
+                    tracing::warn!(
+                        table = %format!("{}.{}", self.schema, self.name),
+                        "idempotency: the table has no `waited` column (run PostgresStore::migrate): requests waiting for another instance's answer find it by polling only"
+                    );
+                }
+                false
+            }
+            // Unknown for now: quiet this time, asked again next time.
+            Err(_) => false,
+        }
+    }
+
+    /// Forget what was found (the migrations just ran).
+    pub(crate) fn recheck(&self) {
+        self.state.store(0, Ordering::Release);
+    }
+}
 
 /// The longest the listener waits for a message before it checks whether its store is gone
 /// and whether anyone still waits.
@@ -40,9 +110,17 @@ pub(crate) fn change_id_sql(scope: &str, key: &str) -> String {
     )
 }
 
-/// The hub of a store on `pool` notified on `channel`.
-pub(crate) fn changes(pool: &PgPool, channel: String, poll_cap: Duration) -> Changes {
+/// The hub of a store on `pool` notified on `channel`; a waiter marks its record with
+/// `mark_waited` (the statement), so that its complete or release notifies.
+pub(crate) fn changes(
+    pool: &PgPool,
+    channel: String,
+    poll_cap: Duration,
+    marks: Arc<Marks>,
+    mark_waited: Arc<str>,
+) -> Changes {
     let options = (*pool.connect_options()).clone();
+    let pool = pool.clone();
     Changes::with_listener(poll_cap, ChangeId::of, move |handle| {
         let pool = PgPoolOptions::new()
             .max_connections(1)
@@ -50,6 +128,24 @@ pub(crate) fn changes(pool: &PgPool, channel: String, poll_cap: Duration) -> Cha
             .test_before_acquire(false)
             .connect_lazy_with(options.clone());
         tokio::spawn(listen(pool, channel.clone(), handle));
+    })
+    .with_announce(move |key: &RecordKey| {
+        let (pool, marks, sql) = (pool.clone(), Arc::clone(&marks), Arc::clone(&mark_waited));
+        let (scope, key) = (key.scope.as_str().to_owned(), key.key.as_str().to_owned());
+        Box::pin(async move {
+            if !marks.present(&pool).await {
+                return;
+            }
+            let marked = sqlx::query(sqlx::AssertSqlSafe(&*sql))
+                .bind(scope)
+                .bind(key)
+                .execute(&pool)
+                .await;
+            if let Err(error) = marked {
+                // Its answer then reaches it by polling.
+                tracing::debug!(error = %error, "idempotency: marking a record waited on failed");
+            }
+        })
     })
 }
 

@@ -52,6 +52,8 @@ pub struct PostgresStore {
     pub(crate) fenced: Arc<super::FencedConns>,
     /// Wakes requests waiting on a record: fed by a `LISTEN` connection (`pg_listen`).
     pub(crate) changes: crate::store::Changes,
+    /// Whether completes and releases notify (the `waited` column is there).
+    pub(crate) marks: Arc<super::pg_listen::Marks>,
 }
 
 /// Builds a [`PostgresStore`].
@@ -61,6 +63,7 @@ pub struct PostgresStoreBuilder {
     schema: String,
     table: String,
     change_poll: std::time::Duration,
+    notify_changes: bool,
 }
 
 impl PostgresStoreBuilder {
@@ -70,6 +73,18 @@ impl PostgresStoreBuilder {
     #[must_use]
     pub fn change_poll(mut self, every: std::time::Duration) -> Self {
         self.change_poll = every.max(std::time::Duration::from_millis(10));
+        self
+    }
+
+    /// Whether completes and releases send a notification (`pg_notify`) that wakes the
+    /// requests waiting on the record, in every instance (default `true`). Turn it off where
+    /// `LISTEN` cannot work (a pooler in transaction mode between the application and the
+    /// database): waiters in other instances then find the answer by polling every
+    /// [`change_poll`](Self::change_poll), which should then be short. Each notification costs
+    /// its transaction a moment on PostgreSQL's notification queue at commit (BENCHMARKS.md).
+    #[must_use]
+    pub fn notify_changes(mut self, on: bool) -> Self {
+        self.notify_changes = on;
         self
     }
 
@@ -95,11 +110,23 @@ impl PostgresStoreBuilder {
         let schema = identifier(&self.schema)?;
         let name = identifier(&self.table)?;
         let sql = Statements::new(&schema, &name);
-        let changes = super::pg_listen::changes(&self.pool, sql.channel.clone(), self.change_poll);
+        let marks = Arc::new(super::pg_listen::Marks::new(
+            self.notify_changes,
+            &schema,
+            &name,
+        ));
+        let changes = super::pg_listen::changes(
+            &self.pool,
+            sql.channel.clone(),
+            self.change_poll,
+            Arc::clone(&marks),
+            Arc::clone(&sql.mark_waited),
+        );
         Ok(PostgresStore {
             pool: self.pool,
             sql: Arc::new(sql),
             changes,
+            marks,
             sent: Arc::default(),
             pin_isolation: Arc::default(),
             functions_ready: Arc::default(),
@@ -121,7 +148,10 @@ pub(crate) struct Statements {
     pub(crate) tx_claim: Arc<str>,
     take_over: Arc<str>,
     complete: Arc<str>,
+    complete_quiet: Arc<str>,
     release: Arc<str>,
+    release_quiet: Arc<str>,
+    pub(crate) mark_waited: Arc<str>,
     extend: Arc<str>,
     purge: Arc<str>,
     get: Arc<str>,
@@ -133,15 +163,18 @@ impl Statements {
         let t = format!("{schema}.{name}");
         let channel = super::pg_listen::channel(&t);
         // Wakes the record's waiters, in this and every other instance, when the statement
-        // that changed it commits (`pg_listen`).
-        let notify = format!(
-            "SELECT pg_notify('{channel}', {}) FROM changed",
+        // that changed it commits (`pg_listen`); one row either way when it applied.
+        // One row when the statement applied, either way; the notification only for a record
+        // a waiter marked (`waited`, migration 4).
+        let notify_sql = format!(
+            "SELECT (SELECT count(*) FROM (SELECT pg_notify('{channel}', {}) WHERE changed.waited) n) FROM changed",
             super::pg_listen::change_id_sql("changed.scope", "changed.key")
         );
         let s = |sql: &str| -> Arc<str> {
             sql.replace("{t}", &t)
                 .replace("{now}", NOW)
-                .replace("{notify}", &notify)
+                .replace("{notify}", &notify_sql)
+                .replace("{quiet}", "SELECT 1 FROM changed")
                 .into()
         };
         Statements {
@@ -267,13 +300,28 @@ impl Statements {
                     oversized = $7, completed_at = {now}, locked_until = NULL,
                     expires_at = GREATEST(expires_at, {now} + $8::float8 * interval '1 millisecond')
                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
-                RETURNING scope, key)
+                RETURNING scope, key, waited)
                 {notify}"),
+            // The same without the `waited` column (a table migration 4 has not reached yet, or
+            // notifications turned off): nothing wakes other instances' waiters but polling.
+            complete_quiet: s("WITH changed AS (UPDATE {t} SET done = true, status = $4, headers = $5, body = $6,
+                    oversized = $7, completed_at = {now}, locked_until = NULL,
+                    expires_at = GREATEST(expires_at, {now} + $8::float8 * interval '1 millisecond')
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
+                RETURNING scope, key)
+                {quiet}"),
             // Fenced like complete: a stale owner cannot delete the new owner's record.
             release: s("WITH changed AS (DELETE FROM {t}
                 WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
-                RETURNING scope, key)
+                RETURNING scope, key, waited)
                 {notify}"),
+            release_quiet: s("WITH changed AS (DELETE FROM {t}
+                WHERE scope = $1 AND key = $2 AND token = $3 AND NOT done AND expires_at > {now}
+                RETURNING scope, key)
+                {quiet}"),
+            // A request starts waiting on this record: its complete or release will notify.
+            mark_waited: s("UPDATE {t} SET waited = true
+                WHERE scope = $1 AND key = $2 AND NOT done AND NOT waited AND expires_at > {now}"),
             // Fenced heartbeat; keeps the record alive at least as long as its lease. Like the
             // take-over, it never waits on the row's lock: the lock's holder is almost always
             // this execution's own complete on the two-commit path, its COMMIT on its way (or
@@ -333,6 +381,7 @@ impl PostgresStore {
             schema: "public".into(),
             table: "idempotency_records".into(),
             change_poll: std::time::Duration::from_millis(1000),
+            notify_changes: true,
         }
     }
 
@@ -353,6 +402,8 @@ impl PostgresStore {
         let fillfactor = include_str!("../../../migrations/postgres/0002_fillfactor.sql")
             .replace("{table}", &self.sql.table);
         let functions = include_str!("../../../migrations/postgres/0003_batch_functions.sql")
+            .replace("{table}", &self.sql.table);
+        let waited = include_str!("../../../migrations/postgres/0004_waited.sql")
             .replace("{table}", &self.sql.table);
         let mut migrator = Migrator::with_migrations(vec![
             Migration::new(
@@ -376,12 +427,39 @@ impl PostgresStore {
                 AssertSqlSafe(functions).into_sql_str(),
                 false,
             ),
+            Migration::new(
+                4,
+                "records waited on".into(),
+                MigrationType::Simple,
+                AssertSqlSafe(waited).into_sql_str(),
+                false,
+            ),
         ]);
         migrator
             .dangerous_set_table_name(format!("{}.{}_migrations", self.sql.schema, self.sql.name));
         migrator.create_schema(self.sql.schema.clone());
         migrator.run(&self.pool).await?;
+        self.marks.recheck();
         Ok(())
+    }
+
+    /// The complete statement: notifying a record's waiters once the table can say whether
+    /// anyone waits (migration 4).
+    async fn complete_sql(&self) -> Arc<str> {
+        if self.marks.present(&self.pool).await {
+            Arc::clone(&self.sql.complete)
+        } else {
+            Arc::clone(&self.sql.complete_quiet)
+        }
+    }
+
+    /// The release statement, as [`PostgresStore::complete_sql`].
+    async fn release_sql(&self) -> Arc<str> {
+        if self.marks.present(&self.pool).await {
+            Arc::clone(&self.sql.release)
+        } else {
+            Arc::clone(&self.sql.release_quiet)
+        }
     }
 
     /// [`Store::claim`](crate::Store::claim) on a connection or transaction you provide.

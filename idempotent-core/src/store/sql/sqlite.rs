@@ -280,6 +280,16 @@ impl Statements {
 }
 
 impl SqliteStore {
+    /// The complete statement (the same every time here; PostgreSQL's depends on its table).
+    async fn complete_sql(&self) -> Arc<str> {
+        Arc::clone(&self.sql.complete)
+    }
+
+    /// The release statement (see [`Self::complete_sql`]).
+    async fn release_sql(&self) -> Arc<str> {
+        Arc::clone(&self.sql.release)
+    }
+
     /// Opens (creating if missing) the database at `url` (`sqlite://charges.db`,
     /// `sqlite::memory:`) in WAL mode with a busy timeout of [`DEFAULT_BUSY_TIMEOUT`], on a
     /// pool that does not ping connections before use. Call [`SqliteStore::migrate`] next.
