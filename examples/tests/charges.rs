@@ -77,6 +77,58 @@ async fn crash_inside_the_transaction(bin: Bin, database: &str) {
     }
 }
 
+/// `--wait`: a duplicate sent to a second instance waits for the first attempt; the first
+/// attempt's process is then killed (SIGKILL, mid-handler). The waiter never hangs: its wait
+/// ends at its deadline (409) or, when the dead attempt's lease ends first, it takes the record
+/// over and makes the charge itself; either way the account ends with one charge.
+async fn waiters_outlive_a_killed_first_attempt(bin: Bin, database: &str) {
+    let common = ["--lease", "2s", "--commit", "two", "--wait", "2s"];
+    let (mut doomed, mut out) = start_reading(
+        bin,
+        database,
+        &[&common[..], &["--work-delay", "30s", "--announce-work"]].concat(),
+    );
+    let other = start(bin, database, &common);
+    let (acct, k) = (account(), key());
+    let pending = tokio::spawn(Api::new(&doomed).json(&acct, &k, CHARGE).send());
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    assert_eq!(line.trim(), "working");
+    let api = Api::new(&other);
+    let waiter = tokio::spawn(api.json(&acct, &k, CHARGE).send());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    doomed.child.kill().unwrap();
+    doomed.child.wait().unwrap();
+    assert!(pending.await.unwrap().is_err(), "the client saw the crash");
+    let answered = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter hung past its wait and the lease")
+        .unwrap()
+        .unwrap();
+    match answered.status().as_u16() {
+        409 => {}
+        201 => assert_eq!(answered.headers()["idempotent-replayed"], "false"),
+        other => panic!("the waiter got {other}"),
+    }
+    let res = api.until_not_busy(|| api.json(&acct, &k, CHARGE)).await;
+    assert_eq!(res.status(), 201);
+    assert_eq!(api.count(&acct).await, 1);
+}
+
+async fn killed_first_attempt_on_sqlite(bin: Bin) {
+    let (_dir, url) = temp_sqlite();
+    waiters_outlive_a_killed_first_attempt(bin, &url).await;
+}
+
+async fn killed_first_attempt_on_postgres(bin: Bin) {
+    waiters_outlive_a_killed_first_attempt(bin, &std::env::var("DATABASE_URL").unwrap()).await;
+}
+
 /// The fake provider's payments for `account` (its ledger survives the server).
 async fn payments(database: &str, account: &str) -> usize {
     let provider = Provider::open(database).await.unwrap();
@@ -708,6 +760,21 @@ async fn bad_flags_fail_clearly(bin: Bin) {
         ],
     );
     assert!(err.contains("invalid configuration"), "{err}");
+    // A wait longer than the lease too.
+    let err = refused(
+        bin,
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--database",
+            "memory",
+            "--lease",
+            "1s",
+            "--wait",
+            "2s",
+        ],
+    );
+    assert!(err.contains("longer than `lease`"), "{err}");
 }
 
 /// A key reused once its record is gone (expired and swept; here deleted) reaches the
@@ -858,6 +925,12 @@ both_binaries!(
         ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
     )]
     crash_on_mysql,
+    killed_first_attempt_on_sqlite,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    killed_first_attempt_on_postgres,
     bad_flags_fail_clearly,
     metrics_are_scraped,
     key_reused_after_its_record_is_gone,
