@@ -610,6 +610,11 @@ mod transactional {
         {
             let policy = self.policy(&call);
             policy.check()?;
+            // A transactional call polls for a running duplicate itself (`Waiting` below).
+            let policy = Policy {
+                wait: Duration::ZERO,
+                ..policy
+            };
             let options = TxOptions {
                 commit: self.commit.unwrap_or(DEFAULT_COMMIT),
                 wait: DEFAULT_TX_WAIT,

@@ -168,6 +168,10 @@ impl Engine {
         loop {
             if let Some(waiting) = &mut waiting {
                 waiting.mark();
+                // Before each look (a record released and claimed again is a new record, unmarked),
+                // bounded by the wait; a no-op write where it is marked already.
+                let left = waiting.left();
+                let _ = tokio::time::timeout(left, self.inner.changes().announce(&key)).await;
             }
             let begin = self.claim_once(&key, &req.fingerprint, policy).await;
             let Begin::InProgress { retry_after } = begin else {
@@ -190,7 +194,6 @@ impl Engine {
                     // changed (and its notification gone out) before the watch began.
                     Some(waiter) => {
                         waiting = Some(waiter);
-                        self.inner.changes().announce(&key).await;
                         continue;
                     }
                     None => return begin,

@@ -153,7 +153,7 @@ impl Waiting {
         // Just past the lease's end, so the claim then finds it ended and takes over.
         let lease_end = retry_after.saturating_add(Duration::from_millis(5));
         let sleep = self.pause.min(lease_end).min(left);
-        self.pause = (self.pause * 2).min(self.cap);
+        self.pause = self.pause.saturating_mul(2).min(self.cap);
         let gone_fut = async {
             match gone.as_mut() {
                 Some(gone) => gone.await,
@@ -191,8 +191,9 @@ impl Drop for Waiting {
 mod tests {
     use crate::engine::{Begin, Engine, ExecuteRequest, Policy};
     use crate::fingerprint::{Fingerprint, FingerprintInput};
-    use crate::store::StoredResponse;
-    use crate::{IdempotencyKey, MemoryStore, Scope};
+    use crate::key::IdempotencyKey;
+    use crate::scope::Scope;
+    use crate::store::{MemoryStore, StoredResponse};
     use std::time::Duration;
 
     fn request(key: &str) -> ExecuteRequest {

@@ -161,7 +161,7 @@ impl Changes {
 
     /// What the store does when a request starts waiting on a record; set while the hub is
     /// being built.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
     pub(crate) fn with_announce(
         mut self,
         announce: impl Fn(&RecordKey) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
@@ -386,7 +386,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{IdempotencyKey, Scope};
+    use crate::key::IdempotencyKey;
+    use crate::scope::Scope;
 
     fn key(scope: &str, key: &str) -> RecordKey {
         RecordKey::new(

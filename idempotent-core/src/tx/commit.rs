@@ -546,10 +546,11 @@ impl Engine {
         if matches!(req.key, Err(KeyError::Missing)) && policy.key == KeyRequirement::Optional {
             return self.begin_unprotected_on::<DB>(store, policy).await;
         }
-        // Two commits wait for a duplicate's answer as plain routes do, for the transactional
-        // wait; single commit waits on the record's row lock instead (`begin_single`).
+        // Two commits wait for a duplicate's answer as plain routes do (the policy's wait: the
+        // route's `wait`, else the configuration's, zero by default); single commit waits on
+        // the record's row lock instead (`begin_single`, for `options.wait`).
         let wait = match options.commit {
-            CommitPath::Two => options.wait,
+            CommitPath::Two => policy.wait,
             CommitPath::Single => Duration::ZERO,
         };
         let policy = Policy {

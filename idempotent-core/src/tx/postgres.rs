@@ -252,7 +252,7 @@ impl TxDatabase for sqlx::Postgres {
             }
         }
         sql.push_str(&format!(", {}::float8);\n", millis(ttl)));
-        if store.marks.present(&store.pool).await {
+        if store.marks.known_present(&store.pool) {
             // The record's waiters, here and in other instances, wake when this commits (if
             // any marked it).
             sql.push_str(&format!(

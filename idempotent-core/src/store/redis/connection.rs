@@ -18,6 +18,16 @@ pub(super) enum Conn {
     Cluster(std::sync::Arc<Rebuilt<ClusterConnection>>),
 }
 
+impl Conn {
+    /// Another handle on the same connection.
+    pub(super) fn share(&self) -> Conn {
+        match self {
+            Conn::Single(c) => Conn::Single(std::sync::Arc::clone(c)),
+            Conn::Cluster(c) => Conn::Cluster(std::sync::Arc::clone(c)),
+        }
+    }
+}
+
 /// Opens a new connection of type `C`.
 pub(super) type Connector<C> = Box<
     dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = redis::RedisResult<C>> + Send>> + Send + Sync,

@@ -1,7 +1,9 @@
-//! The Redis store's change notifications: the complete and release scripts `PUBLISH` the
-//! record's Redis key on [`CHANNEL`] as part of the script (so a notification goes out exactly
-//! when the record changed), and one subscriber connection per store, started by the first
-//! waiter and kept while anyone waits, feeds the store's [`Changes`] hub.
+//! The Redis store's change notifications: a request that waits on a record marks it (field `w`,
+//! script `MARK`); the complete and release scripts then `PUBLISH` the record's Redis key on
+//! [`CHANNEL`] as part of the script (so a notification goes out exactly when a record someone
+//! waits on changed, and no message at all for the others), and one subscriber connection per
+//! store, started by the first waiter and kept while anyone waits, feeds the store's
+//! [`Changes`] hub.
 //!
 //! On a Redis Cluster a `PUBLISH` reaches every node (the cluster bus carries it), so one
 //! subscriber connection, to any node, hears every record's notifications; when that node
@@ -34,14 +36,33 @@ pub(super) fn changes(
     prefix: std::sync::Arc<str>,
     urls: Vec<String>,
     poll_cap: Duration,
+    conn: super::connection::Conn,
 ) -> Changes {
+    let ids = std::sync::Arc::clone(&prefix);
     Changes::with_listener(
         poll_cap,
-        move |key| ChangeId::of_bytes(&super::keys_of(&prefix, key).record),
+        move |key| ChangeId::of_bytes(&super::keys_of(&ids, key).record),
         move |handle| {
             tokio::spawn(subscribe(urls.clone(), handle));
         },
     )
+    .with_announce(move |key| {
+        // Marks the record, so its complete or release publishes.
+        let record = super::keys_of(&prefix, key).record;
+        let conn = conn.share();
+        Box::pin(async move {
+            let mut mark = super::scripts::scripts().mark.prepare_invoke();
+            mark.key(record);
+            let marked: redis::RedisResult<redis::Value> = match &conn {
+                super::connection::Conn::Single(c) => mark.invoke_async(&mut c.conn().0).await,
+                super::connection::Conn::Cluster(c) => mark.invoke_async(&mut c.conn().0).await,
+            };
+            if let Err(error) = marked {
+                // Its answer then reaches it by polling.
+                tracing::debug!(error = %error, "idempotency: marking a record waited on failed");
+            }
+        })
+    })
 }
 
 /// Runs a store's subscriber until its store is gone or nobody has waited for [`IDLE_FOR`].

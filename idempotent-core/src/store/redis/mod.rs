@@ -483,7 +483,12 @@ impl RedisStore {
     ) -> Self {
         let prefix: std::sync::Arc<str> = prefix.into();
         RedisStore {
-            changes: listen::changes(std::sync::Arc::clone(&prefix), urls, change_poll),
+            changes: listen::changes(
+                std::sync::Arc::clone(&prefix),
+                urls,
+                change_poll,
+                conn.share(),
+            ),
             conn,
             durable,
             prefix,

@@ -184,7 +184,7 @@ return 0
 ";
 
 /// Fenced: the record becomes done with the outcome; expires no sooner than ttl after now; its
-/// waiters are woken (`listen`).
+/// waiters, if one marked it (`MARK`), are woken (`listen`).
 /// ARGV: token, status, headers, body, oversized size or '', ttl ms, then for a counted scope
 /// what the stored record is charged (it settles the claim's reservation). Returns 1, or 0
 /// (stale).
@@ -196,16 +196,25 @@ if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'ov', ARGV[5]) end
 redis.call('HDEL', KEYS[1], 'lu')
 redis.call('PEXPIREAT', KEYS[1], ms(nex))
 usage_set(tonumber(ARGV[7]), nex, nex)
-redis.call('PUBLISH', 'idempotent:changes', KEYS[1])
+if redis.call('HGET', KEYS[1], 'w') then redis.call('PUBLISH', 'idempotent:changes', KEYS[1]) end
 return 1
 ";
 
-/// Fenced: deletes the record, and wakes its waiters (`listen`). ARGV: token. Returns 1, or 0
-/// (stale).
+/// Fenced: deletes the record, and wakes its waiters if one marked it (`MARK`). ARGV: token.
+/// Returns 1, or 0 (stale).
 pub(super) const RELEASE: &str = "
+local waited = redis.call('HGET', KEYS[1], 'w')
 redis.call('DEL', KEYS[1])
 usage_drop()
-redis.call('PUBLISH', 'idempotent:changes', KEYS[1])
+if waited then redis.call('PUBLISH', 'idempotent:changes', KEYS[1]) end
+return 1
+";
+
+/// A request waits on the record (in progress): marked (`w`), so its complete or release
+/// publishes (`listen`); nothing else publishes, so a first execution nobody waits on sends no
+/// message (on a Cluster, one that would cross the cluster bus to every node).
+pub(super) const MARK: &str = "
+if redis.call('HGET', KEYS[1], 'done') == '0' then redis.call('HSET', KEYS[1], 'w', '1') end
 return 1
 ";
 
@@ -269,6 +278,7 @@ pub(super) struct Scripts {
     pub(super) extend: redis::Script,
     pub(super) get: redis::Script,
     pub(super) delete: redis::Script,
+    pub(super) mark: redis::Script,
 }
 
 impl Scripts {
@@ -291,6 +301,7 @@ impl Scripts {
             extend: fenced(EXTEND),
             get: redis::Script::new(&get_script()),
             delete: redis::Script::new(&delete_script()),
+            mark: redis::Script::new(MARK),
         }
     }
 }

@@ -22,9 +22,14 @@ use std::time::Duration;
 /// once per store (and again after [`PostgresStore::migrate`](crate::PostgresStore::migrate)).
 /// Without it, completes and releases notify nobody and waiters mark nothing: other instances'
 /// waiters find answers by polling, and a warning says to run the migrations.
+const UNKNOWN: u8 = 0;
+const CHECKING: u8 = 1;
+const PRESENT: u8 = 2;
+const ABSENT: u8 = 3;
+
 #[derive(Debug)]
 pub(crate) struct Marks {
-    /// 0 unknown, 1 present, 2 absent.
+    /// [`UNKNOWN`], [`CHECKING`], [`PRESENT`] or [`ABSENT`].
     state: AtomicU8,
     /// [`PostgresStoreBuilder::notify_changes`](crate::store::PostgresStoreBuilder::notify_changes).
     on: bool,
@@ -35,23 +40,55 @@ pub(crate) struct Marks {
 impl Marks {
     pub(crate) fn new(on: bool, schema: &str, name: &str) -> Self {
         Marks {
-            state: AtomicU8::new(0),
+            state: AtomicU8::new(UNKNOWN),
             on,
             schema: schema.to_owned(),
             name: name.to_owned(),
         }
     }
 
-    /// Whether completes and releases notify (the column is there, notifications are on).
+    /// Whether completes and releases notify (the column is there, notifications are on), as
+    /// known now: never waits. While unknown it answers `false` (quiet) and finds out in the
+    /// background, on a connection of its own from `pool`: a complete holding a connection
+    /// never waits for a second one (with every pooled connection held by a completing
+    /// transaction, that would wait out the pool's acquire timeout).
+    pub(crate) fn known_present(self: &Arc<Self>, pool: &PgPool) -> bool {
+        if !self.on {
+            return false;
+        }
+        match self.state.load(Ordering::Acquire) {
+            PRESENT => true,
+            UNKNOWN if tokio::runtime::Handle::try_current().is_ok() => {
+                if self
+                    .state
+                    .compare_exchange(UNKNOWN, CHECKING, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    let (marks, pool) = (Arc::clone(self), pool.clone());
+                    tokio::spawn(async move {
+                        marks.check(&pool).await;
+                    });
+                }
+                false
+            }
+            _ => false,
+        }
+    }
+
+    /// [`Marks::known_present`], waiting for the answer when it is unknown (for a waiter, which
+    /// holds no connection).
     pub(crate) async fn present(&self, pool: &PgPool) -> bool {
         if !self.on {
             return false;
         }
         match self.state.load(Ordering::Acquire) {
-            1 => return true,
-            2 => return false,
-            _ => {}
+            PRESENT => true,
+            ABSENT => false,
+            _ => self.check(pool).await,
         }
+    }
+
+    async fn check(&self, pool: &PgPool) -> bool {
         let found: Result<bool, sqlx::Error> = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
              WHERE table_schema = $1 AND table_name = $2 AND column_name = 'waited')",
@@ -62,11 +99,11 @@ impl Marks {
         .await;
         match found {
             Ok(true) => {
-                self.state.store(1, Ordering::Release);
+                self.state.store(PRESENT, Ordering::Release);
                 true
             }
             Ok(false) => {
-                if self.state.swap(2, Ordering::AcqRel) != 2 {
+                if self.state.swap(ABSENT, Ordering::AcqRel) != ABSENT {
                     tracing::warn!(
                         table = %format!("{}.{}", self.schema, self.name),
                         "idempotency: the table has no `waited` column (run PostgresStore::migrate): requests waiting for another instance's answer find it by polling only"
@@ -74,14 +111,17 @@ impl Marks {
                 }
                 false
             }
-            // Unknown for now: quiet this time, asked again next time.
-            Err(_) => false,
+            // Unknown for now: quiet meanwhile, asked again next time.
+            Err(_) => {
+                self.state.store(UNKNOWN, Ordering::Release);
+                false
+            }
         }
     }
 
-    /// Forget what was found (the migrations just ran).
-    pub(crate) fn recheck(&self) {
-        self.state.store(0, Ordering::Release);
+    /// The migrations just ran: the column is there.
+    pub(crate) fn migrated(&self) {
+        self.state.store(PRESENT, Ordering::Release);
     }
 }
 

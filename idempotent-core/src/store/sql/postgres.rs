@@ -439,14 +439,14 @@ impl PostgresStore {
             .dangerous_set_table_name(format!("{}.{}_migrations", self.sql.schema, self.sql.name));
         migrator.create_schema(self.sql.schema.clone());
         migrator.run(&self.pool).await?;
-        self.marks.recheck();
+        self.marks.migrated();
         Ok(())
     }
 
     /// The complete statement: notifying a record's waiters once the table can say whether
     /// anyone waits (migration 4).
     async fn complete_sql(&self) -> Arc<str> {
-        if self.marks.present(&self.pool).await {
+        if self.marks.known_present(&self.pool) {
             Arc::clone(&self.sql.complete)
         } else {
             Arc::clone(&self.sql.complete_quiet)
@@ -455,7 +455,7 @@ impl PostgresStore {
 
     /// The release statement, as [`PostgresStore::complete_sql`].
     async fn release_sql(&self) -> Arc<str> {
-        if self.marks.present(&self.pool).await {
+        if self.marks.known_present(&self.pool) {
             Arc::clone(&self.sql.release)
         } else {
             Arc::clone(&self.sql.release_quiet)
