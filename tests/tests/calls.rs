@@ -75,7 +75,7 @@ async fn calls_with_secret(fixture: &impl Fixture, secret: DeriveSecret) -> Call
     Calls::new(engine(fixture.fresh().await, Some(secret)))
 }
 
-/// An engine over `store` with a 5 s lease (and `secret`, if any).
+/// An engine over `store` with a 5 s lease (and `secret`, if any); a wait is at most that.
 fn engine(store: Arc<dyn Store>, secret: Option<DeriveSecret>) -> Engine {
     let builder = Engine::builder_from_arc(store).lease(Duration::from_secs(5));
     match secret {
@@ -214,7 +214,7 @@ async fn concurrent_duplicates(f: &impl Fixture) {
     let refuse = Calls::new(engine.clone());
     let wait = refuse
         .clone()
-        .concurrent(Concurrent::Wait(Duration::from_secs(10)));
+        .concurrent(Concurrent::Wait(Duration::from_secs(5)));
     let short = refuse
         .clone()
         .concurrent(Concurrent::Wait(Duration::from_millis(100)));
@@ -789,7 +789,7 @@ macro_rules! transactional_cases {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_consumers_book_once() {
                 let (calls, pool, table, guard) = $setup.await;
-                let calls = calls.concurrent(Concurrent::Wait(Duration::from_secs(20)));
+                let calls = calls.concurrent(Concurrent::Wait(Duration::from_secs(5)));
                 let msg = event(11);
                 let tasks: Vec<_> = (0..8)
                     .map(|_| {

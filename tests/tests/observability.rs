@@ -4,7 +4,9 @@
 //! process-wide.
 #![allow(clippy::unwrap_used)] // tests unwrap freely
 
-use idempotent_core::observe::{EVENTS_TOTAL, IN_FLIGHT, REQUESTS_TOTAL, STORE_SECONDS};
+use idempotent_core::observe::{
+    EVENTS_TOTAL, IN_FLIGHT, REQUESTS_TOTAL, STORE_SECONDS, WAIT_SECONDS, WAITS_TOTAL,
+};
 use idempotent_core::{clock::*, engine::*, fingerprint::*, store::*, *};
 use idempotent_tests::execute::{Execute, Handled, Outcome};
 use idempotent_tests::faults::FaultyStore;
@@ -405,4 +407,39 @@ async fn every_outcome_and_event_is_traced_and_counted() {
     let after = store.purges();
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(store.purges(), after, "the drain stopped the sweeper");
+
+    // Waits: started, and how each ended (replayed, timed out, over the bound), with times.
+    let engine = Engine::builder(MemoryStore::new())
+        .max_waiting_per_key(1)
+        .build()
+        .unwrap();
+    let p = Policy {
+        wait: Duration::from_millis(300),
+        ..policy("obs_wait")
+    };
+    let Begin::Claimed(first) = engine.begin(request("acct", "w1", "a"), &p).await else {
+        panic!("not claimed")
+    };
+    let timed_out = engine.begin(request("acct", "w1", "a"), &p).await;
+    assert!(
+        matches!(timed_out, Begin::InProgress { .. }),
+        "{timed_out:?}"
+    );
+    let waiter = {
+        let (engine, p) = (engine.clone(), p);
+        tokio::spawn(async move { engine.begin(request("acct", "w1", "a"), &p).await })
+    };
+    while engine.waiting() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let over = engine.begin(request("acct", "w1", "a"), &p).await;
+    assert!(matches!(over, Begin::InProgress { .. }), "{over:?}");
+    first.finish(StoredResponse::new(201, "ok").into()).await;
+    assert!(matches!(waiter.await.unwrap(), Begin::Replay(_)));
+    assert_eq!(o.events("obs_wait", "wait_started"), 2.0);
+    for (outcome, n) in [("replayed", 1.0), ("timed_out", 1.0), ("over_bound", 1.0)] {
+        let labels = [("route", "obs_wait"), ("outcome", outcome)];
+        assert_eq!(o.value(WAITS_TOTAL, &labels), n, "{outcome}");
+        assert_eq!(o.value(WAIT_SECONDS, &labels), n, "{outcome}");
+    }
 }

@@ -199,7 +199,10 @@ pub(crate) async fn waits_on_postgres(fw: Fw) {
     store().migrate().await.unwrap();
     on_deployment(fw, async || Arc::new(store()) as Arc<dyn Store>).await;
     // The listener's connection killed while requests wait: they still get the answer.
-    let s = serve(fw, config(store())).await;
+    let (a, b) = (
+        serve(fw, config(store())).await,
+        serve(fw, config(store())).await,
+    );
     let kill = async {
         let channel = pg_channel(&format!("public.{table}"));
         let killed: Vec<bool> = sqlx::query_scalar(
@@ -211,7 +214,7 @@ pub(crate) async fn waits_on_postgres(fw: Fw) {
         .unwrap();
         assert!(!killed.is_empty(), "no listener to kill");
     };
-    listener_killed(&s, kill).await;
+    listener_killed(&a, &b, kill).await;
     idempotent_tests::fixtures::pg_drop(&pool, &table).await;
 }
 
@@ -253,7 +256,10 @@ async fn waits_on_redis(fw: Fw, url: String) {
     on_deployment(fw, async || Arc::new(store().await) as Arc<dyn Store>).await;
     // The subscriber's connection killed (on every node) while requests wait: they still get
     // the answer.
-    let s = serve(fw, config(store().await)).await;
+    let (a, b) = (
+        serve(fw, config(store().await)).await,
+        serve(fw, config(store().await)).await,
+    );
     // Another test's run (the other framework's, on the same server) may have just killed
     // this store's subscriber too, which is then reconnecting: looked for again, bounded.
     let kill = async {
@@ -265,7 +271,7 @@ async fn waits_on_redis(fw: Fw, url: String) {
         }
         panic!("no subscriber to kill");
     };
-    listener_killed(&s, kill).await;
+    listener_killed(&a, &b, kill).await;
     for node in idempotent_tests::fixtures::redis_primaries(&url).await {
         let mut conn = idempotent_tests::fixtures::redis_node(&node).await;
         for k in idempotent_tests::fixtures::redis_keys(&node, &prefix).await {
@@ -324,24 +330,25 @@ pub(crate) async fn waits_on_redis_cluster(fw: Fw) {
     waits_on_redis(fw, std::env::var("REDIS_CLUSTER_URL").unwrap()).await;
 }
 
-/// Requests wait on a slow first attempt; `kill` cuts the store's listener connection; the
-/// first then answers, and every waiter replays it within its wait (the store looks again
-/// unwoken only every 30 s: only the reconnected listener can have woken them).
-async fn listener_killed(s: &Server, kill: impl Future<Output = ()>) {
+/// Requests wait on instance `b` for a slow first attempt on instance `a`; `kill` cuts the
+/// store's listener connection; the first then answers, and every waiter replays it within its
+/// wait. The store looks again unwoken only every 30 s, and `a`'s own in-process notification
+/// never reaches `b`'s engine: only `b`'s reconnected listener can have woken them.
+async fn listener_killed(a: &Server, b: &Server, kill: impl Future<Output = ()>) {
     let key = key();
     let body = r#"{"delay_ms": 1500}"#;
     let first = {
-        let req = s.post("/wait", "acct_w", Some(&key), body);
+        let req = a.post("/wait", "acct_w", Some(&key), body);
         tokio::spawn(async move { answer(req.send().await.unwrap()).await })
     };
-    until_runs(s, 1).await;
+    until_runs(a, 1).await;
     let waiters: Vec<_> = (0..3)
         .map(|_| {
-            let req = s.post("/wait", "acct_w", Some(&key), body);
+            let req = b.post("/wait", "acct_w", Some(&key), body);
             tokio::spawn(async move { answer(req.send().await.unwrap()).await })
         })
         .collect();
-    until_waiting(&s.engine, 3).await;
+    until_waiting(&b.engine, 3).await;
     // The listener starts with the first waiter; give it a moment to be connected and
     // listening before it is cut.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -356,7 +363,7 @@ async fn listener_killed(s: &Server, kill: impl Future<Output = ()>) {
             "{waiter:?}"
         );
     }
-    assert_eq!(s.runs(), 1);
+    assert_eq!((a.runs(), b.runs()), (1, 0));
 }
 
 /// A configuration whose engine lets at most `per_key` requests wait on one record, and whose
