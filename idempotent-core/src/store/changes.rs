@@ -273,6 +273,7 @@ impl Changes {
         {
             start(ListenerHandle {
                 hub: Arc::downgrade(&self.hub),
+                idle_since: None,
             });
         }
     }
@@ -282,7 +283,12 @@ impl Changes {
 /// or its runtime shut down) lets the next waiter start a listener again.
 pub(crate) struct ListenerHandle {
     hub: Weak<Hub>,
+    /// Since when nobody has waited (`None`: someone waits).
+    idle_since: Option<tokio::time::Instant>,
 }
+
+/// How long a listener nobody needs stays connected.
+const IDLE_FOR: Duration = Duration::from_secs(60);
 
 impl ListenerHandle {
     /// The hub, while its store lives.
@@ -302,6 +308,23 @@ impl ListenerHandle {
         self.hub
             .upgrade()
             .is_some_and(|hub| !lock(&hub.keys).is_empty())
+    }
+
+    /// Whether the listener should go on, asked after each message and each quiet period: its
+    /// store lives and someone waited within the last minute.
+    #[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
+    pub(crate) fn still_needed(&mut self) -> bool {
+        if self.store_gone() {
+            return false;
+        }
+        if self.anyone_waits() {
+            self.idle_since = None;
+            return true;
+        }
+        self.idle_since
+            .get_or_insert_with(tokio::time::Instant::now)
+            .elapsed()
+            < IDLE_FOR
     }
 
     /// The listener is (re)connected: every waiter looks again.

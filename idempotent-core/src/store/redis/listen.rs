@@ -26,8 +26,6 @@ pub(super) const CHANNEL: &str = "idempotent:changes";
 /// The longest the subscriber waits for a message before it checks whether its store is gone
 /// and whether anyone still waits.
 const CHECK_EVERY: Duration = Duration::from_secs(5);
-/// How long a subscriber nobody needs stays connected.
-const IDLE_FOR: Duration = Duration::from_secs(60);
 /// The pause before connecting again after a failure.
 const RECONNECT_AFTER: Duration = Duration::from_millis(200);
 
@@ -65,9 +63,8 @@ pub(super) fn changes(
     })
 }
 
-/// Runs a store's subscriber until its store is gone or nobody has waited for [`IDLE_FOR`].
-async fn subscribe(urls: Vec<String>, handle: ListenerHandle) {
-    let mut idle_since: Option<tokio::time::Instant> = None;
+/// Runs a store's subscriber until its store is gone or nobody has waited for a minute (`ListenerHandle::still_needed`).
+async fn subscribe(urls: Vec<String>, mut handle: ListenerHandle) {
     let mut next = 0;
     loop {
         if handle.store_gone() || urls.is_empty() {
@@ -103,16 +100,7 @@ async fn subscribe(urls: Vec<String>, handle: ListenerHandle) {
                 }
                 Err(_) => {}
             }
-            if handle.store_gone() {
-                return;
-            }
-            if handle.anyone_waits() {
-                idle_since = None;
-            } else if idle_since
-                .get_or_insert_with(tokio::time::Instant::now)
-                .elapsed()
-                >= IDLE_FOR
-            {
+            if !handle.still_needed() {
                 return;
             }
         }

@@ -128,8 +128,6 @@ impl Marks {
 /// The longest the listener waits for a message before it checks whether its store is gone
 /// and whether anyone still waits.
 const CHECK_EVERY: Duration = Duration::from_secs(5);
-/// How long a listener nobody needs stays connected.
-const IDLE_FOR: Duration = Duration::from_secs(60);
 /// The pause before connecting again after a failure.
 const RECONNECT_AFTER: Duration = Duration::from_millis(200);
 
@@ -189,9 +187,8 @@ pub(crate) fn changes(
     })
 }
 
-/// Runs a store's listener until its store is gone or nobody has waited for [`IDLE_FOR`].
-async fn listen(pool: PgPool, channel: String, handle: ListenerHandle) {
-    let mut idle_since: Option<tokio::time::Instant> = None;
+/// Runs a store's listener until its store is gone or nobody has waited for a minute (`ListenerHandle::still_needed`).
+async fn listen(pool: PgPool, channel: String, mut handle: ListenerHandle) {
     'connect: loop {
         if handle.store_gone() {
             return;
@@ -222,16 +219,7 @@ async fn listen(pool: PgPool, channel: String, handle: ListenerHandle) {
                 }
                 Err(_) => {}
             }
-            if handle.store_gone() {
-                return;
-            }
-            if handle.anyone_waits() {
-                idle_since = None;
-            } else if idle_since
-                .get_or_insert_with(tokio::time::Instant::now)
-                .elapsed()
-                >= IDLE_FOR
-            {
+            if !handle.still_needed() {
                 return;
             }
         }
