@@ -484,6 +484,9 @@ impl PostgresStore {
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
         use std::sync::atomic::Ordering;
+        // The first claim starts finding out (in the background) whether completes can notify,
+        // so that its own complete, a handler's run later, already knows.
+        let _ = self.marks.known_present(&self.pool);
         if sqlx::Connection::is_in_transaction(&*conn) {
             return self.claim_loop(conn, &req).await;
         }
