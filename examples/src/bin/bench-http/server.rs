@@ -244,7 +244,11 @@ pub(crate) async fn open(
         )
     } else if idempotent_examples::charges::is_redis(url) {
         // The bare handler writes nothing, as on memory: the arms differ by the store alone.
+        // Unbounded per caller, as on memory: one caller sends every key of the run, 64 at
+        // once (64 reservations of 1 MiB are past the default 32 MiB a scope may hold).
         let store = idempotent_core::RedisStore::builder()
+            .max_per_scope(u64::MAX)
+            .max_bytes_per_scope(u64::MAX)
             .prefix(&format!("{REDIS_PREFIX}{tag}:"))
             .connect(url)
             .await
