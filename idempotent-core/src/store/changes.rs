@@ -93,7 +93,18 @@ impl ChangeId {
 /// [`ListenerHandle::connected`] after each (re)connection.
 pub(crate) type StartListener = dyn Fn(ListenerHandle) + Send + Sync;
 
-/// A store's change notifications (see the [module docs](self)).
+/// A store's change notifications: what wakes a request that waits for a running duplicate's
+/// answer ([`Policy::wait`](crate::engine::Policy::wait)).
+///
+/// A waiter [watches](Changes::watch) its record and [announces](Changes::announce) itself
+/// (PostgreSQL and Redis mark the record, so that only records someone waits on notify);
+/// whatever completes or releases the record [notifies](Changes::notify_key). A notification
+/// only wakes: the woken waiter claims again and believes the store, so a lost one costs time,
+/// never correctness; every waiter also looks again at its store's
+/// [polling cap](Changes::poll_cap), and a listener that reconnected wakes everyone. The engine
+/// notifies its own store's hub after its own completes and releases (waiters in the same
+/// process); PostgreSQL (`LISTEN`/`NOTIFY`) and Redis (pub/sub) carry notifications between
+/// instances; SQLite and MySQL do not, and their waiters elsewhere poll.
 #[derive(Clone)]
 pub struct Changes {
     hub: Arc<Hub>,
