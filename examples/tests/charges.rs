@@ -6,10 +6,9 @@
 
 mod common;
 
-use common::{Bin, MySqlDb, Server, start, start_reading};
+use common::{Bin, MySqlDb, Server, start, start_reading, until_working};
 use idempotent_examples::provider::Provider;
 use serde_json::Value;
-use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -39,21 +38,14 @@ async fn crash_inside_the_transaction(bin: Bin, database: &str) {
     for i in 0..trials {
         let commit = if i % 2 == 0 { "single" } else { "two" };
         let common = ["--lease", "1s", "--commit", commit];
-        let (mut doomed, mut out) = start_reading(
+        let (mut doomed, out) = start_reading(
             bin,
             database,
             &[&common[..], &["--work-delay", "30s", "--announce-work"]].concat(),
         );
         let k = key();
         let pending = tokio::spawn(Api::new(&doomed).json(&acct, &k, CHARGE).send());
-        let line = tokio::task::spawn_blocking(move || {
-            let mut line = String::new();
-            out.read_line(&mut line).unwrap();
-            line
-        })
-        .await
-        .unwrap();
-        assert_eq!(line.trim(), "working", "trial {i}");
+        until_working(out).await;
         doomed.child.kill().unwrap();
         doomed.child.wait().unwrap();
         assert!(pending.await.unwrap().is_err(), "the client saw the crash");
@@ -83,7 +75,7 @@ async fn crash_inside_the_transaction(bin: Bin, database: &str) {
 /// over and makes the charge itself; either way the account ends with one charge.
 async fn waiters_outlive_a_killed_first_attempt(bin: Bin, database: &str) {
     let common = ["--lease", "2s", "--commit", "two", "--wait", "2s"];
-    let (mut doomed, mut out) = start_reading(
+    let (mut doomed, out) = start_reading(
         bin,
         database,
         &[&common[..], &["--work-delay", "30s", "--announce-work"]].concat(),
@@ -91,14 +83,7 @@ async fn waiters_outlive_a_killed_first_attempt(bin: Bin, database: &str) {
     let other = start(bin, database, &common);
     let (acct, k) = (account(), key());
     let pending = tokio::spawn(Api::new(&doomed).json(&acct, &k, CHARGE).send());
-    let line = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        line
-    })
-    .await
-    .unwrap();
-    assert_eq!(line.trim(), "working");
+    until_working(out).await;
     let api = Api::new(&other);
     let waiter = tokio::spawn(api.json(&acct, &k, CHARGE).send());
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -851,38 +836,17 @@ async fn handler_errors_carry_no_database_text(bin: Bin) {
 }
 
 /// Stamps out each case for both binaries: `axum::name` and `actix::name`.
-/// Runs one case against both binaries side by side, each on a thread and a tokio runtime of
-/// its own (as two tests would run: a case blocks its runtime's workers now and then, starting
-/// a server or running the client, and must never hold up the other's timed steps), and fails
-/// naming the binary when either does; both run to their end first. A case mostly waits on its
-/// server (handler delays, crashes and restarts), so the two overlap instead of queueing.
+/// Runs one case against both binaries side by side, each on a thread and a runtime of its
+/// own ([`side_by_side`](idempotent_tests::side_by_side::side_by_side)), naming the binary
+/// that failed.
 fn on_both_binaries<F>(case: fn(Bin) -> F)
 where
     F: Future<Output = ()> + 'static,
 {
-    let run = |bin: Bin| {
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(case(bin));
-        })
-    };
-    let (axum, actix) = (run(Bin::Axum), run(Bin::Actix));
-    let mut failed = Vec::new();
-    for (bin, thread) in [("charges-axum", axum), ("charges-actix", actix)] {
-        if let Err(panic) = thread.join() {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "(a panic that is not a message)".to_owned());
-            failed.push(format!("on {bin}: {message}"));
-        }
-    }
-    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    idempotent_tests::side_by_side::side_by_side(
+        [("charges-axum", Bin::Axum), ("charges-actix", Bin::Actix)],
+        case,
+    );
 }
 
 /// Stamps out each case as one test that runs it against both binaries ([`on_both_binaries`]),

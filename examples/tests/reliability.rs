@@ -29,10 +29,9 @@
 
 mod common;
 
-use common::{Bin, MySqlDb, Server, start, start_reading};
+use common::{Bin, MySqlDb, Server, start, start_reading, until_working};
 use serde_json::Value;
 use std::collections::HashSet;
-use std::io::BufRead;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1142,18 +1141,11 @@ fn signal(server: &Server, sig: &str) {
 async fn frozen_past_its_lease(database: &str, path: &[&str]) {
     let lease = ["--lease", "1s"];
     let frozen_flags = [&lease[..], path, &["--work-delay", "3s", "--announce-work"]].concat();
-    let (frozen, mut out) = start_reading(Bin::Axum, database, &frozen_flags);
+    let (frozen, out) = start_reading(Bin::Axum, database, &frozen_flags);
     let other = start(Bin::Actix, database, &[&lease[..], path].concat());
     let op = &operations(1)[0];
     let late = charge_on(&frozen.base, op);
-    let line = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        line
-    })
-    .await
-    .unwrap();
-    assert_eq!(line.trim(), "working");
+    until_working(out).await;
     signal(&frozen, "-STOP");
     let started = Instant::now();
     let mut busy = 0;

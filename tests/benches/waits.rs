@@ -131,6 +131,17 @@ async fn first_executions(store: Arc<dyn Store>) -> f64 {
     total as f64 / 3.0
 }
 
+/// A PostgreSQL store on `table`, notifying changes or not.
+fn pg_store(pool: &sqlx::PgPool, table: &str, notify: bool) -> Arc<idempotent_core::PostgresStore> {
+    Arc::new(
+        idempotent_core::PostgresStore::builder(pool.clone())
+            .table(table)
+            .notify_changes(notify)
+            .build()
+            .expect("store"),
+    )
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     println!(
@@ -162,17 +173,16 @@ async fn main() {
     if std::env::var("DATABASE_URL").is_ok() {
         let pool = idempotent_tests::fixtures::pg_pool(16).await;
         let table = idempotent_tests::fixtures::unique_table("bench_waits");
-        let store = |notify: bool| {
-            Arc::new(
-                idempotent_core::PostgresStore::builder(pool.clone())
-                    .table(&table)
-                    .notify_changes(notify)
-                    .build()
-                    .expect("store"),
-            )
-        };
-        store(true).migrate().await.expect("migrate");
-        wake_latency("PostgreSQL (LISTEN/NOTIFY)", store(true), store(true)).await;
+        pg_store(&pool, &table, true)
+            .migrate()
+            .await
+            .expect("migrate");
+        wake_latency(
+            "PostgreSQL (LISTEN/NOTIFY)",
+            pg_store(&pool, &table, true),
+            pg_store(&pool, &table, true),
+        )
+        .await;
         pg = Some((pool, table));
     }
     if std::env::var("MYSQL_URL").is_ok() {
@@ -201,19 +211,10 @@ async fn main() {
     }
 
     if let Some((pool, table)) = pg {
-        let store = |notify: bool| {
-            Arc::new(
-                idempotent_core::PostgresStore::builder(pool.clone())
-                    .table(&table)
-                    .notify_changes(notify)
-                    .build()
-                    .expect("store"),
-            ) as Arc<dyn Store>
-        };
         let (mut on, mut off) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            on.push(first_executions(store(true)).await);
-            off.push(first_executions(store(false)).await);
+            on.push(first_executions(pg_store(&pool, &table, true)).await);
+            off.push(first_executions(pg_store(&pool, &table, false)).await);
         }
         on.sort_by(f64::total_cmp);
         off.sort_by(f64::total_cmp);

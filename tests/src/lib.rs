@@ -12,6 +12,7 @@ pub mod execute;
 pub mod faults;
 pub mod fixtures;
 pub mod model;
+pub mod side_by_side;
 pub mod stall;
 
 /// A store under test, as the conformance suite drives it.

@@ -65,6 +65,19 @@ pub(crate) fn start_reading(
     (Server { child, base }, out)
 }
 
+/// Waits, off the runtime's workers, until a server started with `--announce-work` prints
+/// `working` (its handler has paid and written its charge, inside its transaction).
+pub(crate) async fn until_working(mut out: BufReader<std::process::ChildStdout>) {
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    assert_eq!(line.trim(), "working");
+}
+
 /// A database of its own (`idem_<uuid>`) on the MySQL or MariaDB server of `MYSQL_URL`,
 /// dropped with everything in it when this is dropped (after the servers using it: declare
 /// it before them). `url` names it, with `MYSQL_URL`'s user, host and options.

@@ -292,37 +292,14 @@ pub(crate) fn flood(chunk: bytes::Bytes) -> impl futures_util::Stream<Item = byt
     })
 }
 
-/// Runs one case on both frameworks side by side, each on a thread and a tokio runtime of its
-/// own (as two tests would run), and fails naming the framework when either does; both run to
-/// their end first. A case mostly waits (on leases, timeouts, slow handlers), so the two
-/// overlap instead of queueing.
+/// Runs one case on both frameworks side by side, each on a thread and a runtime of its own
+/// ([`side_by_side`](idempotent_tests::side_by_side::side_by_side)), naming the framework
+/// that failed.
 pub(crate) fn on_each<F>(case: fn(Fw) -> F)
 where
     F: Future<Output = ()> + 'static,
 {
-    let run = |fw: Fw| {
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(case(fw));
-        })
-    };
-    let (axum, actix) = (run(Fw::Axum), run(Fw::Actix));
-    let mut failed = Vec::new();
-    for (fw, thread) in [("Axum", axum), ("Actix", actix)] {
-        if let Err(panic) = thread.join() {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "(a panic that is not a message)".to_owned());
-            failed.push(format!("on {fw}: {message}"));
-        }
-    }
-    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    idempotent_tests::side_by_side::side_by_side([("Axum", Fw::Axum), ("Actix", Fw::Actix)], case);
 }
 
 /// Stamps out each case as one test, `on_both::name`, that runs `module::name` on Axum and on
