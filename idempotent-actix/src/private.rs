@@ -152,6 +152,56 @@ fn head(req: &HttpRequest) -> RequestHead<'_> {
     }
 }
 
+/// The handler's body extractor (`Json`, `Form`, `Bytes`, `String`) as `#[idempotent]` passes
+/// it to [`run`]: run by `run` only when the handler is about to run, so a request the replay
+/// cache answers never parses its body again (its fingerprint matched a request whose
+/// extractors accepted that very body).
+pub struct Later<T>(Deferred<T>);
+
+enum Deferred<T> {
+    /// Nothing deferred.
+    Ready(T),
+    /// The request and its payload (the body as sent), to extract from later.
+    Later(HttpRequest, Payload),
+}
+
+impl<T> std::fmt::Debug for Later<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the value: an extracted body shows up in `#[tracing::instrument]` fields.
+        f.debug_struct("Later")
+            .field("deferred", &matches!(self.0, Deferred::Later(..)))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Later<()> {
+    /// No extractor deferred.
+    pub fn none() -> Self {
+        Later(Deferred::Ready(()))
+    }
+}
+
+impl<T: FromRequest> Later<T> {
+    /// The extracted value, or the extractor's rejection as a response.
+    async fn get(self) -> Result<T, HttpResponse> {
+        match self.0 {
+            Deferred::Ready(value) => Ok(value),
+            Deferred::Later(req, mut payload) => T::from_request(&req, &mut payload)
+                .await
+                .map_err(|e| actix_web::Error::from(e.into()).error_response()),
+        }
+    }
+}
+
+impl<T: FromRequest> FromRequest for Later<T> {
+    type Error = actix_web::Error;
+    type Future = std::future::Ready<Result<Self, actix_web::Error>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        ready(Ok(Later(Deferred::Later(req.clone(), payload.take()))))
+    }
+}
+
 /// The handler's [`Idempotent`](idempotent_core::Idempotent) parameter, or the 500 that
 /// refuses the request when no derive secret is configured.
 pub fn context(
@@ -180,28 +230,34 @@ fn misconfigured(what: &str) -> ProblemError {
 /// reset, or a half-close after which actix stops polling the handler), the execution still
 /// runs to the end and its outcome is stored.
 ///
-/// `handler` makes the handler's future (the attribute passes the body as `move || async
-/// move { … }`): it is called only when the handler runs, so a replay never builds it, and
+/// `later` is the handler's deferred body extractor ([`Later`]): it runs only after a miss in
+/// the replay cache (and before the claim), and its rejection answers as usual.
+///
+/// `handler` makes the handler's future from that extractor's value (the attribute passes the
+/// body as `move |value| async move { … }`): it is called only when the handler runs, so a
+/// replay never builds it, and
 /// the future it makes (as large as everything the handler awaits) is boxed as it is made,
 /// so the futures around it and the detached job hold a pointer and never copy it.
-pub fn run<F, Fut, R>(
+pub fn run<T, F, Fut, R>(
     ctx: Ready,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
+    later: Later<T>,
     handler: F,
 ) -> impl Future<Output = HttpResponse>
 where
-    F: FnOnce() -> Fut + 'static,
+    T: FromRequest + 'static,
+    F: FnOnce(T) -> Fut + 'static,
     Fut: Future<Output = R> + 'static,
     R: Responder + 'static,
 {
     let req = ctx.req.clone();
-    let handler = move || {
+    let handler = move |value: T| {
         // The handler's own future boxed as `handler()` returns it, and only then wrapped. A
         // boxed async block around `handler().await` moved the future's whole size three
         // times a first execution (callgrind: the unstarted block into its box, then the
         // future on its way into the block's await); this moves it once, into its box.
-        let future = Box::pin(handler());
+        let future = Box::pin(handler(value));
         async move { future.await.respond_to(&req).map_into_boxed_body() }
     };
     async move {
@@ -209,12 +265,19 @@ where
         let prepared = driver::prepare(config, route, head, ctx.key, ctx.body, scope);
         match prepared.await {
             Prepared::Reply(reply) => crate::response::reply(reply),
-            Prepared::Pass => handler().await,
+            Prepared::Pass => match later.get().await {
+                Ok(value) => handler(value).await,
+                Err(rejected) => rejected,
+            },
             Prepared::Run(mut job) => {
+                let value = match later.get().await {
+                    Ok(value) => value,
+                    Err(rejected) => return rejected,
+                };
                 // Dropped with this future (the client went away): a wait for a duplicate's
                 // answer ends; a claimed execution runs on, detached.
                 let _caller = job.caller();
-                detached(job.run::<Actix, _>(handler)).await
+                detached(job.run::<Actix, _>(move || handler(value))).await
             }
         }
     }

@@ -4,7 +4,7 @@ use crate::config::Idempotency;
 use crate::layer::BodySlot;
 use crate::response::{Axum, problem};
 use axum::body::Bytes;
-use axum::extract::{FromRequestParts, MatchedPath, OriginalUri};
+use axum::extract::{FromRequest, FromRequestParts, MatchedPath, OriginalUri, Request};
 use axum::http::{HeaderValue, Method, Uri, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use idempotent_core::__private::RequestHead;
@@ -99,6 +99,83 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
     }
 }
 
+/// The handler's last extractor, as `#[idempotent]` passes it to [`run`]: one that reads the
+/// body (a `FromRequest` extractor: `Json`, `Form`, `Bytes`, …) is deferred, run by `run` only
+/// when the handler is about to run, so a request the replay cache answers never parses its
+/// body again (its fingerprint matched a request whose extractors accepted that very body).
+/// One that reads the request's parts only (`FromRequestParts`: an authorization guard, a
+/// path) runs at once, in its place, as it always did: a guard is never skipped.
+pub struct Later<T>(Deferred<T>);
+
+/// Made by a body extractor's deferred run.
+type Extracting<T> = std::pin::Pin<Box<dyn Future<Output = Result<T, Response>> + Send>>;
+
+enum Deferred<T> {
+    /// Extracted already (a parts extractor, or nothing: `()`).
+    Ready(T),
+    /// The request and state, to extract from when the handler runs.
+    Later(Box<dyn FnOnce() -> Extracting<T> + Send>),
+}
+
+impl<T> std::fmt::Debug for Later<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the value: an extracted body shows up in `#[tracing::instrument]` fields.
+        f.debug_struct("Later")
+            .field("deferred", &matches!(self.0, Deferred::Later(..)))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Later<()> {
+    /// No extractor deferred.
+    pub fn none() -> Self {
+        Later(Deferred::Ready(()))
+    }
+}
+
+impl<T> Later<T> {
+    /// The extracted value, or the extractor's rejection as a response.
+    async fn get(self) -> Result<T, Response> {
+        match self.0 {
+            Deferred::Ready(value) => Ok(value),
+            Deferred::Later(extract) => extract().await,
+        }
+    }
+}
+
+impl<S, T> FromRequest<S> for Later<T>
+where
+    T: FromRequest<S> + Send + 'static,
+    S: Clone + Send + Sync + 'static,
+{
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let state = state.clone();
+        Ok(Later(Deferred::Later(Box::new(move || {
+            Box::pin(async move {
+                T::from_request(req, &state)
+                    .await
+                    .map_err(IntoResponse::into_response)
+            })
+        }))))
+    }
+}
+
+impl<S, T> FromRequestParts<S> for Later<T>
+where
+    T: FromRequestParts<S> + Send,
+    S: Send + Sync,
+{
+    type Rejection = T::Rejection;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        T::from_request_parts(parts, state)
+            .await
+            .map(|value| Later(Deferred::Ready(value)))
+    }
+}
+
 /// What identifies a request besides its key and body.
 struct Head(Method, Uri, Option<HeaderValue>);
 
@@ -140,29 +217,35 @@ fn misconfigured(what: &str) -> Response {
 /// after it run detached from the request: if the client goes away (even while the claim is
 /// in flight), the execution still runs to the end and its outcome is stored.
 ///
-/// `handler` makes the handler's future (the attribute passes the body as `move || async
-/// move { … }`): it is called only when the handler runs, so a replay never builds it, and
+/// `later` is the handler's last extractor ([`Later`]): a body extractor runs only after a
+/// miss in the replay cache (and before the claim), and its rejection answers as usual.
+///
+/// `handler` makes the handler's future from that extractor's value (the attribute passes the
+/// body as `move |value| async move { … }`): it is called only when the handler runs, so a
+/// replay never builds it, and
 /// the future it makes (as large as everything the handler awaits, often tens of KiB with a
 /// database client's futures in it) is boxed as it is made, so the futures around it (this
 /// one, the route's, the framework's, the detached execution) hold a pointer and never copy
 /// it as they are built and moved.
-pub fn run<const REQUIRED: bool, F, Fut, R>(
+pub fn run<const REQUIRED: bool, T, F, Fut, R>(
     ctx: Context<REQUIRED>,
     route: &'static Route,
     scope: Result<Scope, ScopeError>,
+    later: Later<T>,
     handler: F,
 ) -> impl Future<Output = Response> + Send
 where
-    F: FnOnce() -> Fut + Send + 'static,
+    T: Send + 'static,
+    F: FnOnce(T) -> Fut + Send + 'static,
     Fut: Future<Output = R> + Send + 'static,
     R: IntoResponse,
 {
-    let handler = move || {
+    let handler = move |value: T| {
         // The handler's own future boxed as `handler()` returns it, and only then wrapped. A
         // boxed async block around `handler().await` moved the future's whole size three
         // times a first execution (callgrind: the unstarted block into its box, then the
         // future on its way into the block's await); this moves it once, into its box.
-        let future = Box::pin(handler());
+        let future = Box::pin(handler(value));
         async move { future.await.into_response() }
     };
     // Not boxed: axum boxes the handler's future, which holds this one. A box of its own was
@@ -172,12 +255,19 @@ where
         let config = &ctx.config.config;
         match driver::prepare(config, route, ctx.head.get(), ctx.key, ctx.body, scope).await {
             Prepared::Reply(reply) => crate::response::reply(reply),
-            Prepared::Pass => handler().await,
+            Prepared::Pass => match later.get().await {
+                Ok(value) => handler(value).await,
+                Err(rejected) => rejected,
+            },
             Prepared::Run(mut job) => {
+                let value = match later.get().await {
+                    Ok(value) => value,
+                    Err(rejected) => return rejected,
+                };
                 // Dropped with this future (the client went away): a wait for a duplicate's
                 // answer ends; a claimed execution runs on, detached.
                 let _caller = job.caller();
-                Detached::new(job.run::<Axum, _>(handler)).await
+                Detached::new(job.run::<Axum, _>(move || handler(value))).await
             }
         }
     }

@@ -28,7 +28,11 @@
 //!   the transaction) and `commit` (the complete in the transaction and COMMIT);
 //! - [`IN_FLIGHT`] (gauge): requests being claimed or executed now;
 //! - [`EVENTS_TOTAL`] (counter), labels `route` and `event`: `takeover`, `released`,
-//!   `complete_failed`, `release_failed`, `fence_refused`.
+//!   `complete_failed`, `release_failed`, `fence_refused`;
+//! - with a replay cache ([`ReplayCache`](crate::engine::ReplayCache)):
+//!   [`REPLAY_CACHE_LOOKS_TOTAL`] (counter), label `result`: `hit`, `mismatch`, `miss`;
+//!   [`REPLAY_CACHE_EVICTIONS_TOTAL`] (counter), label `cause`: `size` (evicted for room),
+//!   `refused` (not kept: its scope was at its budget); [`REPLAY_CACHE_BYTES`] (gauge).
 //!
 //! What is counted: every request that reaches the engine's claim, and key refusals the
 //! adapters answer before it. Requests refused earlier for other reasons (a body over the
@@ -63,6 +67,13 @@ pub const IN_FLIGHT: &str = "idempotent_in_flight";
 /// Counter of notable events, labels `route` and `event` (`wait_started` among them: a
 /// request began to wait for a running duplicate's answer).
 pub const EVENTS_TOTAL: &str = "idempotent_events_total";
+/// Counter of looks in the replay cache, label `result` (`hit`, `mismatch`, `miss`).
+pub const REPLAY_CACHE_LOOKS_TOTAL: &str = "idempotent_replay_cache_looks_total";
+/// Counter of entries the replay cache evicted for room (`cause="size"`) or did not keep
+/// because their scope was at its budget (`cause="refused"`).
+pub const REPLAY_CACHE_EVICTIONS_TOTAL: &str = "idempotent_replay_cache_evictions_total";
+/// Gauge of the bytes the replay cache holds, as it estimates them.
+pub const REPLAY_CACHE_BYTES: &str = "idempotent_replay_cache_bytes";
 /// Counter of ended waits for a running duplicate's answer, labels `route` and `outcome`
 /// ([`WAIT_OUTCOMES`]).
 pub const WAITS_TOTAL: &str = "idempotent_waits_total";
@@ -298,6 +309,57 @@ pub(crate) fn wait_ended(route: &'static str, outcome: &'static str, took: Durat
     metrics::counter!(WAITS_TOTAL, "route" => route, "outcome" => outcome).increment(1);
     metrics::histogram!(WAIT_SECONDS, "route" => route, "outcome" => outcome)
         .record(took.as_secs_f64());
+}
+
+/// A counter with one static label, registered without building its key (the cache's hit
+/// path calls these once per request).
+macro_rules! static_counter {
+    ($name:expr, $label:literal, $value:expr, [$($known:literal),*]) => {
+        match $value {
+            $(
+                $known => {
+                    static LABELS: [metrics::Label; 1] =
+                        [metrics::Label::from_static_parts($label, $known)];
+                    static KEY: metrics::Key = metrics::Key::from_static_parts($name, &LABELS);
+                    metrics::with_recorder(|recorder| recorder.register_counter(&KEY, &METADATA))
+                        .increment(1);
+                }
+            )*
+            other => metrics::counter!($name, $label => other).increment(1),
+        }
+    };
+}
+
+/// Counts a look in the replay cache.
+pub(crate) fn replay_cache_look(result: &'static str) {
+    static_counter!(
+        REPLAY_CACHE_LOOKS_TOTAL,
+        "result",
+        result,
+        ["hit", "mismatch", "miss"]
+    );
+}
+
+/// Counts an entry the replay cache evicted for room.
+pub(crate) fn replay_cache_eviction() {
+    static_counter!(REPLAY_CACHE_EVICTIONS_TOTAL, "cause", "size", ["size"]);
+}
+
+/// Counts an entry the replay cache did not keep (its scope at its budget).
+pub(crate) fn replay_cache_refused() {
+    static_counter!(
+        REPLAY_CACHE_EVICTIONS_TOTAL,
+        "cause",
+        "refused",
+        ["refused"]
+    );
+}
+
+/// Sets the replay cache's bytes gauge.
+pub(crate) fn replay_cache_bytes(bytes: u64) {
+    static KEY: metrics::Key = metrics::Key::from_static_name(REPLAY_CACHE_BYTES);
+    #[allow(clippy::cast_precision_loss, reason = "a gauge of bytes")]
+    metrics::with_recorder(|recorder| recorder.register_gauge(&KEY, &METADATA)).set(bytes as f64);
 }
 
 /// Counts a notable event.

@@ -105,6 +105,49 @@ pub async fn replay_returns_stored_outcome(f: &impl Fixture) {
     ));
 }
 
+/// A replay reports what is left of its record's life (`Store::claim_with_expiry`, what a
+/// replay cache bounds its copy by): at most the ttl, more than nothing; nothing for other
+/// outcomes.
+pub async fn replays_report_what_is_left_of_their_record(f: &impl Fixture) {
+    let store = f.fresh().await;
+    let key = unique_key("lives");
+    let ttl = Duration::from_secs(60);
+    let (a, other_fp) = (fp("a"), fp("b"));
+    let req = |fingerprint| ClaimRequest {
+        key: &key,
+        fingerprint,
+        lease: f.lease(),
+        ttl,
+        max_stored: 0,
+    };
+    let (first, lives) = store.claim_with_expiry(req(&a)).await.expect("claim");
+    assert_eq!(lives, None);
+    let lease = claimed(first);
+    let (busy, lives) = store.claim_with_expiry(req(&a)).await.expect("claim");
+    assert!(matches!(busy, ClaimOutcome::InProgress { .. }), "{busy:?}");
+    assert_eq!(lives, None);
+    let outcome = response("lives");
+    store
+        .complete(&key, lease.token, &outcome, ttl)
+        .await
+        .expect("complete");
+    let (replay, lives) = store.claim_with_expiry(req(&a)).await.expect("claim");
+    assert_eq!(replay, ClaimOutcome::Replay(outcome));
+    let lives = lives.expect("a store of this crate reports a replayed record's life");
+    // The record expires no sooner than a ttl after its complete and no later than lease +
+    // ttl after its claim (the first claim's expiry).
+    assert!(
+        lives > ttl - Duration::from_secs(10) && lives <= ttl + f.lease(),
+        "{lives:?}"
+    );
+    let (other, lives) = store
+        .claim_with_expiry(req(&other_fp))
+        .await
+        .expect("claim");
+    assert!(matches!(other, ClaimOutcome::Mismatch { .. }), "{other:?}");
+    assert_eq!(lives, None);
+}
+
 /// A second claim while the first holds a live lease is told to retry within the lease.
 pub async fn in_progress_reports_retry_after(f: &impl Fixture) {
     let store = f.fresh().await;

@@ -142,12 +142,21 @@ fn take_one(budget: &AtomicUsize) -> bool {
 #[async_trait::async_trait]
 impl Store for FaultyStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.claim_with_expiry(req)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    async fn claim_with_expiry(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<Duration>), StoreError> {
         self.claims.fetch_add(1, Ordering::SeqCst);
         if take_one(&self.fail_claims) {
             self.injected.fetch_add(1, Ordering::SeqCst);
             return Err(StoreError::unavailable(Injected));
         }
-        let outcome = self.inner.claim(req).await;
+        let outcome = self.inner.claim_with_expiry(req).await;
         let delay = self.claim_delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay as u64)).await;

@@ -63,7 +63,8 @@ macro_rules! conformance_suite {
                 fencing_after_takeover, ttl_expiry_reclaims, scope_isolation, scope_and_key_never_collide, delete_needs_force_for_in_progress, purge_in_batches,
                 release_frees_key, extend_keeps_lease, stale_token_on_absent_record,
                 oversized_marker_round_trips, concurrent_claims_one_winner,
-                headers_and_binary_body_round_trip, other_fingerprint_versions_match_by_key_alone);
+                headers_and_binary_body_round_trip, other_fingerprint_versions_match_by_key_alone,
+                replays_report_what_is_left_of_their_record);
         }
     };
     // The one list: every case becomes a test, and a last test checks the list against the

@@ -8,6 +8,7 @@
 //! A record whose lease or ttl ran out is taken over: the new claim's token fences out the
 //! old attempt's late writes (`store/fence.rs`).
 
+use super::cache::Looked;
 use super::wait::{Pause, WaitEnd, Waiting};
 use super::{
     ConfigError, Engine, ExecuteRequest, Execution, Gone, InFlight, KeyRequirement, Policy,
@@ -97,21 +98,23 @@ impl Engine {
     /// Traced and counted ([`crate::observe`]): a span per request, its outcome, the claim's
     /// latency, and a wait's outcome and time.
     pub async fn begin(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
-        self.begin_traced(req, policy, None).await
+        self.begin_traced(req, policy, None, false).await
     }
 
-    /// [`Engine::begin`], whose wait also ends when `gone` resolves.
+    /// [`Engine::begin`], whose wait also ends when `gone` resolves; `looked`: the caller
+    /// looked in the replay cache already ([`Engine::look`]).
     pub(crate) async fn begin_traced(
         &self,
         req: ExecuteRequest,
         policy: &Policy,
         gone: Option<Gone>,
+        looked: bool,
     ) -> Begin {
         self.inner.auto_sweep.ensure(&self.inner.store);
         let span = self.span(&req, policy);
         let start = std::time::Instant::now();
         let mut begin = self
-            .begin_or_gone(req, policy, gone)
+            .begin_or_gone(req, policy, gone, looked)
             .instrument(span.clone())
             .await;
         let outcome = begin.observed_outcome();
@@ -126,14 +129,65 @@ impl Engine {
     /// The span of one request ([`crate::observe`]); the record's hash is computed only when
     /// the span is enabled.
     pub(crate) fn span(&self, req: &ExecuteRequest, policy: &Policy) -> tracing::Span {
+        self.span_of(&req.scope, req.key.as_ref().ok(), policy)
+    }
+
+    fn span_of(
+        &self,
+        scope: &crate::Scope,
+        key: Option<&crate::IdempotencyKey>,
+        policy: &Policy,
+    ) -> tracing::Span {
         let span = observe::span(policy.route);
         if !span.is_disabled()
-            && let Ok(key) = &req.key
+            && let Some(key) = key
         {
-            let hash = self.inner.log_key.hash(&req.scope, key);
+            let hash = self.inner.log_key.hash(scope, key);
             span.record("key", hash.as_str());
         }
         span
+    }
+
+    /// The replay cache's answer to `req` ([`Begin::Replay`] or a [`Begin::Mismatch`]),
+    /// traced and counted as [`Engine::begin`]'s are; the request back when the cache does
+    /// not hold its record (or there is no cache). Nothing is cloned: the request's scope and
+    /// key are moved into the record's key for the look and back.
+    pub(crate) fn cached(
+        &self,
+        req: ExecuteRequest,
+        policy: &Policy,
+    ) -> Result<Begin, ExecuteRequest> {
+        if self.inner.cache.is_none() {
+            return Err(req);
+        }
+        let ExecuteRequest {
+            scope,
+            key,
+            fingerprint,
+        } = req;
+        let key = match key {
+            Ok(key) => key,
+            Err(e) => {
+                return Err(ExecuteRequest {
+                    scope,
+                    key: Err(e),
+                    fingerprint,
+                });
+            }
+        };
+        let record = RecordKey::new(scope, key);
+        match self.look_at(&record, &fingerprint) {
+            Some(begin) => {
+                let span = self.span_of(&record.scope, Some(&record.key), policy);
+                observe::outcome(&span, policy.route, begin.observed_outcome(), None);
+                Ok(begin)
+            }
+            None => Err(ExecuteRequest {
+                scope: record.scope,
+                key: Ok(record.key),
+                fingerprint,
+            }),
+        }
     }
 
     #[cfg_attr(
@@ -141,7 +195,7 @@ impl Engine {
         allow(dead_code)
     )]
     pub(crate) async fn begin_untraced(&self, req: ExecuteRequest, policy: &Policy) -> Begin {
-        self.begin_or_gone(req, policy, None).await
+        self.begin_or_gone(req, policy, None, false).await
     }
 
     /// [`Engine::begin_untraced`], whose wait ([`Policy::wait`]) also ends when `gone`
@@ -151,6 +205,7 @@ impl Engine {
         req: ExecuteRequest,
         policy: &Policy,
         mut gone: Option<Gone>,
+        looked: bool,
     ) -> Begin {
         let key = match req.key {
             Ok(key) => key,
@@ -164,6 +219,9 @@ impl Engine {
             return Begin::Misconfigured(e);
         }
         let key = RecordKey::new(req.scope, key);
+        if !looked && let Some(found) = self.look_at(&key, &req.fingerprint) {
+            return found;
+        }
         let mut waiting: Option<Waiting> = None;
         loop {
             if let Some(waiting) = &mut waiting {
@@ -214,6 +272,20 @@ impl Engine {
         }
     }
 
+    /// The answer the replay cache holds for `key` and `fingerprint`, if it holds the record:
+    /// its outcome to a request with the record's fingerprint, a mismatch to another.
+    pub(crate) fn look_at(
+        &self,
+        key: &RecordKey,
+        fingerprint: &crate::fingerprint::Fingerprint,
+    ) -> Option<Begin> {
+        match self.inner.cache.as_ref()?.look(key, fingerprint) {
+            Looked::Hit(outcome) => Some(Begin::Replay(outcome)),
+            Looked::Mismatch => Some(Begin::Mismatch { in_progress: false }),
+            Looked::Miss => None,
+        }
+    }
+
     /// One claim of `key`'s record: counted in flight while it runs (so a drain that starts
     /// meanwhile either sees it, and waits for it, or it sees the drain, and backs out).
     async fn claim_once(
@@ -229,17 +301,28 @@ impl Engine {
         // The store starts the lease somewhere during the claim's round trip: the half-lease
         // margin counts from before it was sent, never from its answer.
         let sent = tokio::time::Instant::now();
-        let claim = self
-            .inner
-            .store
-            .claim(ClaimRequest {
-                key,
-                fingerprint,
-                lease: policy.lease,
-                ttl: policy.ttl,
-                max_stored: policy.max_stored as u64,
-            })
-            .await;
+        let req = ClaimRequest {
+            key,
+            fingerprint,
+            lease: policy.lease,
+            ttl: policy.ttl,
+            max_stored: policy.max_stored as u64,
+        };
+        let store = &self.inner.store;
+        let claim = match &self.inner.cache {
+            None => store.claim(req).await,
+            // With a replay cache, a replayed record the store says the life of is kept, until
+            // that life (counted from before the claim was sent) or the cache's max age ends.
+            Some(cache) => {
+                let since = std::time::Instant::now();
+                store.claim_with_expiry(req).await.map(|(outcome, lives)| {
+                    if let (ClaimOutcome::Replay(replayed), Some(lives)) = (&outcome, lives) {
+                        cache.keep(key, *fingerprint, replayed.clone(), since, lives);
+                    }
+                    outcome
+                })
+            }
+        };
         observe::store_time("claim", sent.elapsed());
         match claim {
             Ok(ClaimOutcome::Claimed(lease)) => {
@@ -254,6 +337,7 @@ impl Engine {
                     slot,
                     sent,
                     key.clone(),
+                    *fingerprint,
                     lease.token,
                     *policy,
                 ))

@@ -22,7 +22,7 @@ pub(super) struct Flight {
 /// One request counted towards [`Engine::drain`](super::Engine::drain) from before its claim
 /// until its execution finishes (or the claim found nothing to run).
 pub(crate) struct InFlight {
-    pub(super) engine: Arc<Inner>,
+    pub(crate) engine: Arc<Inner>,
 }
 
 impl InFlight {

@@ -46,6 +46,8 @@ struct Inner {
     /// lease's first half ends at most half a lease after it.
     claimed_at: tokio::time::Instant,
     key: RecordKey,
+    /// The claiming request's fingerprint (what a replay cache keeps beside the outcome).
+    fingerprint: crate::fingerprint::Fingerprint,
     token: LeaseToken,
     policy: Policy,
     heartbeat: Heartbeat,
@@ -70,6 +72,7 @@ impl Execution {
         slot: InFlight,
         claimed_at: tokio::time::Instant,
         key: RecordKey,
+        fingerprint: crate::fingerprint::Fingerprint,
         token: LeaseToken,
         policy: Policy,
     ) -> Self {
@@ -80,6 +83,7 @@ impl Execution {
                 slot,
                 claimed_at,
                 key,
+                fingerprint,
                 token,
                 policy,
                 heartbeat: Heartbeat::default(),
@@ -103,6 +107,24 @@ impl Execution {
     /// The record's (scope, key).
     pub fn key(&self) -> &RecordKey {
         &self.inner.key
+    }
+
+    /// The claiming request's fingerprint.
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn fingerprint(&self) -> crate::fingerprint::Fingerprint {
+        self.inner.fingerprint
+    }
+
+    /// The engine that claimed it (for the transactional paths' replay cache).
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn engine(&self) -> &std::sync::Arc<super::Inner> {
+        &self.inner.slot.engine
     }
 
     /// The lease token this execution holds.
@@ -206,12 +228,32 @@ impl Execution {
         async move {
             let stores = self.inner.policy.stores(outcome.status());
             let span = self.inner.span.clone();
+            // Before the complete is sent: the record then expires no sooner than a ttl after
+            // this (the store's now is later), so a kept copy never outlives it.
+            let sent = std::time::Instant::now();
+            let streamed = self.inner.progress.is_some();
             let recorded = self
                 .write(stores.then_some(&outcome))
                 .instrument(span.clone())
                 .await;
             if self.inner.observed {
                 observe::settled(&span, self.inner.policy.route, (&recorded).into());
+            }
+            // Kept only after this complete succeeded (a streamed response's record may have
+            // been settled by the heartbeat instead: not kept).
+            if stores
+                && !streamed
+                && matches!(recorded, Recorded::Stored)
+                && let Some(cache) = &self.inner.slot.engine.cache
+            {
+                let inner = &*self.inner;
+                cache.keep(
+                    &inner.key,
+                    inner.fingerprint,
+                    outcome,
+                    sent,
+                    inner.policy.ttl,
+                );
             }
             self.done();
             recorded

@@ -6,12 +6,16 @@
 //! - `flight.rs`: what [`Engine::drain`] counts, and the automatic sweeper it stops;
 //! - `detached.rs`: `Detached`, the future that outlives its caller (the adapters' tool).
 
+mod cache;
 mod claim;
 pub(crate) mod detached;
 mod flight;
 mod lease;
 mod wait;
 
+pub use cache::{
+    DEFAULT_CACHE_MAX_AGE, DEFAULT_CACHE_MAX_BYTES, DEFAULT_CACHE_MAX_BYTES_PER_SCOPE, ReplayCache,
+};
 pub use claim::{Begin, Unprotected};
 pub(crate) use flight::{AutoSweep, InFlight};
 #[cfg_attr(
@@ -334,6 +338,8 @@ pub(crate) struct Inner {
     waiting: std::sync::atomic::AtomicUsize,
     max_waiting: usize,
     max_waiting_per_key: usize,
+    /// The local replay cache ([`EngineBuilder::replay_cache`]).
+    pub(crate) cache: Option<cache::Cache>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -357,6 +363,7 @@ pub struct EngineBuilder {
     sweep_every: Option<Duration>,
     max_waiting: usize,
     max_waiting_per_key: usize,
+    replay_cache: Option<ReplayCache>,
 }
 
 impl std::fmt::Debug for EngineBuilder {
@@ -367,6 +374,7 @@ impl std::fmt::Debug for EngineBuilder {
             .field("sweep_every", &self.sweep_every)
             .field("max_waiting", &self.max_waiting)
             .field("max_waiting_per_key", &self.max_waiting_per_key)
+            .field("replay_cache", &self.replay_cache)
             .finish_non_exhaustive()
     }
 }
@@ -418,6 +426,19 @@ impl EngineBuilder {
         self
     }
 
+    /// Keeps completed records in a local replay cache ([`ReplayCache`]; off by default): a
+    /// retry of a request this engine completed is then answered from process memory, with no
+    /// store call (and, over HTTP, before the handler's body extractors run). An entry lives
+    /// until its record's expiry or the cache's [`max_age`](ReplayCache::max_age), whichever
+    /// comes first: `max_age` bounds how long this instance replays a record deleted
+    /// (`idempotent-admin`) or rewritten in the store behind it. Bounded in bytes, in all and
+    /// per scope. Worth it on a remote store (PostgreSQL, MySQL, Redis); the memory store is a
+    /// cache already.
+    pub fn replay_cache(mut self, cache: ReplayCache) -> Self {
+        self.replay_cache = Some(cache);
+        self
+    }
+
     /// No automatic sweeper (run [`Sweeper`](crate::store::Sweeper) yourself, or delete expired
     /// records another way).
     pub fn no_sweeper(mut self) -> Self {
@@ -428,9 +449,13 @@ impl EngineBuilder {
     /// The engine.
     ///
     /// # Errors
-    /// [`ConfigError`] for a lease or sweep interval out of bounds.
+    /// [`ConfigError`] for a lease or sweep interval out of bounds, or replay cache settings
+    /// out of bounds (a zero byte budget, a `max_age` under 1 ms or over 365 days).
     pub fn build(self) -> Result<Engine, ConfigError> {
         check_duration("lease", self.lease)?;
+        if let Some(cache) = &self.replay_cache {
+            cache.check()?;
+        }
         if let Some(every) = self.sweep_every {
             check_duration("sweep_every", every)?;
         }
@@ -458,6 +483,7 @@ impl EngineBuilder {
                 waiting: std::sync::atomic::AtomicUsize::new(0),
                 max_waiting: self.max_waiting,
                 max_waiting_per_key: self.max_waiting_per_key,
+                cache: self.replay_cache.map(cache::Cache::new),
             }),
         }
     }
@@ -517,6 +543,7 @@ impl Engine {
             sweep_every: Some(DEFAULT_SWEEP_EVERY),
             max_waiting: DEFAULT_MAX_WAITING,
             max_waiting_per_key: DEFAULT_MAX_WAITING_PER_KEY,
+            replay_cache: None,
         }
     }
 
@@ -528,6 +555,23 @@ impl Engine {
     /// The lease of the routes and functions that set none ([`EngineBuilder::lease`]).
     pub fn lease(&self) -> Duration {
         self.inner.lease
+    }
+
+    /// The replay cache's settings, when it has one ([`EngineBuilder::replay_cache`]).
+    pub fn replay_cache(&self) -> Option<ReplayCache> {
+        self.inner.cache.as_ref().map(cache::Cache::settings)
+    }
+
+    /// The bytes the replay cache holds now, in all or (`Some(scope)`) for one scope, as it
+    /// estimates them, after running its pending evictions and expiries; `None` without a
+    /// cache. For tests and diagnostics (it takes the cache's maintenance lock).
+    pub fn replay_cache_bytes(&self, scope: Option<&crate::Scope>) -> Option<u64> {
+        let cache = self.inner.cache.as_ref()?;
+        cache.settle();
+        Some(match scope {
+            Some(scope) => cache.scope_bytes(scope),
+            None => cache.bytes(),
+        })
     }
 
     /// The secret downstream keys are derived under ([`EngineBuilder::derive_secret`]).

@@ -291,14 +291,21 @@ pub fn prepare<'a>(
             Ok(resolved) => resolved,
             Err(reply) => return Prepared::Reply(reply),
         };
-        match execute_request(&head, key, body, scope).await {
-            Ok(request) => Prepared::Run(Job {
-                engine: config.engine().clone(),
+        let request = match execute_request(&head, key, body, scope).await {
+            Ok(request) => request,
+            Err(reply) => return Prepared::Reply(reply),
+        };
+        // A record the replay cache holds is answered here, before the handler's deferred
+        // extractors (its body's) run: they accepted this very body when the record was made.
+        let engine = config.engine();
+        match engine.cached(request, &resolved.policy) {
+            Ok(begin) => Prepared::Reply(Reply::answer(begin)),
+            Err(request) => Prepared::Run(Job {
+                engine: engine.clone(),
                 request,
                 resolved,
                 gone: None,
             }),
-            Err(reply) => Prepared::Reply(reply),
         }
     }
 }
@@ -346,7 +353,8 @@ impl Job {
         async move {
             let begin = self
                 .engine
-                .begin_traced(self.request, &self.resolved.policy, self.gone);
+                // `prepare` looked in the replay cache already.
+                .begin_traced(self.request, &self.resolved.policy, self.gone, true);
             match Step::from(begin.await) {
                 Step::Respond(reply) => G::reply(reply),
                 Step::Unprotected => handler().await,

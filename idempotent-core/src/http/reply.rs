@@ -53,6 +53,15 @@ impl Reply {
         }
     }
 
+    /// The answer to an engine's `begin` that runs nothing (a replay, a problem); a 500 for
+    /// one that would run the handler, which callers never pass.
+    pub(crate) fn answer(begin: Begin) -> Self {
+        match Step::from(begin) {
+            Step::Respond(reply) => reply,
+            Step::Execute(_) | Step::Unprotected => Reply::problem(&Problem::misconfigured()),
+        }
+    }
+
     /// A problem as `application/problem+json` with `Cache-Control: no-store` and, when set,
     /// `Retry-After`.
     pub fn problem(p: &Problem) -> Self {

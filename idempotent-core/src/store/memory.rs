@@ -692,7 +692,10 @@ impl MemoryStore {
         purged
     }
 
-    fn try_claim(&self, req: &ClaimRequest<'_>) -> Result<ClaimOutcome, Refused> {
+    fn try_claim(
+        &self,
+        req: &ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<Duration>), Refused> {
         let now = self.now();
         let (mut map, key) = self.shard(req.key);
         let fresh = |took_over, counted| {
@@ -733,22 +736,23 @@ impl MemoryStore {
                 self.admit(req.key, charge, counted)?;
                 let (lease, record) = fresh(expired, counted);
                 map.insert_new(key, Box::new(record));
-                Ok(ClaimOutcome::Claimed(lease))
+                Ok((ClaimOutcome::Claimed(lease), None))
             }
             Some(rec) if !req.fingerprint.matches_stored(&rec.fingerprint()) => {
-                Ok(ClaimOutcome::Mismatch {
-                    in_progress: matches!(rec.state, EntryState::InProgress { .. }),
-                })
+                let in_progress = matches!(rec.state, EntryState::InProgress { .. });
+                Ok((ClaimOutcome::Mismatch { in_progress }, None))
             }
             Some(rec) => match &rec.state {
                 EntryState::Done { outcome, .. } => match outcome.unpack() {
-                    Some(outcome) => Ok(ClaimOutcome::Replay(outcome)),
+                    Some(outcome) => Ok((
+                        ClaimOutcome::Replay(outcome),
+                        Some(rec.expires_at.saturating_duration_since(now.mono)),
+                    )),
                     None => Err(Refused::Corrupt),
                 },
                 EntryState::InProgress { locked_until, .. } if *locked_until > now.mono => {
-                    Ok(ClaimOutcome::InProgress {
-                        retry_after: locked_until.saturating_duration_since(now.mono),
-                    })
+                    let retry_after = locked_until.saturating_duration_since(now.mono);
+                    Ok((ClaimOutcome::InProgress { retry_after }, None))
                 }
                 EntryState::InProgress { reserved, .. } => {
                     // Lease ran out, same fingerprint: take over with a new token, and the
@@ -765,7 +769,7 @@ impl MemoryStore {
                         old,
                         new,
                     );
-                    Ok(ClaimOutcome::Claimed(lease))
+                    Ok((ClaimOutcome::Claimed(lease), None))
                 }
             },
         }
@@ -962,13 +966,12 @@ fn wall_later(t: SystemTime, d: Duration) -> SystemTime {
         .unwrap_or(t)
 }
 
-#[async_trait::async_trait]
-impl Store for MemoryStore {
-    fn changes(&self) -> Option<&super::Changes> {
-        Some(&self.inner.changes)
-    }
-
-    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+impl MemoryStore {
+    /// The claim, with a replayed record's remaining life (`Store::claim_with_expiry`).
+    fn claim_now(
+        &self,
+        req: &ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<Duration>), StoreError> {
         let refused = |refused| match refused {
             Refused::Full => StoreError::Capacity {
                 max_entries: self.inner.max_entries,
@@ -984,12 +987,30 @@ impl Store for MemoryStore {
             },
             Refused::Corrupt => corrupt(),
         };
-        match self.try_claim(&req) {
+        match self.try_claim(req) {
             Ok(outcome) => Ok(outcome),
             Err(Refused::Corrupt) => Err(corrupt()),
-            Err(_) if self.purge_for_room() => self.try_claim(&req).map_err(refused),
+            Err(_) if self.purge_for_room() => self.try_claim(req).map_err(refused),
             Err(other) => Err(refused(other)),
         }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for MemoryStore {
+    fn changes(&self) -> Option<&super::Changes> {
+        Some(&self.inner.changes)
+    }
+
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.claim_now(&req).map(|(outcome, _)| outcome)
+    }
+
+    async fn claim_with_expiry(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<Duration>), StoreError> {
+        self.claim_now(&req)
     }
 
     async fn complete(

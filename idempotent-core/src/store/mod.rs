@@ -174,6 +174,23 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError::Corrupt`].
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
 
+    /// [`claim`](Store::claim), also saying, for a [`ClaimOutcome::Replay`], how long the
+    /// record still lives (its expiry less the store's now, as the claim read it). An engine
+    /// with a replay cache ([`EngineBuilder::replay_cache`](crate::engine::EngineBuilder::replay_cache))
+    /// calls this, and keeps a replayed record only when the store says how long it lives, so a
+    /// kept copy never outlives it. The default says nothing (`None`: the record is replayed
+    /// but not kept); every store of this crate says. Wrappers that forward to another store
+    /// should forward this too.
+    ///
+    /// # Errors
+    /// As [`claim`](Store::claim).
+    async fn claim_with_expiry(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<Duration>), StoreError> {
+        Ok((self.claim(req).await?, None))
+    }
+
     /// Finishes the attempt holding `token`: the record becomes `done` with `outcome`, and
     /// expires no sooner than `ttl` after now. (A claim sets the expiry to now + lease + ttl,
     /// so a handler that finishes within its lease leaves it unchanged: the ttl is a floor.)
@@ -282,6 +299,12 @@ pub trait Store: Send + Sync + 'static {
 impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         (**self).claim(req).await
+    }
+    async fn claim_with_expiry(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<Duration>), StoreError> {
+        (**self).claim_with_expiry(req).await
     }
     async fn complete(
         &self,

@@ -27,6 +27,9 @@ pub(crate) struct ExistingRow {
     pub(crate) token: uuid::Uuid,
     pub(crate) expired: bool,
     pub(crate) lease_over: bool,
+    /// In progress: what is left of the lease; done: what is left of the record's life (the
+    /// statements compute `COALESCE(locked_until, expires_at) - now`: a done record has no
+    /// lease).
     pub(crate) retry_ms: i64,
     pub(crate) status: Option<i32>,
     pub(crate) headers: Option<Vec<u8>>,
@@ -37,8 +40,8 @@ pub(crate) struct ExistingRow {
 /// What to do about an existing row.
 #[derive(Debug)]
 pub(crate) enum Decision {
-    /// Report this to the caller.
-    Report(ClaimOutcome),
+    /// Report this to the caller; for a replay, how long the record still lives.
+    Report(ClaimOutcome, Option<Duration>),
     /// Take the row over (ttl passed, or lease ran out with the same fingerprint), fenced on
     /// the old token.
     TakeOver(LeaseToken),
@@ -54,24 +57,34 @@ pub(crate) fn decide(row: ExistingRow, fingerprint: &Fingerprint) -> Result<Deci
     let stored = Fingerprint::from_stored(&row.fingerprint)
         .ok_or_else(|| StoreError::Corrupt("stored fingerprint has a bad length".into()))?;
     if !fingerprint.matches_stored(&stored) {
-        return Ok(Decision::Report(ClaimOutcome::Mismatch {
-            in_progress: !row.done,
-        }));
+        return Ok(Decision::Report(
+            ClaimOutcome::Mismatch {
+                in_progress: !row.done,
+            },
+            None,
+        ));
     }
     if row.done {
-        return Ok(Decision::Report(ClaimOutcome::Replay(stored_outcome(
-            row.status,
-            row.headers,
-            row.body,
-            row.oversized,
-        )?)));
+        let lives = Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0));
+        return Ok(Decision::Report(
+            ClaimOutcome::Replay(stored_outcome(
+                row.status,
+                row.headers,
+                row.body,
+                row.oversized,
+            )?),
+            Some(lives),
+        ));
     }
     if row.lease_over {
         return Ok(Decision::TakeOver(LeaseToken::from_uuid(row.token)));
     }
-    Ok(Decision::Report(ClaimOutcome::InProgress {
-        retry_after: Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0)),
-    }))
+    Ok(Decision::Report(
+        ClaimOutcome::InProgress {
+            retry_after: Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0)),
+        },
+        None,
+    ))
 }
 
 pub(crate) fn claimed(token: LeaseToken, locked_until_ms: i64, took_over: bool) -> ClaimOutcome {

@@ -79,9 +79,11 @@ enum Claim {
     None { _slot: InFlight },
     /// The claim row is inside the transaction.
     Single {
-        _slot: InFlight,
+        slot: InFlight,
         key: RecordKey,
         token: LeaseToken,
+        /// The claiming request's fingerprint (kept in a replay cache after the commit).
+        fingerprint: crate::fingerprint::Fingerprint,
     },
     /// The claim committed alone; the execution keeps its lease alive.
     Two(Execution),
@@ -293,6 +295,25 @@ impl<DB: TxDatabase> TxExecution<DB> {
         }
         match finished {
             Ok(()) => {
+                // Committed: only now may a replay cache keep the record. The record expires
+                // no sooner than a ttl after the complete ran, which was after `commit_started`.
+                let kept = match &claim {
+                    Claim::Single {
+                        slot,
+                        key,
+                        fingerprint,
+                        ..
+                    } => Some((&slot.engine, key, *fingerprint)),
+                    Claim::Two(execution) => {
+                        Some((execution.engine(), execution.key(), execution.fingerprint()))
+                    }
+                    Claim::None { .. } => None,
+                };
+                if let Some((engine, key, fingerprint)) = kept
+                    && let Some(cache) = &engine.cache
+                {
+                    cache.keep(key, fingerprint, outcome, commit_started, policy.ttl);
+                }
                 if let Claim::Two(execution) = claim {
                     execution.settle();
                 }
@@ -642,6 +663,9 @@ impl Engine {
             return TxBegin::Respond(Begin::Draining);
         }
         let key = RecordKey::new(req.scope, key);
+        if let Some(found) = self.look_at(&key, &req.fingerprint) {
+            return TxBegin::Respond(found);
+        }
         let claim = ClaimRequest {
             key: &key,
             fingerprint: &req.fingerprint,
@@ -671,9 +695,10 @@ impl Engine {
                     match DB::claim_first(&store, read_on, policy.lease, claim).await {
                         Ok(FirstClaim::Claimed(tx, token)) => {
                             let claim = Claim::Single {
-                                _slot: slot,
+                                slot,
                                 token,
                                 key,
+                                fingerprint: req.fingerprint,
                             };
                             return TxBegin::Run(TxExecution::new(store, tx, claim, *policy));
                         }
@@ -705,9 +730,10 @@ impl Engine {
                         );
                     }
                     let claim = Claim::Single {
-                        _slot: slot,
+                        slot,
                         token: lease.token,
                         key,
+                        fingerprint: req.fingerprint,
                     };
                     return TxBegin::Run(TxExecution::new(store, tx, claim, *policy));
                 }

@@ -146,7 +146,7 @@ impl TxDatabase for sqlx::MySql {
             return Ok(ReadFirst::Absent);
         };
         match MySqlStore::decide_row(&row, &req)? {
-            Decision::Report(outcome) => Ok(ReadFirst::Settled(outcome)),
+            Decision::Report(outcome, _) => Ok(ReadFirst::Settled(outcome)),
             Decision::TakeOver(_) => Ok(ReadFirst::Stale),
         }
     }
@@ -223,7 +223,7 @@ impl TxDatabase for sqlx::MySql {
                 continue;
             };
             match MySqlStore::decide_row(&row, &req)? {
-                Decision::Report(outcome) => return Ok(Some(outcome)),
+                Decision::Report(outcome, _) => return Ok(Some(outcome)),
                 Decision::TakeOver(old) => {
                     // Taking over writes the row: only the lock's holder may.
                     if !locked {

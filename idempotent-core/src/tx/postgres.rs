@@ -161,7 +161,7 @@ impl TxDatabase for sqlx::Postgres {
             return Ok(ReadFirst::Absent);
         }
         match PostgresStore::decide_row(&row, &req)? {
-            Decision::Report(outcome) => Ok(ReadFirst::Settled(outcome)),
+            Decision::Report(outcome, _) => Ok(ReadFirst::Settled(outcome)),
             Decision::TakeOver(_) => Ok(ReadFirst::Stale),
         }
     }
@@ -198,7 +198,7 @@ impl TxDatabase for sqlx::Postgres {
                 return Ok(None);
             }
             match PostgresStore::decide_row(&row, &req)? {
-                Decision::Report(outcome) => return Ok(Some(outcome)),
+                Decision::Report(outcome, _) => return Ok(Some(outcome)),
                 // Taking over writes the row: only the lock's holder may.
                 Decision::TakeOver(_) if !locked => return Ok(None),
                 Decision::TakeOver(old) => {

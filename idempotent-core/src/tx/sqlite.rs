@@ -89,7 +89,7 @@ impl TxDatabase for sqlx::Sqlite {
             return Ok(ReadFirst::Absent);
         };
         match SqliteStore::decide_row(&row, &req)? {
-            Decision::Report(outcome) => Ok(ReadFirst::Settled(outcome)),
+            Decision::Report(outcome, _) => Ok(ReadFirst::Settled(outcome)),
             Decision::TakeOver(_) => Ok(ReadFirst::Stale),
         }
     }

@@ -70,6 +70,18 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
     // extractor sees, and bound at the top of the body.
     let (tx_param, idem_param) =
         take_params(&mut new_sig, transaction.as_ref().map(|t| t.param), context);
+    // The last extractor of a plain route, deferred past the replay cache's look (see
+    // `deferred_param`); `None` on transactional routes.
+    let later_var = hidden("__idempotent_later");
+    let deferred = if transaction.is_none() {
+        deferred_param(
+            &new_sig,
+            framework,
+            scope.as_ref().map(|(path, _)| path.param.as_str()),
+        )
+    } else {
+        None
+    };
     let idem_var = hidden("__idempotent_context");
     let made = hidden("__idempotent_made");
     let refused = hidden("__idempotent_refused");
@@ -111,9 +123,22 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
             {
                 outer.push(syn::parse_quote!(#[allow(clippy::too_many_arguments)]));
             }
+            if let Some(deferred) = &deferred
+                && let Some(syn::FnArg::Typed(last)) = new_sig.inputs.last_mut()
+            {
+                let ty = &deferred.ty;
+                last.pat = Box::new(syn::parse_quote!(#later_var));
+                last.ty = Box::new(syn::parse_quote!(#p::Later<#ty>));
+            }
             vec![(quote!(), new_sig, quote!())]
         }
-        Framework::Actix => actix_variants(&new_sig, &p, &ctx, required),
+        Framework::Actix => actix_variants(
+            &new_sig,
+            &p,
+            &ctx,
+            required,
+            deferred.is_some().then_some(&later_var),
+        ),
     };
     let stmts = &block.stmts;
     let body = quote! {
@@ -147,7 +172,8 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
                 quote!(#p::run_tx(#ctx, &#route, #scope_var, move |#(#attrs)* #pat: #ty| #body)),
             )
         }
-        // A closure that makes the future: a replay never builds (or moves) it.
+        // A closure that makes the future from the deferred extractor's value: a replay never
+        // builds (or moves) it, nor runs that extractor.
         _ => (
             match wait_ms {
                 Some(_) => {
@@ -156,7 +182,15 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
                 }
                 None => route_new,
             },
-            quote!(#p::run(#ctx, &#route, #scope_var, move || #body)),
+            match &deferred {
+                Some(t) => {
+                    let (pat, ty) = (&t.pat, &t.ty);
+                    quote!(#p::run(#ctx, &#route, #scope_var, #later_var, move |#pat: #ty| #body))
+                }
+                None => {
+                    quote!(#p::run(#ctx, &#route, #scope_var, #p::Later::none(), move |()| #body))
+                }
+            },
         ),
     };
 
@@ -187,6 +221,7 @@ fn actix_variants(
     p: &TokenStream,
     ctx: &syn::Ident,
     required: bool,
+    later: Option<&syn::Ident>,
 ) -> Vec<(TokenStream, syn::Signature, TokenStream)> {
     let params: Vec<&syn::PatType> = sig
         .inputs
@@ -233,14 +268,28 @@ fn actix_variants(
                 .filter(|&i| present(i))
                 .map(|i| params[i])
                 .collect();
-            let tys = kept.iter().map(|t| &t.ty);
+            // The deferred extractor (only where no parameter is gated: it is the last one).
+            let last = kept.len().wrapping_sub(1);
+            let deferred = |i: usize| later.filter(|_| i == last);
+            let tys = kept.iter().enumerate().map(|(i, t)| {
+                let ty = &t.ty;
+                match deferred(i) {
+                    Some(_) => quote!(#p::Later<#ty>),
+                    None => quote!(#ty),
+                }
+            });
             let mut new_sig = sig.clone();
             new_sig.inputs = syn::parse_quote!(#ctx: #p::Context<#required, (#(#tys,)*)>);
             let binds = kept.iter().enumerate().map(|(i, t)| {
                 let index = syn::Index::from(i);
                 let attrs = t.attrs.iter().filter(|a| !a.path().is_ident("cfg"));
-                let pat = &t.pat;
-                quote!(#(#attrs)* let #pat = #args.#index;)
+                match deferred(i) {
+                    Some(later) => quote!(let #later = #args.#index;),
+                    None => {
+                        let pat = &t.pat;
+                        quote!(#(#attrs)* let #pat = #args.#index;)
+                    }
+                }
             });
             let split = quote!(let (#ctx, #args) = #ctx.split(); #(#binds)*);
             let cfg = if gated.is_empty() {
@@ -266,6 +315,49 @@ fn actix_variants(
             (cfg, new_sig, split)
         })
         .collect()
+}
+
+/// The parameter `run` extracts only after the replay cache missed: the handler's last one,
+/// when it carries no attribute and does not bind the scope (the scope's extractor, which may
+/// authenticate, always runs first). On Axum every such parameter is passed through
+/// `Later`, which defers only body extractors (`FromRequest`) and runs a parts extractor (a
+/// guard, a path) at once, so the type decides. Actix has no such split, so there only the
+/// body extractors known by name are deferred (`Json`, `Form`, `Bytes`, `String`), and none
+/// when a parameter is `#[cfg]`-gated; any other extractor runs in its place, as before.
+fn deferred_param(
+    sig: &syn::Signature,
+    framework: Framework,
+    scope: Option<&str>,
+) -> Option<syn::PatType> {
+    let params: Vec<&syn::PatType> = sig
+        .inputs
+        .iter()
+        .filter_map(|arg| match arg {
+            syn::FnArg::Typed(t) => Some(t),
+            syn::FnArg::Receiver(_) => None,
+        })
+        .collect();
+    let last = *params.last()?;
+    if !last.attrs.is_empty()
+        || crate::signature::pattern_bindings(&last.pat)
+            .iter()
+            .any(|ident| Some(ident.to_string().as_str()) == scope)
+    {
+        return None;
+    }
+    if framework == Framework::Actix {
+        let gated = params
+            .iter()
+            .any(|t| t.attrs.iter().any(|a| a.path().is_ident("cfg")));
+        let Type::Path(path) = &*last.ty else {
+            return None;
+        };
+        let name = path.path.segments.last()?.ident.to_string();
+        if gated || !["Json", "Form", "Bytes", "String"].contains(&name.as_str()) {
+            return None;
+        }
+    }
+    Some(last.clone())
 }
 
 /// Clippy's default limit on a function's arguments (`too_many_arguments`).

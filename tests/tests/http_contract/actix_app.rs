@@ -34,6 +34,8 @@ impl FromRequest for AccountId {
 
 #[derive(serde::Deserialize)]
 struct NewCharge {
+    /// Counted per value as it is parsed ([`crate::parsed`]).
+    #[serde(deserialize_with = "crate::counted_amount")]
     amount: i64,
 }
 

@@ -52,6 +52,8 @@ async fn derive(
 
 #[derive(serde::Deserialize)]
 struct NewCharge {
+    /// Counted per value as it is parsed ([`crate::parsed`]).
+    #[serde(deserialize_with = "crate::counted_amount")]
     amount: i64,
 }
 

@@ -18,6 +18,7 @@
 mod actix_app;
 mod axum_app;
 mod bodies;
+mod cache;
 mod clients;
 mod derived_keys;
 mod failures;
@@ -110,6 +111,31 @@ pub(crate) async fn tx_record_mysql_id(
         .await
         .unwrap();
     *app.tx.mysql_id.lock().unwrap() = Some(id);
+}
+
+/// How often each `amount` of `/v1/charges` was parsed by the handler's body extractor (so a
+/// test with an amount of its own sees whether its requests' bodies were parsed).
+static PARSED: std::sync::Mutex<Vec<(i64, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// `NewCharge::amount`, counted in [`PARSED`].
+pub(crate) fn counted_amount<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    let amount = <i64 as serde::Deserialize>::deserialize(d)?;
+    let mut parsed = PARSED.lock().unwrap();
+    match parsed.iter_mut().find(|(a, _)| *a == amount) {
+        Some((_, n)) => *n += 1,
+        None => parsed.push((amount, 1)),
+    }
+    Ok(amount)
+}
+
+/// How often a body with `amount` was parsed.
+pub(crate) fn parsed(amount: i64) -> usize {
+    PARSED
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(a, _)| *a == amount)
+        .map_or(0, |(_, n)| *n)
 }
 
 /// Which framework serves the routes.
@@ -357,6 +383,13 @@ on_both!(
     wire::headers_named_in_connection_are_never_replayed,
     failures::problems_carry_no_internals,
     bodies::compressed_bodies_are_fingerprinted_decoded,
+    cache::replay_cache_answers_before_the_store_and_the_body_extractor,
+    cache::replay_cache_bounds_hold_under_distinct_keys,
+    #[cfg_attr(
+        not(pg),
+        ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+    )]
+    cache::replay_cache_on_postgres_two_instances_and_a_deleted_record,
     bodies::oversized_responses_optional_keys_and_request_limits,
     failures::missing_middleware_is_a_clear_500,
     bodies::cheap_rejections_come_first,

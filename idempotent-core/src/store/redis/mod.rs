@@ -664,12 +664,13 @@ impl RedisStore {
     }
 
     /// One claim (and take-over) attempt: the outcome (`None`: the record changed between the
-    /// two scripts) and, with a wait, how many replicas acknowledged the script that decided it.
+    /// two scripts) with, for a replay, how long the record still lives, and, with a wait, how
+    /// many replicas acknowledged the script that decided it.
     async fn claim_once(
         &self,
         keys: &Keys,
         req: &ClaimRequest<'_>,
-    ) -> Result<(Option<ClaimOutcome>, Option<u32>), StoreError> {
+    ) -> Result<(Option<(ClaimOutcome, Option<Duration>)>, Option<u32>), StoreError> {
         let token = LeaseToken::generate();
         let fingerprint = req.fingerprint.to_stored();
         let lease = millis(req.lease).min(MAX_MILLIS);
@@ -703,7 +704,7 @@ impl RedisStore {
             .await?;
         let fields = array(v)?;
         match int(&fields, 0)? {
-            1 => return Ok((Some(claimed(token, int(&fields, 1)?, false)), acked)),
+            1 => return Ok((Some((claimed(token, int(&fields, 1)?, false), None)), acked)),
             2 if int(&fields, 1)? == 0 => {
                 return Err(StoreError::ScopeCapacity {
                     max_per_scope: usize::try_from(self.bounds.records).unwrap_or(usize::MAX),
@@ -729,7 +730,7 @@ impl RedisStore {
             oversized: opt_num(&fields, 10)?,
         };
         match decide(row, req.fingerprint)? {
-            Decision::Report(outcome) => Ok((Some(outcome), acked)),
+            Decision::Report(outcome, lives) => Ok((Some((outcome, lives)), acked)),
             Decision::TakeOver(old) => {
                 let token = LeaseToken::generate();
                 let (v, acked) = self
@@ -749,7 +750,7 @@ impl RedisStore {
                     .await?;
                 match v {
                     Value::Nil => Ok((None, acked)),
-                    v => Ok((Some(claimed(token, num(&v)?, true)), acked)),
+                    v => Ok((Some((claimed(token, num(&v)?, true), None)), acked)),
                 }
             }
         }
@@ -861,9 +862,18 @@ fn record_from(key: &RecordKey, f: &[Value], at: usize) -> Result<Record, StoreE
 #[async_trait::async_trait]
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.claim_with_expiry(req)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    async fn claim_with_expiry(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<Duration>), StoreError> {
         let keys = self.keys(req.key);
         for _ in 0..MAX_CLAIM_ATTEMPTS {
-            let (Some(outcome), acked) = self.claim_once(&keys, &req).await? else {
+            let (Some((outcome, lives)), acked) = self.claim_once(&keys, &req).await? else {
                 continue;
             };
             if let ClaimOutcome::Claimed(lease) = &outcome
@@ -875,7 +885,7 @@ impl Store for RedisStore {
                 let _ = Store::release(self, req.key, lease.token).await;
                 return Err(StoreError::unavailable(NotReplicated));
             }
-            return Ok(outcome);
+            return Ok((outcome, lives));
         }
         Err(StoreError::unavailable(Contention))
     }

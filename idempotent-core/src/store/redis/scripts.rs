@@ -130,6 +130,8 @@ local lu = tonumber(r[4]) or 0
 local done = r[3] == '1'
 local retry = 0
 if not done and lu > now then retry = lu - now end
+-- A done record has no lease: what is left of its life instead (a replay cache's bound).
+if done and ex > now then retry = ex - now end
 return {0, r[1], r[2], done and 1 or 0, (ex <= now) and 1 or 0,
   (not done and lu <= now) and 1 or 0, retry, r[6], r[7], r[8], r[9]}
 ";

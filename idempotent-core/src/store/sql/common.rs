@@ -251,6 +251,14 @@ macro_rules! sql_store_common {
                     self.claim_on(&mut conn, req).await
                 }
 
+                async fn claim_with_expiry(
+                    &self,
+                    req: ClaimRequest<'_>,
+                ) -> Result<(ClaimOutcome, Option<Duration>), StoreError> {
+                    let mut conn = self.conn().await?;
+                    self.claim_reported(&mut conn, req).await
+                }
+
                 async fn complete(
                     &self,
                     key: &RecordKey,

@@ -376,10 +376,10 @@ mod tests {
         let old = LeaseToken::from_uuid(uuid::Uuid::from_u128(7));
         let take = |r, f: &Fingerprint| match decide(r, f).unwrap() {
             Decision::TakeOver(t) => t,
-            Decision::Report(o) => panic!("{o:?}"),
+            Decision::Report(o, _) => panic!("{o:?}"),
         };
         let report = |r, f: &Fingerprint| match decide(r, f).unwrap() {
-            Decision::Report(o) => o,
+            Decision::Report(o, _) => o,
             Decision::TakeOver(_) => panic!("take over"),
         };
         // Expired: absent, whatever its fingerprint or state.

@@ -189,7 +189,7 @@ impl Statements {
             read: s("SELECT fingerprint, done, token,
                     expires_at <= {now} AS expired,
                     COALESCE(NOT done AND locked_until <= {now}, FALSE) AS lease_over,
-                    GREATEST(0, COALESCE(locked_until - {now}, 0)) AS retry_ms,
+                    GREATEST(0, COALESCE(COALESCE(locked_until, expires_at) - {now}, 0)) AS retry_ms,
                     status, headers, body, oversized
                 FROM {t} WHERE scope = ? AND `key` = ?"),
             // The claim itself: one atomic statement on the primary key, so of N concurrent
@@ -369,6 +369,18 @@ impl MySqlStore {
         conn: &mut MySqlConnection,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
+        self.claim_reported(conn, req)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// [`MySqlStore::claim_on`], and how long a replayed record still lives
+    /// ([`Store::claim_with_expiry`](crate::Store::claim_with_expiry)).
+    pub(crate) async fn claim_reported(
+        &self,
+        conn: &mut MySqlConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<std::time::Duration>), StoreError> {
         if !sqlx::Connection::is_in_transaction(&*conn) {
             self.check_autocommit(conn).await?;
         }
@@ -380,16 +392,16 @@ impl MySqlStore {
                     .insert(conn, &self.sql.insert, &req, token, None)
                     .await?
                 {
-                    Inserted::Claimed(until) => return Ok(claimed(token, until, false)),
+                    Inserted::Claimed(until) => return Ok((claimed(token, until, false), None)),
                     // A concurrent claimer inserted first: read its row.
                     Inserted::Duplicate | Inserted::NotLocked => continue,
                 }
             };
             match Self::decide_row(&row, &req)? {
-                Decision::Report(outcome) => return Ok(outcome),
+                Decision::Report(outcome, lives) => return Ok((outcome, lives)),
                 Decision::TakeOver(old) => {
                     if let Some(outcome) = self.take_over(conn, &req, token, old).await? {
-                        return Ok(outcome);
+                        return Ok((outcome, None));
                     }
                 }
             }

@@ -208,7 +208,7 @@ impl Statements {
                 SELECT false, fingerprint, done, token,
                        expires_at <= {now},
                        (NOT done AND locked_until <= {now}),
-                       COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8,
+                       COALESCE(GREATEST(0, extract(epoch FROM (COALESCE(locked_until, expires_at) - {now})) * 1000), 0)::int8,
                        0::int8, status, headers, body, oversized
                 FROM existing"),
             // Read-only, outside any transaction, before a single-commit claim: settles replays
@@ -220,7 +220,7 @@ impl Statements {
             tx_read: s("WITH r AS (
                     SELECT fingerprint, done, token, expires_at <= {now} AS expired,
                         (NOT done AND locked_until <= {now}) AS lease_over,
-                        COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8 AS retry_ms,
+                        COALESCE(GREATEST(0, extract(epoch FROM (COALESCE(locked_until, expires_at) - {now})) * 1000), 0)::int8 AS retry_ms,
                         status, headers, body, oversized
                     FROM {t} WHERE scope = $1 AND key = $2)
                 SELECT r.*, false AS held FROM r
@@ -259,7 +259,7 @@ impl Statements {
                 SELECT false, lock.got, fingerprint, done, token,
                        expires_at <= {now},
                        (NOT done AND locked_until <= {now}),
-                       COALESCE(GREATEST(0, extract(epoch FROM (locked_until - {now})) * 1000), 0)::int8,
+                       COALESCE(GREATEST(0, extract(epoch FROM (COALESCE(locked_until, expires_at) - {now})) * 1000), 0)::int8,
                        0::int8, status, headers, body, oversized
                 FROM existing, lock
                 UNION ALL
@@ -483,6 +483,18 @@ impl PostgresStore {
         conn: &mut PgConnection,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
+        self.claim_reported(conn, req)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// [`PostgresStore::claim_on`], and how long a replayed record still lives
+    /// ([`Store::claim_with_expiry`](crate::Store::claim_with_expiry)).
+    pub(crate) async fn claim_reported(
+        &self,
+        conn: &mut PgConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<std::time::Duration>), StoreError> {
         use std::sync::atomic::Ordering;
         // The first claim starts finding out (in the background) whether completes can notify,
         // so that its own complete, a handler's run later, already knows.
@@ -527,7 +539,7 @@ impl PostgresStore {
         &self,
         conn: &mut PgConnection,
         req: &ClaimRequest<'_>,
-    ) -> Result<ClaimOutcome, StoreError> {
+    ) -> Result<(ClaimOutcome, Option<std::time::Duration>), StoreError> {
         let fp = req.fingerprint.to_stored();
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             let token = LeaseToken::generate();
@@ -539,13 +551,13 @@ impl PostgresStore {
             let Some(row) = row else { continue };
             if row.try_get::<bool, _>("inserted").map_err(db_error)? {
                 let until: i64 = row.try_get("locked_until_ms").map_err(db_error)?;
-                return Ok(claimed(token, until, false));
+                return Ok((claimed(token, until, false), None));
             }
             match Self::decide_row(&row, req)? {
-                Decision::Report(outcome) => return Ok(outcome),
+                Decision::Report(outcome, lives) => return Ok((outcome, lives)),
                 Decision::TakeOver(old) => {
                     if let Some(outcome) = self.take_over(conn, req, token, old).await? {
-                        return Ok(outcome);
+                        return Ok((outcome, None));
                     }
                 }
             }

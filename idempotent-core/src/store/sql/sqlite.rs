@@ -234,7 +234,7 @@ impl Statements {
             read: s("SELECT fingerprint, done, token,
                     expires_at <= {now} AS expired,
                     (done = 0 AND locked_until <= {now}) AS lease_over,
-                    max(0, coalesce(locked_until - {now}, 0)) AS retry_ms,
+                    max(0, coalesce(coalesce(locked_until, expires_at) - {now}, 0)) AS retry_ms,
                     status, headers, body, oversized
                 FROM {t} WHERE scope = ?1 AND key = ?2"),
             // The claim itself: one atomic statement, so of N concurrent claimers (threads or
@@ -373,6 +373,18 @@ impl SqliteStore {
         conn: &mut SqliteConnection,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
+        self.claim_reported(conn, req)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// [`SqliteStore::claim_on`], and how long a replayed record still lives
+    /// ([`Store::claim_with_expiry`](crate::Store::claim_with_expiry)).
+    pub(crate) async fn claim_reported(
+        &self,
+        conn: &mut SqliteConnection,
+        req: ClaimRequest<'_>,
+    ) -> Result<(ClaimOutcome, Option<std::time::Duration>), StoreError> {
         let (scope, key) = (req.key.scope.as_str(), req.key.key.as_str());
         for _ in 0..MAX_CLAIM_ATTEMPTS {
             self.sent.bump();
@@ -388,18 +400,18 @@ impl SqliteStore {
                     .claim_write(conn, &self.sql.insert, &req, token, None)
                     .await?;
                 match until {
-                    Some(until) => return Ok(claimed(token, until, false)),
+                    Some(until) => return Ok((claimed(token, until, false), None)),
                     None => continue, // a concurrent claimer inserted first: read its row
                 }
             };
             match Self::decide_row(&row, &req)? {
-                Decision::Report(outcome) => return Ok(outcome),
+                Decision::Report(outcome, lives) => return Ok((outcome, lives)),
                 Decision::TakeOver(old) => {
                     let until = self
                         .claim_write(conn, &self.sql.take_over, &req, token, Some(old))
                         .await?;
                     if let Some(until) = until {
-                        return Ok(claimed(token, until, true));
+                        return Ok((claimed(token, until, true), None));
                     }
                 }
             }
