@@ -8,7 +8,10 @@ use crate::charges::{
 use crate::provider::{Payment, Provider, ProviderError};
 use clap::Parser;
 use idempotent_core::http::{Config, ConfigBuilder};
-use idempotent_core::{CommitPath, Engine, Store, engine::Drained};
+use idempotent_core::{
+    CommitPath, Engine, Store,
+    engine::{Drained, ReplayCache},
+};
 use idempotent_core::{DeriveSecret, DerivedKey, IdempotencyKey, Idempotent, Scope};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
@@ -43,6 +46,12 @@ pub struct Args {
     /// none (plain) or 50 ms (transactional).
     #[arg(long, value_parser = charges::parse_delay)]
     pub wait: Option<Duration>,
+    /// Keep completed records in a local replay cache (64 MiB, 8 MiB per account, entries at
+    /// most 5 s old): a retry of a finished charge is answered from memory, with no database
+    /// round trip. A record deleted with `idempotent-admin` is then still replayed by this
+    /// instance for up to those 5 s.
+    #[arg(long)]
+    pub replay_cache: bool,
     /// Transactional mode (SQLite, PostgreSQL, MySQL): `single` (the claim, the charge and the stored
     /// response in one commit) or `two` (the claim commits first). Default: single.
     #[arg(long, value_parser = parse_commit)]
@@ -196,14 +205,16 @@ pub async fn start<T: From<Config>>(
             return Err(std::process::ExitCode::FAILURE);
         }
     };
-    let engine = Engine::builder_from_arc(store.clone())
+    let mut engine = Engine::builder_from_arc(store.clone())
         .lease(args.lease)
-        .derive_secret(secret.clone())
-        .build()
-        .map_err(|e| {
-            eprintln!("{name}: invalid configuration: {e}");
-            std::process::ExitCode::FAILURE
-        })?;
+        .derive_secret(secret.clone());
+    if args.replay_cache {
+        engine = engine.replay_cache(ReplayCache::new());
+    }
+    let engine = engine.build().map_err(|e| {
+        eprintln!("{name}: invalid configuration: {e}");
+        std::process::ExitCode::FAILURE
+    })?;
     let mut config = ConfigBuilder::<T>::new(engine);
     if let Some(commit) = args.commit {
         config = config.commit_path(commit);

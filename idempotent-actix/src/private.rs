@@ -188,7 +188,7 @@ impl<T: FromRequest> Later<T> {
             Deferred::Ready(value) => Ok(value),
             Deferred::Later(req, mut payload) => T::from_request(&req, &mut payload)
                 .await
-                .map_err(|e| actix_web::Error::from(e.into()).error_response()),
+                .map_err(|e| HttpResponse::from_error(e.into())),
         }
     }
 }

@@ -104,7 +104,9 @@ impl<S: Send + Sync, const REQUIRED: bool> FromRequestParts<S> for Context<REQUI
 /// when the handler is about to run, so a request the replay cache answers never parses its
 /// body again (its fingerprint matched a request whose extractors accepted that very body).
 /// One that reads the request's parts only (`FromRequestParts`: an authorization guard, a
-/// path) runs at once, in its place, as it always did: a guard is never skipped.
+/// path) runs at once, in its place, as it always did. A body extractor that also checks
+/// something (a webhook signature) is skipped on a hit like any other: such a route takes
+/// `extract_on_replay`, and the attribute then passes no `Later`.
 pub struct Later<T>(Deferred<T>);
 
 /// Made by a body extractor's deferred run.

@@ -16,7 +16,7 @@ enum Kind {
 
 /// Every argument the attribute knows: its name, what it takes, and the example the errors
 /// show. The parser, the "expected one of" list and the hints all read this one table.
-const ARGS: [(&str, Kind, &str); 13] = [
+const ARGS: [(&str, Kind, &str); 14] = [
     ("scope", Kind::Value, "scope = \"account_id\""),
     ("unscoped", Kind::Flag, "unscoped"),
     ("ttl", Kind::Value, "ttl = \"24h\""),
@@ -30,6 +30,7 @@ const ARGS: [(&str, Kind, &str); 13] = [
     ("key_from", Kind::Value, "key_from = \"msg.id\""),
     ("store_errors", Kind::Flag, "store_errors"),
     ("name", Kind::Value, "name = \"book_payment\""),
+    ("extract_on_replay", Kind::Flag, "extract_on_replay"),
 ];
 
 /// Every argument, for error messages: `` `scope`, `unscoped`, … ``.
@@ -89,6 +90,8 @@ pub(crate) struct Args {
     pub(crate) store_errors: Option<Span>,
     /// Function mode: the stable name that identifies the function's records.
     pub(crate) name: Option<(String, Span)>,
+    /// A handler's last extractor runs on replays from the replay cache too.
+    pub(crate) extract_on_replay: Option<Span>,
     /// A `name` was written but refused (its error is reported; "missing" would be noise).
     pub(crate) name_refused: bool,
 }
@@ -145,6 +148,7 @@ pub(crate) fn parse(tokens: TokenStream) -> (Args, Vec<syn::Error>) {
                 let slot = match name.as_str() {
                     "unscoped" => &mut args.unscoped,
                     "store_errors" => &mut args.store_errors,
+                    "extract_on_replay" => &mut args.extract_on_replay,
                     _ => &mut args.store_server_errors,
                 };
                 set(slot, span, &name, span, &mut errors);

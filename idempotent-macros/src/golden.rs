@@ -41,6 +41,48 @@ fn cases() -> Vec<(&'static str, Entry, &'static str, &'static str)> {
 }"#,
         ),
         (
+            // The last extractor deferred past the replay cache's look (`Later`), except with
+            // `extract_on_replay`, or when it binds the scope.
+            "axum_body_deferred_and_not",
+            Entry::Axum,
+            r#"scope = "a""#,
+            r#"async fn h(a: A, mut body: Json<B>) -> String {
+    body.0
+}"#,
+        ),
+        (
+            "axum_extract_on_replay",
+            Entry::Axum,
+            r#"scope = "a", extract_on_replay"#,
+            r#"async fn h(a: A, Json(b): Json<B>) -> String {
+    b
+}"#,
+        ),
+        (
+            "axum_scope_in_the_body_is_not_deferred",
+            Entry::Axum,
+            r#"scope = "b.account""#,
+            r#"async fn h(a: A, Json(b): Json<B>) -> String {
+    b.name
+}"#,
+        ),
+        (
+            "actix_only_known_body_extractors_deferred",
+            Entry::Actix,
+            r#"scope = "a""#,
+            r#"async fn h(a: A, sig: Signed<B>) -> String {
+    sig.0
+}"#,
+        ),
+        (
+            "function_refuses_extract_on_replay",
+            Entry::Core,
+            r#"name = "n", key_from = "m", unscoped, extract_on_replay"#,
+            r#"async fn f(calls: &Calls, m: &str) -> Result<u8, E> {
+    Ok(1)
+}"#,
+        ),
+        (
             "axum_eight_extractors",
             Entry::Axum,
             r#"scope = "a""#,

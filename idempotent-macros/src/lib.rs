@@ -56,6 +56,7 @@ use validate::Entry;
 /// | `max_response = "1MiB"` | larger responses are sent but not stored; retries get a 410 problem | the configuration's (1 MiB) |
 /// | `commit = "single"` / `"two"` | transactional handlers (a `Transaction<DB>` parameter): the claim inside the handler's transaction (one commit), or committed first | the configuration's (single) |
 /// | `wait = "5s"` | how long a duplicate that finds the first attempt running waits for its answer (then replays it, or runs the handler if the first released the key: a 5xx, a panic) before 409; at most the lease (a longer literal pair is a compile error); woken by the store's change notifications | plain routes: the configuration's (zero: 409 at once); transactional: the configuration's `transaction_wait` (50 ms) |
+/// | `extract_on_replay` | with an engine's replay cache, the handler's last extractor runs on every request, replays from the cache included (see "The replay cache" below): for a body extractor that also checks something, such as a webhook signature | off: a body extractor runs only when the cache misses |
 /// | `crate = "path"` | where the adapter crate is, if renamed | `::idempotent_axum` |
 /// | `key_from = "msg.id"`, `name = "…"` | make an idempotent *function* instead (function mode, see `idempotent_core::idempotent`); `name` without `key_from` is refused: a handler's records belong to its caller's scope and request, not to a name | |
 ///
@@ -75,6 +76,17 @@ use validate::Entry;
 /// Durations are `<n>ms`, `<n>s`, `<n>m`, `<n>h` or `<n>d`, from 100 ms to 365 days; sizes are
 /// `<n>` (bytes), `<n>KiB`, `<n>MiB` or `<n>GiB`. An argument written here overrides the
 /// configuration's default for this route only.
+///
+/// # The replay cache
+/// With an engine's replay cache (`Engine::builder(…).replay_cache(…)`), a retry of a
+/// completed record the cache holds is answered before the handler's **last** extractor runs:
+/// on Axum when it is a body extractor (`FromRequest`: `Json`, `Form`, `Bytes`, …; one that
+/// reads only the request's parts, `FromRequestParts`, runs at once as always), on actix-web
+/// when its type is named `Json`, `Form`, `Bytes` or `String`. Its body was accepted by that
+/// extractor when the record was made, and the fingerprint still decides (another body is
+/// 422). The scope's parameter is never deferred. A last extractor that does more than parse
+/// (a webhook signature check over the body, a CSRF check) must run on every request: write
+/// `extract_on_replay` on such a route.
 ///
 /// # Checked at compile time
 /// Unknown or duplicate arguments, malformed or out-of-bounds durations, zero sizes, a scope

@@ -71,6 +71,8 @@ pub(crate) struct HandlerPlan {
     pub(crate) key: KeyReq,
     pub(crate) store_server_errors: bool,
     pub(crate) max_response: Option<u64>,
+    /// `extract_on_replay`: the last extractor is never deferred past the replay cache.
+    pub(crate) extract_on_replay: bool,
     /// The `Transaction<DB>` parameter, if the handler is transactional.
     pub(crate) transaction: Option<Transactional>,
     /// The index of the `Idempotent` parameter among the inputs.
@@ -259,6 +261,7 @@ fn handler(
         key: args.key.map_or(KeyReq::Required, |k| k.0),
         store_server_errors: args.store_server_errors.is_some(),
         max_response: args.max_response.map(|m| m.0),
+        extract_on_replay: args.extract_on_replay.is_some(),
         transaction: tx.map(|param| Transactional {
             param,
             commit: args.commit.map(|c| c.0),
@@ -288,6 +291,7 @@ fn function(
         ("key", args.key.as_ref().map(|k| k.1)),
         ("max_response", args.max_response.map(|m| m.1)),
         ("store_server_errors", args.store_server_errors),
+        ("extract_on_replay", args.extract_on_replay),
     ] {
         if let Some(span) = span {
             errors.push(syn::Error::new(

@@ -140,6 +140,14 @@ pub async fn replays_report_what_is_left_of_their_record(f: &impl Fixture) {
         lives > ttl - Duration::from_secs(10) && lives <= ttl + f.lease(),
         "{lives:?}"
     );
+    // What is left, not the ttl: it shrinks as the store's time passes.
+    f.advance(Duration::from_millis(600)).await;
+    let (_, later) = store.claim_with_expiry(req(&a)).await.expect("claim");
+    let later = later.expect("reported again");
+    assert!(
+        later + Duration::from_millis(400) <= lives,
+        "{later:?} after {lives:?}"
+    );
     let (other, lives) = store
         .claim_with_expiry(req(&other_fp))
         .await

@@ -167,6 +167,16 @@ impl moka::Expiry<RecordKey, Arc<Entry>> for Deadline {
     ) -> Option<Duration> {
         Some(entry.until.saturating_duration_since(created_at))
     }
+
+    fn expire_after_update(
+        &self,
+        _key: &RecordKey,
+        entry: &Arc<Entry>,
+        updated_at: Instant,
+        _left: Option<Duration>,
+    ) -> Option<Duration> {
+        Some(entry.until.saturating_duration_since(updated_at))
+    }
 }
 
 /// What a look in the cache found.
@@ -273,6 +283,11 @@ impl Cache {
         let now = Instant::now();
         let until = (since + lives).min(now + self.settings.max_age);
         if until <= now {
+            return;
+        }
+        // A live copy of this record is kept already (a completed record does not change:
+        // the same record read again, or read by a look while its own complete returned).
+        if self.entries.get(key).is_some_and(|entry| entry.until > now) {
             return;
         }
         let bytes = ENTRY_OVERHEAD
@@ -410,28 +425,30 @@ mod tests {
 
     #[test]
     fn an_entry_never_outlives_its_record_or_max_age() {
-        let cache = Cache::new(ReplayCache::new().max_age(Duration::from_millis(200)));
+        let cache = Cache::new(ReplayCache::new().max_age(Duration::from_millis(1_500)));
         let (short, long) = (key("a", "short"), key("a", "long"));
-        // The record expires 50 ms after `since`; max age is 200 ms.
+        // The record expires 500 ms after `since`; max age is 1.5 s.
+        let since = Instant::now();
         cache.keep(
             &short,
             fp(b""),
             outcome(1),
-            Instant::now(),
-            Duration::from_millis(50),
+            since,
+            Duration::from_millis(500),
         );
-        cache.keep(
-            &long,
-            fp(b""),
-            outcome(1),
-            Instant::now(),
-            Duration::from_secs(3600),
-        );
-        assert!(matches!(cache.look(&short, &fp(b"")), Looked::Hit(_)));
-        std::thread::sleep(Duration::from_millis(60));
+        cache.keep(&long, fp(b""), outcome(1), since, Duration::from_secs(3600));
+        let looked = Instant::now();
+        let hit = matches!(cache.look(&short, &fp(b"")), Looked::Hit(_));
+        // (A machine that stalled half a second between these proves nothing either way.)
+        if looked < since + Duration::from_millis(450) {
+            assert!(hit, "a live record missed");
+        }
+        std::thread::sleep(Duration::from_millis(600).saturating_sub(since.elapsed()));
         assert!(matches!(cache.look(&short, &fp(b"")), Looked::Miss));
-        assert!(matches!(cache.look(&long, &fp(b"")), Looked::Hit(_)));
-        std::thread::sleep(Duration::from_millis(150));
+        if since.elapsed() < Duration::from_millis(1_400) {
+            assert!(matches!(cache.look(&long, &fp(b"")), Looked::Hit(_)));
+        }
+        std::thread::sleep(Duration::from_millis(1_600).saturating_sub(since.elapsed()));
         assert!(matches!(cache.look(&long, &fp(b"")), Looked::Miss));
         // A record with no life left is never kept.
         let gone = key("a", "gone");

@@ -157,7 +157,8 @@ impl Engine {
         req: ExecuteRequest,
         policy: &Policy,
     ) -> Result<Begin, ExecuteRequest> {
-        if self.inner.cache.is_none() {
+        // A draining engine or a policy out of bounds is answered as `begin` answers it.
+        if self.inner.cache.is_none() || self.is_draining() || policy.check().is_err() {
             return Err(req);
         }
         let ExecuteRequest {

@@ -744,9 +744,12 @@ impl MemoryStore {
             }
             Some(rec) => match &rec.state {
                 EntryState::Done { outcome, .. } => match outcome.unpack() {
+                    // Not reported for a record of another fingerprint version (matched by
+                    // key alone), which a cache would match by digest.
                     Some(outcome) => Ok((
                         ClaimOutcome::Replay(outcome),
-                        Some(rec.expires_at.saturating_duration_since(now.mono)),
+                        (rec.fingerprint().version() == req.fingerprint.version())
+                            .then(|| rec.expires_at.saturating_duration_since(now.mono)),
                     )),
                     None => Err(Refused::Corrupt),
                 },

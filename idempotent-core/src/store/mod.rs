@@ -175,7 +175,9 @@ pub trait Store: Send + Sync + 'static {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
 
     /// [`claim`](Store::claim), also saying, for a [`ClaimOutcome::Replay`], how long the
-    /// record still lives (its expiry less the store's now, as the claim read it). An engine
+    /// record still lives (its expiry less the store's now, as the claim read it), when its
+    /// fingerprint is of the request's version (one of another version matched by key alone,
+    /// and is reported as `None`). An engine
     /// with a replay cache ([`EngineBuilder::replay_cache`](crate::engine::EngineBuilder::replay_cache))
     /// calls this, and keeps a replayed record only when the store says how long it lives, so a
     /// kept copy never outlives it. The default says nothing (`None`: the record is replayed

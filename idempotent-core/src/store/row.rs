@@ -65,7 +65,10 @@ pub(crate) fn decide(row: ExistingRow, fingerprint: &Fingerprint) -> Result<Deci
         ));
     }
     if row.done {
-        let lives = Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0));
+        // A record fingerprinted by another version matched by key alone: not reported as
+        // keepable (a cache would match it by the request's digest instead).
+        let lives = (stored.version() == fingerprint.version())
+            .then(|| Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0)));
         return Ok(Decision::Report(
             ClaimOutcome::Replay(stored_outcome(
                 row.status,
@@ -73,7 +76,7 @@ pub(crate) fn decide(row: ExistingRow, fingerprint: &Fingerprint) -> Result<Deci
                 row.body,
                 row.oversized,
             )?),
-            Some(lives),
+            lives,
         ));
     }
     if row.lease_over {

@@ -686,8 +686,17 @@ impl Engine {
                 Ok(c) => c,
                 Err(error) => return unavailable("the read", error),
             };
+            let since = std::time::Instant::now();
             match DB::read(&store, &mut read_on, claim).await {
-                Ok(ReadFirst::Settled(outcome)) => return TxBegin::Respond(report(outcome)),
+                Ok(ReadFirst::Settled(outcome, lives)) => {
+                    // A replay whose life the read reported is kept, as a plain claim's is.
+                    if let (Some(cache), ClaimOutcome::Replay(replayed), Some(lives)) =
+                        (&self.inner.cache, &outcome, lives)
+                    {
+                        cache.keep(&key, req.fingerprint, replayed.clone(), since, lives);
+                    }
+                    return TxBegin::Respond(report(outcome));
+                }
                 // No record: open the transaction and claim in it at once where the
                 // database can (PostgreSQL: one round trip); whatever that could not settle
                 // (the key was taken meanwhile) goes the ordinary way below.

@@ -146,7 +146,7 @@ impl TxDatabase for sqlx::MySql {
             return Ok(ReadFirst::Absent);
         };
         match MySqlStore::decide_row(&row, &req)? {
-            Decision::Report(outcome, _) => Ok(ReadFirst::Settled(outcome)),
+            Decision::Report(outcome, lives) => Ok(ReadFirst::Settled(outcome, lives)),
             Decision::TakeOver(_) => Ok(ReadFirst::Stale),
         }
     }

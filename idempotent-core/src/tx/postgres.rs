@@ -161,7 +161,7 @@ impl TxDatabase for sqlx::Postgres {
             return Ok(ReadFirst::Absent);
         }
         match PostgresStore::decide_row(&row, &req)? {
-            Decision::Report(outcome, _) => Ok(ReadFirst::Settled(outcome)),
+            Decision::Report(outcome, lives) => Ok(ReadFirst::Settled(outcome, lives)),
             Decision::TakeOver(_) => Ok(ReadFirst::Stale),
         }
     }

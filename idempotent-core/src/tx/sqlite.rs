@@ -89,7 +89,7 @@ impl TxDatabase for sqlx::Sqlite {
             return Ok(ReadFirst::Absent);
         };
         match SqliteStore::decide_row(&row, &req)? {
-            Decision::Report(outcome, _) => Ok(ReadFirst::Settled(outcome)),
+            Decision::Report(outcome, lives) => Ok(ReadFirst::Settled(outcome, lives)),
             Decision::TakeOver(_) => Ok(ReadFirst::Stale),
         }
     }

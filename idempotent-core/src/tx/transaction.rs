@@ -75,8 +75,10 @@ impl<DB: sqlx::Database> Drop for Transaction<DB> {
 #[doc(hidden)]
 #[derive(Debug)]
 pub enum ReadFirst {
-    /// The row settles the request (replay, in progress, mismatch).
-    Settled(ClaimOutcome),
+    /// The row settles the request (replay, in progress, mismatch); for a replay, how long the
+    /// record still lives (as [`Store::claim_with_expiry`](crate::Store::claim_with_expiry)
+    /// reports it).
+    Settled(ClaimOutcome, Option<std::time::Duration>),
     /// No row: the claim will most likely insert one.
     Absent,
     /// A row whose lease or ttl ran out: the claim takes it over.

@@ -22,6 +22,7 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
         key,
         store_server_errors,
         max_response,
+        extract_on_replay,
         transaction,
         context,
     } = plan;
@@ -73,7 +74,7 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
     // The last extractor of a plain route, deferred past the replay cache's look (see
     // `deferred_param`); `None` on transactional routes.
     let later_var = hidden("__idempotent_later");
-    let deferred = if transaction.is_none() {
+    let deferred = if transaction.is_none() && !extract_on_replay {
         deferred_param(
             &new_sig,
             framework,
@@ -127,8 +128,8 @@ pub(super) fn generate(plan: HandlerPlan) -> TokenStream {
                 && let Some(syn::FnArg::Typed(last)) = new_sig.inputs.last_mut()
             {
                 let ty = &deferred.ty;
-                last.pat = Box::new(syn::parse_quote!(#later_var));
-                last.ty = Box::new(syn::parse_quote!(#p::Later<#ty>));
+                *last.pat = syn::parse_quote!(#later_var);
+                *last.ty = syn::parse_quote!(#p::Later<#ty>);
             }
             vec![(quote!(), new_sig, quote!())]
         }

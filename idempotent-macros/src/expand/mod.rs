@@ -201,12 +201,18 @@ mod tests {
             Entry::Actix,
         )
         .to_string();
+        // The body extractor (`Bytes`) is deferred past the replay cache: `Later`, bound by
+        // the closure that makes the handler's future.
         assert!(
-            actix.contains("async fn h (__idempotent_ctx : :: idempotent_actix :: __private :: Context < true , (Account , web :: Bytes ,) >)"),
+            actix.contains("async fn h (__idempotent_ctx : :: idempotent_actix :: __private :: Context < true , (Account , :: idempotent_actix :: __private :: Later < web :: Bytes > ,) >)"),
             "{actix}"
         );
         assert!(
-            actix.contains("let (__idempotent_ctx , __idempotent_args) = __idempotent_ctx . split () ; let Account (account) = __idempotent_args . 0 ; let mut body = __idempotent_args . 1 ;"),
+            actix.contains("let (__idempotent_ctx , __idempotent_args) = __idempotent_ctx . split () ; let Account (account) = __idempotent_args . 0 ; let __idempotent_later = __idempotent_args . 1 ;"),
+            "{actix}"
+        );
+        assert!(
+            actix.contains("__idempotent_scope , __idempotent_later , move | mut body : web :: Bytes | async move"),
             "{actix}"
         );
     }

@@ -62,6 +62,19 @@ async fn create_charge(
         .json(json!({"id": format!("ch_{n}"), "account": account_id, "amount": req.amount})))
 }
 
+/// `/v1/charges` whose body extractor runs on replays from the replay cache too.
+#[idempotent(scope = "account_id", extract_on_replay)]
+async fn create_checked_charge(
+    app: web::Data<App>,
+    AccountId(account_id): AccountId,
+    req: web::Json<NewCharge>,
+) -> HttpResponse {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    HttpResponse::Created().json(serde_json::json!({
+        "id": format!("ch_{n}"), "account": account_id, "amount": req.amount
+    }))
+}
+
 #[idempotent(scope = "account_id")]
 async fn create_refund(AccountId(account_id): AccountId, v: web::Json<Value>) -> HttpResponse {
     HttpResponse::Created().body(format!("refund for {account_id}: {}", v.into_inner()))
@@ -303,6 +316,7 @@ fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/charges", web::post().to(create_charge))
         .route("/v1/charges", web::get().to(list))
         .route("/v1/refunds", web::post().to(create_refund))
+        .route("/v1/checked-charges", web::post().to(create_checked_charge))
         .route("/orders/{order}/refund", web::post().to(refund_order))
         .service(web::scope("/v2").route("/orders/{order}/refund", web::post().to(refund_order)))
         .route("/echo", web::post().to(echo))

@@ -83,6 +83,18 @@ async fn create_charge(
     ))
 }
 
+/// `/v1/charges` whose body extractor runs on replays from the replay cache too.
+#[idempotent(scope = "account_id", extract_on_replay)]
+async fn create_checked_charge(
+    State(app): State<App>,
+    AccountId(account_id): AccountId,
+    Json(req): Json<NewCharge>,
+) -> (StatusCode, Json<Value>) {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let body = json!({"id": format!("ch_{n}"), "account": account_id, "amount": req.amount});
+    (StatusCode::CREATED, Json(body))
+}
+
 #[idempotent(scope = "account_id")]
 async fn create_refund(
     AccountId(account_id): AccountId,
@@ -318,6 +330,7 @@ fn router(app: &App, idempotency: &Idempotency) -> Router {
     Router::new()
         .route("/v1/charges", post(create_charge).get(list))
         .route("/v1/refunds", post(create_refund))
+        .route("/v1/checked-charges", post(create_checked_charge))
         .route("/orders/{order}/refund", post(refund_order))
         .nest("/v2", nested)
         .route("/echo", post(echo))

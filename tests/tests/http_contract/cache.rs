@@ -11,6 +11,7 @@ use idempotent_core::http::Config;
 use idempotent_core::store::RecordKey;
 use idempotent_core::{Engine, IdempotencyKey, MemoryStore, Scope, Store};
 use idempotent_tests::faults::FaultyStore;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// An amount no other test sends, so its parse count is this test's.
@@ -88,6 +89,23 @@ pub(crate) async fn replay_cache_answers_before_the_store_and_the_body_extractor
         .await
         .unwrap();
     assert_eq!(res.status().as_u16(), 401);
+    // A route with `extract_on_replay`: its body is parsed on every replay, still no claim.
+    let (k, amount) = (key(), fresh_amount());
+    let claims = store.claims();
+    for _ in 0..3 {
+        let res = s
+            .post(
+                "/v1/checked-charges",
+                "acct_c1",
+                Some(&k),
+                &format!(r#"{{"amount": {amount}}}"#),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status().as_u16(), 201);
+    }
+    assert_eq!((store.claims() - claims, parsed(amount)), (1, 3));
     // Without a cache every retry is a claim (so the counts above can fail).
     let plain = FaultyStore::new(MemoryStore::new());
     let s = serve(fw, Config::new(Engine::from_arc(plain.clone()))).await;
@@ -137,10 +155,54 @@ pub(crate) async fn replay_cache_bounds_hold_under_distinct_keys(fw: Fw) {
     assert!(total > 0 && total <= 64 << 10, "{total}");
 }
 
-/// Two instances on one PostgreSQL table, each with a cache (`max_age` 1 s): both answer the
-/// first attempt's bytes; a record deleted from the store (`Store::delete`, what
-/// `idempotent-admin delete` runs) is replayed by the instance that cached it for at most
-/// `max_age`, then runs again.
+/// Two instances on one store, each with a cache: A keeps entries at most 1 s, B 60 s. Both
+/// answer the first attempt's bytes (B after reading the store once, then from its cache). The
+/// record deleted in the store (`Store::delete`, what `idempotent-admin delete` runs): B, within
+/// its `max_age`, replays it from its cache; A, once its `max_age` has passed, runs it again.
+async fn two_instances_and_a_deleted_record(fw: Fw, store: impl Fn() -> Arc<dyn Store>) {
+    let cached = |store, max_age| {
+        Engine::builder_from_arc(store)
+            .replay_cache(ReplayCache::new().max_age(max_age))
+            .build()
+            .unwrap()
+    };
+    let (short, long) = (Duration::from_secs(1), Duration::from_secs(60));
+    let store_a = store();
+    let a = serve(fw, Config::new(cached(store_a.clone(), short))).await;
+    let b = serve(fw, Config::new(cached(store(), long))).await;
+    let (k, amount) = (key(), fresh_amount());
+    let first = read(charge(&a, "acct_two", &k, amount).await).await;
+    assert_eq!(first.0, 201);
+    for s in [&b, &a, &b] {
+        let again = read(charge(s, "acct_two", &k, amount).await).await;
+        assert_eq!((again.1.as_deref(), &again.2), (Some("true"), &first.2));
+    }
+    // Parsed twice: A's first attempt, and B's first look, which missed and read the store.
+    assert_eq!((a.runs(), b.runs(), parsed(amount)), (1, 0, 2));
+    let kept_at = std::time::Instant::now();
+    let record = RecordKey::new(
+        Scope::new("acct_two").unwrap(),
+        IdempotencyKey::parse(k.as_bytes()).unwrap(),
+    );
+    assert!(matches!(
+        store_a.delete(&record, false).await.unwrap(),
+        idempotent_core::store::Deleted::Deleted(_)
+    ));
+    // B: within its 60 s, from its cache.
+    let from_b = read(charge(&b, "acct_two", &k, amount).await).await;
+    assert_eq!((from_b.1.as_deref(), &from_b.2), (Some("true"), &first.2));
+    // A: after its 1 s, runs it again, as the store says.
+    tokio::time::sleep(short.saturating_sub(kept_at.elapsed()) + Duration::from_millis(50)).await;
+    let after = read(charge(&a, "acct_two", &k, amount).await).await;
+    assert_eq!((after.0, after.1.as_deref()), (201, Some("false")));
+    assert_eq!((a.runs(), b.runs()), (2, 0));
+}
+
+pub(crate) async fn replay_cache_two_instances_and_a_deleted_record(fw: Fw) {
+    let shared: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    two_instances_and_a_deleted_record(fw, || shared.clone()).await;
+}
+
 pub(crate) async fn replay_cache_on_postgres_two_instances_and_a_deleted_record(fw: Fw) {
     let pool = idempotent_tests::fixtures::pg_pool(8).await;
     let table = idempotent_tests::fixtures::unique_table("cache");
@@ -151,61 +213,5 @@ pub(crate) async fn replay_cache_on_postgres_two_instances_and_a_deleted_record(
             .unwrap()
     };
     store().migrate().await.unwrap();
-    let max_age = Duration::from_secs(1);
-    let cached = |store| {
-        Engine::builder(store)
-            .replay_cache(ReplayCache::new().max_age(max_age))
-            .build()
-            .unwrap()
-    };
-    let store_a = store();
-    let a = serve(fw, Config::new(cached(store_a.clone()))).await;
-    let b = serve(fw, Config::new(cached(store()))).await;
-    let (k, amount) = (key(), fresh_amount());
-    let first = read(charge(&a, "acct_pg", &k, amount).await).await;
-    assert_eq!(first.0, 201);
-    let from_b = read(charge(&b, "acct_pg", &k, amount).await).await;
-    let from_a = read(charge(&a, "acct_pg", &k, amount).await).await;
-    assert_eq!(
-        (from_a.1.as_deref(), from_b.1.as_deref()),
-        (Some("true"), Some("true"))
-    );
-    assert_eq!((&from_a.2, &from_b.2), (&first.2, &first.2));
-    assert_eq!(a.runs() + b.runs(), 1);
-    // Deleted in the store: A replays it from its cache for at most `max_age`...
-    let record = RecordKey::new(
-        Scope::new("acct_pg").unwrap(),
-        IdempotencyKey::parse(k.as_bytes()).unwrap(),
-    );
-    let deleted_at = std::time::Instant::now();
-    assert!(matches!(
-        store_a.delete(&record, false).await.unwrap(),
-        idempotent_core::store::Deleted::Deleted(_)
-    ));
-    // (B kept it too, from its read of the store.)
-    let cached_again = read(charge(&a, "acct_pg", &k, amount).await).await;
-    let b_again = read(charge(&b, "acct_pg", &k, amount).await).await;
-    if deleted_at.elapsed() < max_age {
-        assert_eq!(
-            cached_again.1.as_deref(),
-            Some("true"),
-            "within max_age: from the cache"
-        );
-        assert_eq!(
-            b_again.1.as_deref(),
-            Some("true"),
-            "within max_age: from B's cache"
-        );
-        assert_eq!((&cached_again.2, &b_again.2), (&first.2, &first.2));
-    }
-    // ...and then runs it again, as the store says.
-    tokio::time::sleep(max_age.saturating_sub(deleted_at.elapsed()) + Duration::from_millis(50))
-        .await;
-    let after = read(charge(&a, "acct_pg", &k, amount).await).await;
-    assert_eq!((after.0, after.1.as_deref()), (201, Some("false")));
-    assert_eq!(a.runs(), 2);
-    // B, past its max age too, replays the new record, not its old copy.
-    let b_after = read(charge(&b, "acct_pg", &k, amount).await).await;
-    assert_eq!((b_after.1.as_deref(), &b_after.2), (Some("true"), &after.2));
-    assert_eq!(b.runs(), 0);
+    two_instances_and_a_deleted_record(fw, || Arc::new(store()) as Arc<dyn Store>).await;
 }

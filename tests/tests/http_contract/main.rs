@@ -385,6 +385,7 @@ on_both!(
     bodies::compressed_bodies_are_fingerprinted_decoded,
     cache::replay_cache_answers_before_the_store_and_the_body_extractor,
     cache::replay_cache_bounds_hold_under_distinct_keys,
+    cache::replay_cache_two_instances_and_a_deleted_record,
     #[cfg_attr(
         not(pg),
         ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"

@@ -217,3 +217,104 @@ async fn mysql_cleanup(db: &Db<sqlx::MySql>, store: &MySqlStore) {
     .execute(store.pool())
     .await;
 }
+
+/// Issue 53: a transactional record enters the replay cache only after its commit: not while
+/// its handler runs, not when it rolls back; once committed, a retry replays it from the cache
+/// (shown by deleting the record from the store first: the retry still replays it).
+async fn cached_only_after_commit<DB: TxDatabase>(db: Db<DB>, store: impl Store + Clone)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let engine = Engine::builder(store.clone())
+        .no_sweeper()
+        .replay_cache(ReplayCache::new())
+        .build()
+        .unwrap();
+    let db = Db { engine, ..db };
+    let cached = || db.engine.replay_cache_bytes(None).unwrap();
+    for commit in [CommitPath::Single, CommitPath::Two] {
+        let runs = AtomicUsize::new(0);
+        // Rolled back (a status the policy does not store): nothing kept.
+        let before = cached();
+        let out = one(&db, &unique_key("cache-rb"), commit, 503, &runs).await;
+        assert!(matches!(out, Ok(TxFinished::RolledBack)), "{out:?}");
+        assert_eq!(cached(), before);
+        if commit == CommitPath::Two {
+            // A complete that fails (the claim was deleted under it, so the fence refuses it
+            // and the transaction rolls back): nothing kept.
+            let lost = unique_key("cache-lost");
+            let p = policy(Duration::from_secs(10));
+            let mut doomed =
+                claimed::<DB>(&db.engine, request(&lost, "a"), &p, &options(commit)).await;
+            // Deleted before the handler writes (SQLite's one write lock would hold the delete
+            // up while the handler's transaction has written).
+            assert!(matches!(
+                store.delete(&lost, true).await.unwrap(),
+                idempotent_core::store::Deleted::Deleted(_)
+            ));
+            let mut tx = doomed.transaction().unwrap();
+            insert(&mut tx, &db.business).await;
+            drop(tx);
+            let out = doomed.finish(StoredResponse::new(201, "lost").into()).await;
+            assert!(matches!(out, TxFinished::Failed(_)), "{out:?}");
+            assert_eq!(cached(), before, "kept after a failed complete");
+        }
+        // Running, written, not committed: nothing kept.
+        let key = unique_key("cache");
+        let p = policy(Duration::from_secs(10));
+        let mut execution =
+            claimed::<DB>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
+        let mut tx = execution.transaction().unwrap();
+        insert(&mut tx, &db.business).await;
+        drop(tx);
+        assert_eq!(cached(), before, "{commit:?}: kept before its commit");
+        let out = execution
+            .finish(StoredResponse::new(201, "kept").into())
+            .await;
+        assert!(matches!(out, TxFinished::Committed), "{out:?}");
+        assert!(cached() > before, "{commit:?}: not kept after its commit");
+        // Gone from the store, replayed from the cache.
+        assert!(matches!(
+            store.delete(&key, false).await.unwrap(),
+            idempotent_core::store::Deleted::Deleted(_)
+        ));
+        let replay = db
+            .engine
+            .begin_transactional::<DB>(request(&key, "a"), &p, &options(commit))
+            .await;
+        match replay {
+            TxBegin::Respond(Begin::Replay(StoredOutcome::Response(r))) => {
+                assert_eq!(r.body, b"kept");
+            }
+            other => panic!("{commit:?}: {other:?}"),
+        }
+        // Another instance that reads the committed record from the store keeps it too.
+        let other = Engine::builder(store.clone())
+            .no_sweeper()
+            .replay_cache(ReplayCache::new())
+            .build()
+            .unwrap();
+        let read = unique_key("cache-read");
+        let out = one(&db, &read, commit, 201, &runs).await;
+        assert!(matches!(out, Ok(TxFinished::Committed)), "{out:?}");
+        for round in ["from the store", "from the cache"] {
+            let replay = other
+                .begin_transactional::<DB>(request(&read, "a"), &p, &options(commit))
+                .await;
+            assert!(
+                matches!(replay, TxBegin::Respond(Begin::Replay(_))),
+                "{commit:?}, {round}: {replay:?}"
+            );
+            if round == "from the store" {
+                assert!(
+                    other.replay_cache_bytes(None).unwrap() > 0,
+                    "{commit:?}: not kept"
+                );
+                assert!(matches!(
+                    store.delete(&read, false).await.unwrap(),
+                    idempotent_core::store::Deleted::Deleted(_)
+                ));
+            }
+        }
+    }
+}

@@ -344,3 +344,15 @@ async fn mysql_transactions_leave_their_sessions_clean() {
     assert_eq!(db.rows().await, 2);
     mysql_cleanup(&db, &store).await;
 }
+
+/// Issue 53: a transactional record enters the replay cache only after its commit
+/// ([`cached_only_after_commit`](super::cached_only_after_commit)).
+#[tokio::test]
+#[cfg_attr(
+    not(mysql_db),
+    ignore = "set MYSQL_URL=mysql://… to run the MySQL tests"
+)]
+async fn mysql_transactional_records_are_cached_only_after_their_commit() {
+    let (db, store) = mysql_db(mysql_pool(4).await).await;
+    super::cached_only_after_commit(db, store).await;
+}

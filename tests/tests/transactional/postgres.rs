@@ -374,3 +374,15 @@ async fn postgres_duplicate_while_the_first_runs_falls_back_cleanly() {
     clean().await;
     assert_eq!(db.rows().await, 2);
 }
+
+/// Issue 53: a transactional record enters the replay cache only after its commit
+/// ([`cached_only_after_commit`](super::cached_only_after_commit)).
+#[tokio::test]
+#[cfg_attr(
+    not(pg),
+    ignore = "set DATABASE_URL=postgres://… to run the PostgreSQL tests"
+)]
+async fn postgres_transactional_records_are_cached_only_after_their_commit() {
+    let (db, store) = pg_db(pg_pool(4).await).await;
+    super::cached_only_after_commit(db, store).await;
+}

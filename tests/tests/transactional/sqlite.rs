@@ -421,58 +421,11 @@ async fn sqlite_a_long_single_commit_handler_is_stopped_before_others_lose_their
     );
 }
 
-/// Issue 53: a transactional record enters the replay cache only after its commit: not while
-/// its handler runs, not when it rolls back; once committed, a retry replays it from the cache
-/// (shown by deleting the record from the store first: the retry still replays it).
+/// Issue 53: a transactional record enters the replay cache only after its commit
+/// ([`cached_only_after_commit`](super::cached_only_after_commit)).
 #[tokio::test]
 async fn sqlite_transactional_records_are_cached_only_after_their_commit() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("cache.db").display());
-    let store = SqliteStore::connect(&url).await.unwrap();
-    store.migrate().await.unwrap();
-    let engine = Engine::builder(store.clone())
-        .no_sweeper()
-        .replay_cache(ReplayCache::new())
-        .build()
-        .unwrap();
-    let create = "CREATE TABLE business (id TEXT PRIMARY KEY)".to_owned();
-    let db = business_db(engine, store.pool().clone(), "business".into(), create).await;
-    let cached = || db.engine.replay_cache_bytes(None).unwrap();
-    for commit in [CommitPath::Single, CommitPath::Two] {
-        let runs = AtomicUsize::new(0);
-        // Rolled back (a status the policy does not store): nothing kept.
-        let before = cached();
-        let out = one(&db, &unique_key("cache-rb"), commit, 503, &runs).await;
-        assert!(matches!(out, Ok(TxFinished::RolledBack)), "{out:?}");
-        assert_eq!(cached(), before);
-        // Running, written, not committed: nothing kept.
-        let key = unique_key("cache");
-        let p = policy(Duration::from_secs(10));
-        let mut execution =
-            claimed::<sqlx::Sqlite>(&db.engine, request(&key, "a"), &p, &options(commit)).await;
-        let mut tx = execution.transaction().unwrap();
-        insert(&mut tx, &db.business).await;
-        drop(tx);
-        assert_eq!(cached(), before, "{commit:?}: kept before its commit");
-        let out = execution
-            .finish(StoredResponse::new(201, "kept").into())
-            .await;
-        assert!(matches!(out, TxFinished::Committed), "{out:?}");
-        assert!(cached() > before, "{commit:?}: not kept after its commit");
-        // Gone from the store, replayed from the cache.
-        assert!(matches!(
-            store.delete(&key, false).await.unwrap(),
-            idempotent_core::store::Deleted::Deleted(_)
-        ));
-        let replay = db
-            .engine
-            .begin_transactional::<sqlx::Sqlite>(request(&key, "a"), &p, &options(commit))
-            .await;
-        match replay {
-            TxBegin::Respond(Begin::Replay(StoredOutcome::Response(r))) => {
-                assert_eq!(r.body, b"kept");
-            }
-            other => panic!("{commit:?}: {other:?}"),
-        }
-    }
+    let (db, store) = sqlite_db(&dir).await;
+    super::cached_only_after_commit(db, store).await;
 }

@@ -9,7 +9,6 @@ use actix_web::web::{self, Json};
 use actix_web::{FromRequest, HttpRequest, HttpResponse, HttpServer};
 use idempotent_actix::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_actix::{Idempotency, Transaction, idempotent};
-use idempotent_core::Engine;
 use idempotent_core::http::ConfigBuilder;
 use std::io::Write;
 
@@ -108,7 +107,7 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
         if matches!((args.arm, &bench.db), (Arm::Tx, Db::Memory)) {
             return Err("transactional mode needs SQLite, PostgreSQL or MySQL".to_owned());
         }
-        let idempotency: Idempotency = ConfigBuilder::new(Engine::from_arc(store))
+        let idempotency: Idempotency = ConfigBuilder::new(super::engine(args, store)?)
             .build()
             .map_err(|e| e.to_string())?;
         let middleware = idempotency.middleware();

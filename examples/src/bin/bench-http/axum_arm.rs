@@ -11,7 +11,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use idempotent_axum::sqlx::{MySql, Postgres, Sqlite};
 use idempotent_axum::{Idempotency, Transaction, idempotent};
-use idempotent_core::Engine;
 use idempotent_core::http::ConfigBuilder;
 use std::io::Write;
 
@@ -120,7 +119,7 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                 return Err("transactional mode needs SQLite, PostgreSQL or MySQL".to_owned());
             }
         };
-        let idempotency: Idempotency = ConfigBuilder::new(Engine::from_arc(store))
+        let idempotency: Idempotency = ConfigBuilder::new(super::engine(args, store)?)
             .build()
             .map_err(|e| e.to_string())?;
         let app = Router::new()

@@ -60,6 +60,9 @@ static OBSERVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// The servers' pool size on PostgreSQL and MySQL (`--pool`), set once in `main`.
 static POOL: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
+/// Whether the annotated servers keep a replay cache (`--replay-cache`), set once in `main`.
+static REPLAY_CACHE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 #[derive(Debug, clap::Args)]
 struct RunArgs {
     /// Every server, bare and annotated alike, installs a `tracing-subscriber` fmt subscriber
@@ -109,6 +112,10 @@ struct RunArgs {
     /// allows N ≤ 30). Past it, sqlx retries the refused connections and the run stalls.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pool: u32,
+    /// The annotated servers' engines keep a replay cache (`ReplayCache::new()`, its
+    /// defaults), so replays of the keys they finished are answered from memory.
+    #[arg(long)]
+    replay_cache: bool,
     /// Do not pin the load generator and the servers to separate CPUs.
     #[arg(long)]
     no_pin: bool,
@@ -203,6 +210,21 @@ struct ServeArgs {
     /// The pool's size on PostgreSQL and MySQL (see the run's `--pool`).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pool: u32,
+    /// A replay cache in the engine (see the run's `--replay-cache`).
+    #[arg(long)]
+    replay_cache: bool,
+}
+
+/// The annotated arms' engine over `store`, with the replay cache `args` asks for.
+fn engine(
+    args: &ServeArgs,
+    store: std::sync::Arc<dyn idempotent_core::Store>,
+) -> Result<idempotent_core::Engine, String> {
+    let mut engine = idempotent_core::Engine::builder_from_arc(store);
+    if args.replay_cache {
+        engine = engine.replay_cache(idempotent_core::engine::ReplayCache::new());
+    }
+    engine.build().map_err(|e| e.to_string())
 }
 
 /// What `--observe` installs in a server: the examples' subscriber (stderr, `RUST_LOG` or
@@ -223,6 +245,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let _ = OBSERVE.set(cli.run.observe);
     let _ = POOL.set(cli.run.pool);
+    let _ = REPLAY_CACHE.set(cli.run.replay_cache);
     if let Some(Command::Serve(args)) = cli.command {
         if let Err(e) = observe_setup(&args) {
             eprintln!("bench-http serve: {e}");
@@ -313,6 +336,9 @@ impl Server {
         }
         if let Some(pool) = POOL.get() {
             cmd.args(["--pool", &pool.to_string()]);
+        }
+        if REPLAY_CACHE.get().copied().unwrap_or(false) {
+            cmd.arg("--replay-cache");
         }
         cmd.stdout(Stdio::piped())
             .stderr(Stdio::inherit())
