@@ -334,6 +334,8 @@ async fn main() -> ExitCode {
         eprintln!("charges-actix: no address bound for {}", args.listen);
         return ExitCode::FAILURE;
     };
+    // Before the address is announced: a signal from then on drains.
+    let shutdown = api::shutdown_signal();
     let mut out = std::io::stdout();
     let _ = writeln!(out, "listening on http://{addr}");
     let _ = out.flush();
@@ -344,7 +346,7 @@ async fn main() -> ExitCode {
     // stop the server.
     let stopping = idempotency.clone();
     actix_web::rt::spawn(async move {
-        api::shutdown_signal().await;
+        shutdown.await;
         api::report_drain(
             "charges-actix",
             stopping.stop_server(&handle, DRAIN_TIMEOUT).await,

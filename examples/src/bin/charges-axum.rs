@@ -275,11 +275,13 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Before the address is announced: a signal from then on drains.
+    let shutdown = api::shutdown_signal();
     let mut out = std::io::stdout();
     let _ = writeln!(out, "listening on http://{addr}");
     let _ = out.flush();
     let served = axum::serve(listener, app)
-        .with_graceful_shutdown(api::shutdown_signal())
+        .with_graceful_shutdown(shutdown)
         .await;
     // Handlers whose clients went away are still running: let them store their responses.
     api::report_drain("charges-axum", idempotency.drain(DRAIN_TIMEOUT).await);

@@ -18,7 +18,7 @@
 //! [`max_bytes`](ReplayCache::max_bytes) alone, as in the memory store.
 //!
 //! Built on `moka` (its synchronous cache): a concurrent cache with a size-aware admission and
-//! eviction policy (TinyLFU), a weigher for byte bounds, per-entry expiry and an eviction
+//! eviction policy (TinyLFU), a weigher for byte bounds, a time to live and an eviction
 //! listener, which is every piece this needs; see ARCHITECTURE.md for the choice.
 
 use crate::fingerprint::Fingerprint;
@@ -155,28 +155,13 @@ struct Entry {
     bytes: u64,
 }
 
-/// Each entry's own deadline, for moka.
-struct Deadline;
-
-impl moka::Expiry<RecordKey, Arc<Entry>> for Deadline {
-    fn expire_after_create(
-        &self,
-        _key: &RecordKey,
-        entry: &Arc<Entry>,
-        created_at: Instant,
-    ) -> Option<Duration> {
-        Some(entry.until.saturating_duration_since(created_at))
-    }
-
-    fn expire_after_update(
-        &self,
-        _key: &RecordKey,
-        entry: &Arc<Entry>,
-        updated_at: Instant,
-        _left: Option<Duration>,
-    ) -> Option<Duration> {
-        Some(entry.until.saturating_duration_since(updated_at))
-    }
+/// Where a kept record came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    /// This engine's own complete or commit.
+    Own,
+    /// A read of the store.
+    Read,
 }
 
 /// What a look in the cache found.
@@ -223,7 +208,10 @@ impl Cache {
             .weigher(|_key: &RecordKey, entry: &Arc<Entry>| {
                 u32::try_from(entry.bytes).unwrap_or(u32::MAX)
             })
-            .expire_after(Deadline)
+            // Every entry goes at `max_age`; one whose record ends sooner never answers after
+            // that (`look` checks its own deadline) and is gone by `max_age` (a timer per entry
+            // cost first executions more than the memory it frees sooner).
+            .time_to_live(settings.max_age)
             .eviction_listener(
                 move |key: Arc<RecordKey>,
                       entry: Arc<Entry>,
@@ -280,14 +268,40 @@ impl Cache {
         since: Instant,
         lives: Duration,
     ) {
+        self.keep_as(Kept::Read, key, fingerprint, outcome, since, lives);
+    }
+
+    /// [`Cache::keep`] for a record this engine just completed (or committed) itself: a live
+    /// copy of it cannot be kept already (a look would have answered instead of the claim).
+    pub(crate) fn keep_own(
+        &self,
+        key: &RecordKey,
+        fingerprint: Fingerprint,
+        outcome: StoredOutcome,
+        since: Instant,
+        lives: Duration,
+    ) {
+        self.keep_as(Kept::Own, key, fingerprint, outcome, since, lives);
+    }
+
+    fn keep_as(
+        &self,
+        kept: Kept,
+        key: &RecordKey,
+        fingerprint: Fingerprint,
+        outcome: StoredOutcome,
+        since: Instant,
+        lives: Duration,
+    ) {
         let now = Instant::now();
         let until = (since + lives).min(now + self.settings.max_age);
         if until <= now {
             return;
         }
-        // A live copy of this record is kept already (a completed record does not change:
-        // the same record read again, or read by a look while its own complete returned).
-        if self.entries.get(key).is_some_and(|entry| entry.until > now) {
+        // A live copy of a record read from the store may be kept already (a completed record
+        // does not change: the same record read again by a waiter, or by a look racing its own
+        // complete): not charged twice.
+        if kept == Kept::Read && self.entries.get(key).is_some_and(|entry| entry.until > now) {
             return;
         }
         let bytes = ENTRY_OVERHEAD
@@ -315,16 +329,22 @@ impl Cache {
 
     /// Charges `bytes` to `scope` if that keeps it within its budget.
     fn charge_scope(&self, scope: &Scope, bytes: u64) -> bool {
-        let mut scopes = lock(&self.scopes);
-        let held = scopes.entry(scope.clone()).or_insert(0);
-        if held.saturating_add(bytes) > self.settings.max_bytes_per_scope {
-            if *held == 0 {
-                scopes.remove(scope);
-            }
+        if bytes > self.settings.max_bytes_per_scope {
             return false;
         }
-        *held += bytes;
-        true
+        let mut scopes = lock(&self.scopes);
+        // Looked up by reference: the scope is cloned only for its first entry.
+        match scopes.get_mut(scope) {
+            Some(held) if held.saturating_add(bytes) > self.settings.max_bytes_per_scope => false,
+            Some(held) => {
+                *held += bytes;
+                true
+            }
+            None => {
+                scopes.insert(scope.clone(), bytes);
+                true
+            }
+        }
     }
 
     /// Bytes held, as charged (pending removals are counted until moka runs them).
@@ -518,8 +538,9 @@ mod tests {
     /// of the store (bounded by the life the store reported).
     #[tokio::test]
     async fn an_engine_never_replays_an_expired_record_from_its_cache() {
+        use crate::engine::Engine;
         use crate::engine::{Begin, ExecuteRequest, Policy};
-        use crate::{Engine, MemoryStore};
+        use crate::store::MemoryStore;
         let engine = Engine::builder(MemoryStore::new())
             .replay_cache(ReplayCache::new().max_age(Duration::from_secs(60)))
             .build()

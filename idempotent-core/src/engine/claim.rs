@@ -134,8 +134,8 @@ impl Engine {
 
     fn span_of(
         &self,
-        scope: &crate::Scope,
-        key: Option<&crate::IdempotencyKey>,
+        scope: &crate::scope::Scope,
+        key: Option<&crate::key::IdempotencyKey>,
         policy: &Policy,
     ) -> tracing::Span {
         let span = observe::span(policy.route);

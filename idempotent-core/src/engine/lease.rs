@@ -247,7 +247,7 @@ impl Execution {
                 && let Some(cache) = &self.inner.slot.engine.cache
             {
                 let inner = &*self.inner;
-                cache.keep(
+                cache.keep_own(
                     &inner.key,
                     inner.fingerprint,
                     outcome,

@@ -565,7 +565,7 @@ impl Engine {
     /// The bytes the replay cache holds now, in all or (`Some(scope)`) for one scope, as it
     /// estimates them, after running its pending evictions and expiries; `None` without a
     /// cache. For tests and diagnostics (it takes the cache's maintenance lock).
-    pub fn replay_cache_bytes(&self, scope: Option<&crate::Scope>) -> Option<u64> {
+    pub fn replay_cache_bytes(&self, scope: Option<&Scope>) -> Option<u64> {
         let cache = self.inner.cache.as_ref()?;
         cache.settle();
         Some(match scope {

@@ -82,9 +82,11 @@ pub(crate) fn decide(row: ExistingRow, fingerprint: &Fingerprint) -> Result<Deci
     if row.lease_over {
         return Ok(Decision::TakeOver(LeaseToken::from_uuid(row.token)));
     }
+    // Not over, so something is left even where the statement rounded it to 0 ms (a lease
+    // with under half a millisecond to go): at least 1 ms, never "retry now" while it is held.
     Ok(Decision::Report(
         ClaimOutcome::InProgress {
-            retry_after: Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0)),
+            retry_after: Duration::from_millis(u64::try_from(row.retry_ms).unwrap_or(0).max(1)),
         },
         None,
     ))

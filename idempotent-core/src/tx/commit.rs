@@ -312,7 +312,7 @@ impl<DB: TxDatabase> TxExecution<DB> {
                 if let Some((engine, key, fingerprint)) = kept
                     && let Some(cache) = &engine.cache
                 {
-                    cache.keep(key, fingerprint, outcome, commit_started, policy.ttl);
+                    cache.keep_own(key, fingerprint, outcome, commit_started, policy.ttl);
                 }
                 if let Claim::Two(execution) = claim {
                     execution.settle();

@@ -224,14 +224,7 @@ fn actix_variants(
     required: bool,
     later: Option<&syn::Ident>,
 ) -> Vec<(TokenStream, syn::Signature, TokenStream)> {
-    let params: Vec<&syn::PatType> = sig
-        .inputs
-        .iter()
-        .filter_map(|arg| match arg {
-            syn::FnArg::Typed(t) => Some(t),
-            syn::FnArg::Receiver(_) => None,
-        })
-        .collect();
+    let params = typed_params(sig);
     // Each gated parameter's condition: all of its `#[cfg]`s.
     let conditions: Vec<Option<TokenStream>> = params
         .iter()
@@ -330,14 +323,7 @@ fn deferred_param(
     framework: Framework,
     scope: Option<&str>,
 ) -> Option<syn::PatType> {
-    let params: Vec<&syn::PatType> = sig
-        .inputs
-        .iter()
-        .filter_map(|arg| match arg {
-            syn::FnArg::Typed(t) => Some(t),
-            syn::FnArg::Receiver(_) => None,
-        })
-        .collect();
+    let params = typed_params(sig);
     let last = *params.last()?;
     if !last.attrs.is_empty()
         || crate::signature::pattern_bindings(&last.pat)
@@ -359,6 +345,17 @@ fn deferred_param(
         }
     }
     Some(last.clone())
+}
+
+/// The signature's parameters other than `self`.
+fn typed_params(sig: &syn::Signature) -> Vec<&syn::PatType> {
+    sig.inputs
+        .iter()
+        .filter_map(|arg| match arg {
+            syn::FnArg::Typed(t) => Some(t),
+            syn::FnArg::Receiver(_) => None,
+        })
+        .collect()
 }
 
 /// Clippy's default limit on a function's arguments (`too_many_arguments`).
