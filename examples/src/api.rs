@@ -100,9 +100,10 @@ impl Args {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
-/// future is first polled: call it before announcing the address, so a signal sent the moment
-/// the server says it listens is caught (and drains) instead of killing the process.
+/// Resolves on SIGINT or SIGTERM. On Unix the handlers are installed when this is called, not
+/// when the future is first polled: call it before announcing the address, so a signal sent the
+/// moment the server says it listens is caught (and drains) instead of killing the process
+/// (elsewhere Ctrl-C is caught from the future's first poll).
 pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     let (int, term) = {

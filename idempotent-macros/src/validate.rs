@@ -291,7 +291,6 @@ fn function(
         ("key", args.key.as_ref().map(|k| k.1)),
         ("max_response", args.max_response.map(|m| m.1)),
         ("store_server_errors", args.store_server_errors),
-        ("extract_on_replay", args.extract_on_replay),
     ] {
         if let Some(span) = span {
             errors.push(syn::Error::new(
@@ -299,6 +298,12 @@ fn function(
                 format!("`{name}` applies to HTTP handlers; a function's key comes from `key_from` (and `store_errors` stores errors that opt in)"),
             ));
         }
+    }
+    if let Some(span) = args.extract_on_replay {
+        errors.push(syn::Error::new(
+            span,
+            "`extract_on_replay` applies to HTTP handlers (it keeps a handler's body extractor running on replays); a function has no extractors",
+        ));
     }
     let runner = match signature::runner(&func) {
         None => {

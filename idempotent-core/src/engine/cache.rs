@@ -271,8 +271,10 @@ impl Cache {
         self.keep_as(Kept::Read, key, fingerprint, outcome, since, lives);
     }
 
-    /// [`Cache::keep`] for a record this engine just completed (or committed) itself: a live
-    /// copy of it cannot be kept already (a look would have answered instead of the claim).
+    /// [`Cache::keep`] for a record this engine just completed (or committed) itself. A live
+    /// copy of the key is kept already only when the record was deleted in the store behind it
+    /// (a look answered from it, or missed just before it was kept, and the claim found no
+    /// record): then the new record, the store's, replaces it.
     pub(crate) fn keep_own(
         &self,
         key: &RecordKey,
@@ -294,6 +296,9 @@ impl Cache {
         lives: Duration,
     ) {
         let now = Instant::now();
+        // A millisecond short of what the store said: stores count time in whole milliseconds
+        // (MySQL and SQLite round their now down, PostgreSQL rounds what is left to the nearest).
+        let lives = lives.saturating_sub(Duration::from_millis(1));
         let until = (since + lives).min(now + self.settings.max_age);
         if until <= now {
             return;
@@ -475,8 +480,8 @@ mod tests {
         let since = Instant::now().checked_sub(Duration::from_secs(2)).unwrap();
         cache.keep(&gone, fp(b""), outcome(1), since, Duration::from_secs(1));
         assert!(matches!(cache.look(&gone, &fp(b"")), Looked::Miss));
-        // moka removes expired entries in its maintenance, on a timer wheel whose finest
-        // slots are about a second wide: their bytes come back within a few seconds.
+        // moka removes entries at their time to live (`max_age`, 1.5 s here), in its
+        // maintenance: their bytes come back within a few seconds.
         let until = Instant::now() + Duration::from_secs(5);
         while cache.bytes() != 0 && Instant::now() < until {
             cache.settle();
@@ -584,7 +589,7 @@ mod tests {
             assert!(asked < expires_by + Duration::from_secs(2), "never expired");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert!(replays > 10, "{replays}");
+        assert!(replays > 3, "{replays}");
     }
 
     #[test]

@@ -49,7 +49,7 @@ async fn read(res: reqwest::Response) -> (u16, Option<String>, bytes::Bytes) {
 pub(crate) async fn replay_cache_answers_before_the_store_and_the_body_extractor(fw: Fw) {
     let store = FaultyStore::new(MemoryStore::new());
     let engine = Engine::builder_from_arc(store.clone())
-        .replay_cache(ReplayCache::new())
+        .replay_cache(ReplayCache::new().max_age(Duration::from_secs(600)))
         .build()
         .unwrap();
     let s = serve(fw, Config::new(engine)).await;
@@ -155,7 +155,7 @@ pub(crate) async fn replay_cache_bounds_hold_under_distinct_keys(fw: Fw) {
     assert!(total > 0 && total <= 64 << 10, "{total}");
 }
 
-/// Two instances on one store, each with a cache: A keeps entries at most 1 s, B 60 s. Both
+/// Two instances on one store, each with a cache: A keeps entries at most 3 s, B 600 s. Both
 /// answer the first attempt's bytes (B after reading the store once, then from its cache). The
 /// record deleted in the store (`Store::delete`, what `idempotent-admin delete` runs): B, within
 /// its `max_age`, replays it from its cache; A, once its `max_age` has passed, runs it again.
@@ -166,7 +166,7 @@ async fn two_instances_and_a_deleted_record(fw: Fw, store: impl Fn() -> Arc<dyn 
             .build()
             .unwrap()
     };
-    let (short, long) = (Duration::from_secs(1), Duration::from_secs(60));
+    let (short, long) = (Duration::from_secs(3), Duration::from_secs(600));
     let store_a = store();
     let a = serve(fw, Config::new(cached(store_a.clone(), short))).await;
     let b = serve(fw, Config::new(cached(store(), long))).await;
@@ -188,10 +188,10 @@ async fn two_instances_and_a_deleted_record(fw: Fw, store: impl Fn() -> Arc<dyn 
         store_a.delete(&record, false).await.unwrap(),
         idempotent_core::store::Deleted::Deleted(_)
     ));
-    // B: within its 60 s, from its cache.
+    // B: within its 600 s, from its cache.
     let from_b = read(charge(&b, "acct_two", &k, amount).await).await;
     assert_eq!((from_b.1.as_deref(), &from_b.2), (Some("true"), &first.2));
-    // A: after its 1 s, runs it again, as the store says.
+    // A: after its 3 s, runs it again, as the store says.
     tokio::time::sleep(short.saturating_sub(kept_at.elapsed()) + Duration::from_millis(50)).await;
     let after = read(charge(&a, "acct_two", &k, amount).await).await;
     assert_eq!((after.0, after.1.as_deref()), (201, Some("false")));

@@ -225,9 +225,11 @@ async fn cached_only_after_commit<DB: TxDatabase>(db: Db<DB>, store: impl Store 
 where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
 {
+    // A long max age: no entry may go while the rounds compare byte counts.
+    let cache = ReplayCache::new().max_age(Duration::from_secs(600));
     let engine = Engine::builder(store.clone())
         .no_sweeper()
-        .replay_cache(ReplayCache::new())
+        .replay_cache(cache)
         .build()
         .unwrap();
     let db = Db { engine, ..db };
@@ -291,7 +293,7 @@ where
         // Another instance that reads the committed record from the store keeps it too.
         let other = Engine::builder(store.clone())
             .no_sweeper()
-            .replay_cache(ReplayCache::new())
+            .replay_cache(cache)
             .build()
             .unwrap();
         let read = unique_key("cache-read");
