@@ -241,50 +241,75 @@ fn benches(c: &mut Criterion) {
         .expect("runtime");
     let policy = Policy::default();
 
-    c.bench_function("engine_memory/first_execution", |b| {
-        b.iter_custom(|iters| {
-            let engine = Engine::new(
-                MemoryStore::builder()
+    // With and without a replay cache (issue 53): what a cache adds to a first execution (a
+    // look that misses, then a copy kept after the complete).
+    for (name, cache) in [
+        ("engine_memory/first_execution", None),
+        (
+            "engine_memory/first_execution_replay_cache",
+            Some(ReplayCache::new()),
+        ),
+    ] {
+        c.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let store = MemoryStore::builder()
                     // One scope, as many records as the bench takes: no bound may refuse one.
                     .max_entries(usize::MAX)
                     .max_per_scope(usize::MAX)
                     .max_bytes(u64::MAX)
                     .max_bytes_per_scope(u64::MAX)
-                    .build(),
-            );
-            let requests: Vec<_> = (0..iters).map(request).collect();
-            rt.block_on(async {
-                let start = Instant::now();
-                for req in requests {
-                    let out = once(&engine, req, &policy).await;
-                    debug_assert!(matches!(out, Ok(Recorded::Stored)));
-                    let _ = black_box(out);
+                    .build();
+                let mut engine = Engine::builder(store);
+                if let Some(cache) = cache {
+                    engine = engine.replay_cache(cache);
                 }
-                start.elapsed()
+                let engine = engine.build().expect("engine");
+                let requests: Vec<_> = (0..iters).map(request).collect();
+                rt.block_on(async {
+                    let start = Instant::now();
+                    for req in requests {
+                        let out = once(&engine, req, &policy).await;
+                        debug_assert!(matches!(out, Ok(Recorded::Stored)));
+                        let _ = black_box(out);
+                    }
+                    start.elapsed()
+                })
             })
-        })
-    });
+        });
+    }
 
-    c.bench_function("engine_memory/replay", |b| {
-        let engine = Engine::new(MemoryStore::new());
-        let seeded = rt.block_on(once(&engine, request(0), &policy));
-        assert!(
-            matches!(seeded, Ok(Recorded::Stored)),
-            "the replayed record is stored"
-        );
-        b.iter_custom(|iters| {
-            let requests: Vec<_> = (0..iters).map(|_| request(0)).collect();
-            rt.block_on(async {
-                let start = Instant::now();
-                for req in requests {
-                    let out = once(&engine, req, &policy).await;
-                    debug_assert!(matches!(out, Err(Begin::Replay(_))));
-                    let _ = black_box(out);
-                }
-                start.elapsed()
+    for (name, cache) in [
+        ("engine_memory/replay", None),
+        (
+            "engine_memory/replay_from_replay_cache",
+            Some(ReplayCache::new()),
+        ),
+    ] {
+        c.bench_function(name, |b| {
+            let mut engine = Engine::builder(MemoryStore::new());
+            if let Some(cache) = cache {
+                engine = engine.replay_cache(cache);
+            }
+            let engine = engine.build().expect("engine");
+            let seeded = rt.block_on(once(&engine, request(0), &policy));
+            assert!(
+                matches!(seeded, Ok(Recorded::Stored)),
+                "the replayed record is stored"
+            );
+            b.iter_custom(|iters| {
+                let requests: Vec<_> = (0..iters).map(|_| request(0)).collect();
+                rt.block_on(async {
+                    let start = Instant::now();
+                    for req in requests {
+                        let out = once(&engine, req, &policy).await;
+                        debug_assert!(matches!(out, Err(Begin::Replay(_))));
+                        let _ = black_box(out);
+                    }
+                    start.elapsed()
+                })
             })
-        })
-    });
+        });
+    }
 }
 
 criterion_group! {
