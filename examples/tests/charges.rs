@@ -667,6 +667,13 @@ async fn metrics_are_scraped(bin: Bin) {
 
 /// Runs the binary with `args`, expecting it to refuse to start: its stderr. A binary that
 /// starts instead is killed and fails the test (rather than hanging it).
+/// [`refused`] for `bin` on a free port and the memory store, with `args` after those.
+fn refused_on_memory(bin: Bin, args: &[&str]) -> String {
+    let mut all = vec!["--listen", "127.0.0.1:0", "--database", "memory"];
+    all.extend_from_slice(args);
+    refused(bin, &all)
+}
+
 fn refused(bin: Bin, args: &[&str]) -> String {
     let mut child = Command::new(bin.path())
         .args(args)
@@ -733,32 +740,10 @@ async fn bad_flags_fail_clearly(bin: Bin) {
     // The same database, no flag: the kept secret, so it starts.
     drop(start(bin, &url, &[]));
     // A lease longer than the default ttl is refused at start-up, not per request.
-    let err = refused(
-        bin,
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--database",
-            "memory",
-            "--lease",
-            "2d",
-        ],
-    );
+    let err = refused_on_memory(bin, &["--lease", "2d"]);
     assert!(err.contains("invalid configuration"), "{err}");
     // A wait longer than the lease too.
-    let err = refused(
-        bin,
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--database",
-            "memory",
-            "--lease",
-            "1s",
-            "--wait",
-            "2s",
-        ],
-    );
+    let err = refused_on_memory(bin, &["--lease", "1s", "--wait", "2s"]);
     assert!(err.contains("longer than `lease`"), "{err}");
 }
 

@@ -157,7 +157,7 @@ struct Entry {
 
 /// Where a kept record came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kept {
+pub(crate) enum Kept {
     /// This engine's own complete or commit.
     Own,
     /// A read of the store.
@@ -260,33 +260,14 @@ impl Cache {
     /// instant before the call that reported or set it). Not kept: a record with no life left,
     /// one larger than its scope's budget (or the whole cache), or one that would take its
     /// scope past its budget.
+    /// Keeps a completed record whose store expiry is at least `lives` after `since` (an
+    /// instant before the call that reported or set it), from `kept`: a record this engine
+    /// completed or committed itself ([`Kept::Own`]; a live copy of its key is there only when
+    /// the record was deleted in the store behind it, and the store's new record replaces it)
+    /// or one it read ([`Kept::Read`]). Not kept: a record with no life left, one larger than
+    /// its scope's budget (or the whole cache), or one that would take its scope past its
+    /// budget.
     pub(crate) fn keep(
-        &self,
-        key: &RecordKey,
-        fingerprint: Fingerprint,
-        outcome: StoredOutcome,
-        since: Instant,
-        lives: Duration,
-    ) {
-        self.keep_as(Kept::Read, key, fingerprint, outcome, since, lives);
-    }
-
-    /// [`Cache::keep`] for a record this engine just completed (or committed) itself. A live
-    /// copy of the key is kept already only when the record was deleted in the store behind it
-    /// (a look answered from it, or missed just before it was kept, and the claim found no
-    /// record): then the new record, the store's, replaces it.
-    pub(crate) fn keep_own(
-        &self,
-        key: &RecordKey,
-        fingerprint: Fingerprint,
-        outcome: StoredOutcome,
-        since: Instant,
-        lives: Duration,
-    ) {
-        self.keep_as(Kept::Own, key, fingerprint, outcome, since, lives);
-    }
-
-    fn keep_as(
         &self,
         kept: Kept,
         key: &RecordKey,
@@ -433,6 +414,7 @@ mod tests {
         let cache = Cache::new(ReplayCache::new());
         let k = key("a", "k1");
         cache.keep(
+            Kept::Read,
             &k,
             fp(b"1"),
             outcome(10),
@@ -455,13 +437,21 @@ mod tests {
         // The record expires 500 ms after `since`; max age is 1.5 s.
         let since = Instant::now();
         cache.keep(
+            Kept::Read,
             &short,
             fp(b""),
             outcome(1),
             since,
             Duration::from_millis(500),
         );
-        cache.keep(&long, fp(b""), outcome(1), since, Duration::from_secs(3600));
+        cache.keep(
+            Kept::Read,
+            &long,
+            fp(b""),
+            outcome(1),
+            since,
+            Duration::from_secs(3600),
+        );
         let looked = Instant::now();
         let hit = matches!(cache.look(&short, &fp(b"")), Looked::Hit(_));
         // (A machine that stalled half a second between these proves nothing either way.)
@@ -478,7 +468,14 @@ mod tests {
         // A record with no life left is never kept.
         let gone = key("a", "gone");
         let since = Instant::now().checked_sub(Duration::from_secs(2)).unwrap();
-        cache.keep(&gone, fp(b""), outcome(1), since, Duration::from_secs(1));
+        cache.keep(
+            Kept::Read,
+            &gone,
+            fp(b""),
+            outcome(1),
+            since,
+            Duration::from_secs(1),
+        );
         assert!(matches!(cache.look(&gone, &fp(b"")), Looked::Miss));
         // moka removes entries at their time to live (`max_age`, 1.5 s here), in its
         // maintenance: their bytes come back within a few seconds.
@@ -498,15 +495,13 @@ mod tests {
                 .max_bytes_per_scope(50_000),
         );
         let life = Duration::from_secs(60);
+        // A 1 KB record of `k`, living a minute.
+        let keep = |k: &RecordKey| {
+            cache.keep(Kept::Read, k, fp(b""), outcome(1_000), Instant::now(), life);
+        };
         // One scope stores far past its budget: it keeps at most its budget.
         for i in 0..500 {
-            cache.keep(
-                &key("greedy", &format!("k{i}")),
-                fp(b""),
-                outcome(1_000),
-                Instant::now(),
-                life,
-            );
+            keep(&key("greedy", &format!("k{i}")));
         }
         cache.settle();
         let greedy = Scope::new("greedy").unwrap();
@@ -519,14 +514,14 @@ mod tests {
         // Others still get room: the greedy scope did not take it.
         for s in 0..3 {
             let k = key(&format!("s{s}"), "k");
-            cache.keep(&k, fp(b""), outcome(1_000), Instant::now(), life);
+            keep(&k);
             assert!(matches!(cache.look(&k, &fp(b"")), Looked::Hit(_)));
         }
         // Many scopes at once: the total stays within the budget.
         for s in 0..100 {
             for i in 0..20 {
                 let k = key(&format!("many{s}"), &format!("k{i}"));
-                cache.keep(&k, fp(b""), outcome(1_000), Instant::now(), life);
+                keep(&k);
             }
         }
         cache.settle();
@@ -534,7 +529,14 @@ mod tests {
         assert_eq!(cache.bytes(), cache.entries.weighted_size());
         // An entry larger than a scope's budget is never kept.
         let big = key("a", "big");
-        cache.keep(&big, fp(b""), outcome(60_000), Instant::now(), life);
+        cache.keep(
+            Kept::Read,
+            &big,
+            fp(b""),
+            outcome(60_000),
+            Instant::now(),
+            life,
+        );
         assert!(matches!(cache.look(&big, &fp(b"")), Looked::Miss));
     }
 

@@ -318,7 +318,14 @@ impl Engine {
                 let since = std::time::Instant::now();
                 store.claim_with_expiry(req).await.map(|(outcome, lives)| {
                     if let (ClaimOutcome::Replay(replayed), Some(lives)) = (&outcome, lives) {
-                        cache.keep(key, *fingerprint, replayed.clone(), since, lives);
+                        cache.keep(
+                            super::cache::Kept::Read,
+                            key,
+                            *fingerprint,
+                            replayed.clone(),
+                            since,
+                            lives,
+                        );
                     }
                     outcome
                 })

@@ -247,7 +247,8 @@ impl Execution {
                 && let Some(cache) = &self.inner.slot.engine.cache
             {
                 let inner = &*self.inner;
-                cache.keep_own(
+                cache.keep(
+                    super::cache::Kept::Own,
                     &inner.key,
                     inner.fingerprint,
                     outcome,

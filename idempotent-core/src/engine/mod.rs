@@ -6,7 +6,7 @@
 //! - `flight.rs`: what [`Engine::drain`] counts, and the automatic sweeper it stops;
 //! - `detached.rs`: `Detached`, the future that outlives its caller (the adapters' tool).
 
-mod cache;
+pub(crate) mod cache;
 mod claim;
 pub(crate) mod detached;
 mod flight;

@@ -312,7 +312,14 @@ impl<DB: TxDatabase> TxExecution<DB> {
                 if let Some((engine, key, fingerprint)) = kept
                     && let Some(cache) = &engine.cache
                 {
-                    cache.keep_own(key, fingerprint, outcome, commit_started, policy.ttl);
+                    cache.keep(
+                        crate::engine::cache::Kept::Own,
+                        key,
+                        fingerprint,
+                        outcome,
+                        commit_started,
+                        policy.ttl,
+                    );
                 }
                 if let Claim::Two(execution) = claim {
                     execution.settle();
@@ -693,7 +700,14 @@ impl Engine {
                     if let (Some(cache), ClaimOutcome::Replay(replayed), Some(lives)) =
                         (&self.inner.cache, &outcome, lives)
                     {
-                        cache.keep(&key, req.fingerprint, replayed.clone(), since, lives);
+                        cache.keep(
+                            crate::engine::cache::Kept::Read,
+                            &key,
+                            req.fingerprint,
+                            replayed.clone(),
+                            since,
+                            lives,
+                        );
                     }
                     return TxBegin::Respond(report(outcome));
                 }
